@@ -1,0 +1,190 @@
+"""Internal wire messages (msgpack over NATS, JSON in Redis).
+
+Each subject that carries several kinds of message uses a tagged union
+(`type` field), so a receiver decodes with one typed decoder and dispatches
+with `match`. Times on the wire are Unix epoch seconds (float) so that
+deadlines mean the same thing in every process.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from msgspec import Meta, Struct
+
+RequestId = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+WorkerId = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+NonNegativeInt = Annotated[int, Meta(ge=0)]
+FinishReason = Literal["stop", "length", "abort"]
+WorkerRole = Literal["aggregated", "prefill", "decode"]
+EngineKind = Literal["sim", "vllm"]
+
+
+class ErrorReply(Struct, tag="error", tag_field="type"):
+    """A failure answered instead of the expected reply or stream frame.
+
+    `status` is the HTTP status ingress should answer with; `retry_after_s`
+    becomes a Retry-After header when set.
+    """
+
+    code: str
+    message: str
+    status: int = 500
+    retry_after_s: float | None = None
+
+
+# --- routing ------------------------------------------------------------------
+
+
+class RouteRequest(Struct, tag="route", tag_field="type"):
+    request_id: RequestId
+    model: str
+    prompt_tokens: NonNegativeInt
+    max_tokens: Annotated[int, Meta(ge=1)]
+    deadline: float
+    block_hashes: list[int] = []
+    priority: int = 0
+    exclude_workers: list[WorkerId] = []
+
+
+class RouteDecision(Struct, tag="decision", tag_field="type"):
+    request_id: RequestId
+    worker_id: WorkerId
+    inbox: str
+    policy: str
+    cached_blocks: NonNegativeInt = 0
+
+
+RouteReply = RouteDecision | ErrorReply
+
+
+# --- generation -----------------------------------------------------------------
+
+
+class SamplingParams(Struct, forbid_unknown_fields=True):
+    max_tokens: Annotated[int, Meta(ge=1)]
+    temperature: Annotated[float, Meta(ge=0.0, le=2.0)] = 1.0
+    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] = 1.0
+    top_k: Annotated[int, Meta(ge=-1)] = -1
+    seed: int | None = None
+    stop: list[str] = []
+    presence_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0
+    frequency_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0
+
+
+class GenerateRequest(Struct, tag="generate", tag_field="type"):
+    """Run one request and stream its frames to `stream_to`.
+
+    The worker answers the NATS request with `GenerateAccepted` (or an
+    `ErrorReply`) at once, then publishes `TokenChunk` frames and ends the
+    stream with `StreamEnd` or `ErrorReply`.
+    """
+
+    request_id: RequestId
+    model: str
+    prompt_token_ids: Annotated[list[int], Meta(min_length=1)]
+    sampling: SamplingParams
+    stream_to: str
+    deadline: float
+
+
+class AbortRequest(Struct, tag="abort", tag_field="type"):
+    request_id: RequestId
+    reason: str = "client_disconnected"
+
+
+WorkerRequest = GenerateRequest | AbortRequest
+
+
+class GenerateAccepted(Struct, tag="accepted", tag_field="type"):
+    request_id: RequestId
+    worker_id: WorkerId
+
+
+WorkerReply = GenerateAccepted | ErrorReply
+
+
+class Usage(Struct):
+    prompt_tokens: NonNegativeInt
+    completion_tokens: NonNegativeInt
+    cached_tokens: NonNegativeInt = 0
+
+
+class Timings(Struct):
+    """Worker-side timings, seconds since the worker accepted the request."""
+
+    first_token_s: float | None = None
+    finished_s: float = 0.0
+
+
+class TokenChunk(Struct, tag="chunk", tag_field="type"):
+    request_id: RequestId
+    seq: NonNegativeInt
+    token_ids: list[int]
+    text: str
+
+
+class StreamEnd(Struct, tag="end", tag_field="type"):
+    request_id: RequestId
+    seq: NonNegativeInt
+    finish_reason: FinishReason
+    usage: Usage
+    timings: Timings
+    worker_id: WorkerId
+
+
+StreamFrame = TokenChunk | StreamEnd | ErrorReply
+
+
+class RequestFinished(Struct, tag="finished", tag_field="type"):
+    """Published once per request the worker ran, however it ended."""
+
+    request_id: RequestId
+    worker_id: WorkerId
+    finish_reason: FinishReason | Literal["error"]
+    usage: Usage
+    duration_s: float
+
+
+# --- cluster state ----------------------------------------------------------------
+
+
+class WorkerRegistration(Struct, frozen=True):
+    worker_id: WorkerId
+    role: WorkerRole
+    model: str
+    engine: EngineKind
+    inbox: str
+    block_size: Annotated[int, Meta(ge=1)]
+    max_model_len: Annotated[int, Meta(ge=1)]
+    tokenizer: str
+    started_at: float
+    host: str = ""
+
+
+class EngineStats(Struct):
+    running: NonNegativeInt = 0
+    waiting: NonNegativeInt = 0
+    kv_blocks_total: NonNegativeInt = 0
+    kv_blocks_used: NonNegativeInt = 0
+    prefix_query_tokens: NonNegativeInt = 0
+    prefix_hit_tokens: NonNegativeInt = 0
+    preemptions: NonNegativeInt = 0
+    prefill_tokens_per_s: float = 0.0
+    decode_tokens_per_s: float = 0.0
+    # None means "not known" (no GPU, or no reading): never report 0 for that.
+    gpu_utilization: float | None = None
+
+
+class Heartbeat(Struct, tag="heartbeat", tag_field="type"):
+    registration: WorkerRegistration
+    stats: EngineStats
+    sent_at: float
+    seq: NonNegativeInt
+    draining: bool = False
+
+
+class WorkerLeft(Struct, tag="worker_left", tag_field="type"):
+    worker_id: WorkerId
+    reason: str
+

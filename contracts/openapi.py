@@ -1,0 +1,98 @@
+"""The OpenAPI document of the ingress HTTP API, generated from the Structs."""
+
+from __future__ import annotations
+
+import importlib.metadata
+from typing import Any
+
+import msgspec
+
+from contracts import openai_api as api
+
+_REF = "#/components/schemas/{name}"
+
+
+def _json(schema_ref: dict[str, Any]) -> dict[str, Any]:
+    return {"application/json": {"schema": schema_ref}}
+
+
+def _error_responses(*statuses: int) -> dict[str, Any]:
+    ref = {"$ref": _REF.format(name="ErrorResponse")}
+    return {str(s): {"description": "Error in the OpenAI error shape", "content": _json(ref)} for s in statuses}
+
+
+def package_version() -> str:
+    try:
+        return importlib.metadata.version("kvlane")
+    except importlib.metadata.PackageNotFoundError:
+        return "0.0.0+unknown"
+
+
+def build_openapi(version: str | None = None) -> dict[str, Any]:
+    types = [
+        api.ChatCompletionRequest,
+        api.ChatCompletion,
+        api.ChatCompletionChunk,
+        api.CompletionRequest,
+        api.Completion,
+        api.ModelList,
+        api.ErrorResponse,
+        api.HealthStatus,
+    ]
+    (refs, components) = msgspec.json.schema_components(types, ref_template=_REF)
+    chat_req, chat, chat_chunk, comp_req, comp, models, _, health = refs
+
+    def completion_op(summary: str, request: dict, response: dict, chunk: dict) -> dict[str, Any]:
+        return {
+            "post": {
+                "summary": summary,
+                "requestBody": {"required": True, "content": _json(request)},
+                "responses": {
+                    "200": {
+                        "description": "The completion, or with stream=true an SSE stream of chunks ending with `data: [DONE]`",
+                        "content": {**_json(response), "text/event-stream": {"schema": chunk}},
+                    },
+                    **_error_responses(400, 404, 429, 500, 503),
+                },
+            }
+        }
+
+    def get_op(summary: str, response: dict, *errors: int) -> dict[str, Any]:
+        return {
+            "get": {
+                "summary": summary,
+                "responses": {"200": {"description": summary, "content": _json(response)}, **_error_responses(*errors)},
+            }
+        }
+
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "kvlane", "version": version or package_version(), "description": "OpenAI-compatible LLM gateway"},
+        "paths": {
+            "/v1/chat/completions": completion_op("Create a chat completion", chat_req, chat, chat_chunk),
+            "/v1/completions": completion_op("Create a text completion", comp_req, comp, comp),
+            "/v1/models": get_op("List the models served by live workers", models),
+            "/health": get_op("Liveness of the ingress process", health),
+            "/ready": get_op("Readiness: at least one live worker", health, 503),
+            "/metrics": {"get": {"summary": "Prometheus metrics", "responses": {"200": {"description": "text exposition format"}}}},
+        },
+        "components": {"schemas": components},
+    }
+
+
+def wire_schema() -> dict[str, Any]:
+    """JSON Schema of every message that travels on NATS, keyed by subject family."""
+    from contracts import messages as m
+
+    families = {
+        "route_request": m.RouteRequest,
+        "route_reply": m.RouteReply,
+        "worker_request": m.WorkerRequest,
+        "worker_reply": m.WorkerReply,
+        "stream_frame": m.StreamFrame,
+        "request_finished": m.RequestFinished,
+        "heartbeat": m.Heartbeat,
+        "worker_left": m.WorkerLeft,
+    }
+    refs, components = msgspec.json.schema_components(list(families.values()), ref_template="#/$defs/{name}")
+    return {"$defs": components, "messages": dict(zip(families, refs, strict=True))}

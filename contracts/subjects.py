@@ -1,0 +1,50 @@
+"""NATS subjects and Redis keys, all under one versioned prefix.
+
+A change that breaks the wire format bumps the version, so that old and new
+services on one bus never misread each other's messages.
+"""
+
+from __future__ import annotations
+
+import re
+
+PREFIX = "kvlane.v1"
+REDIS_PREFIX = "kvlane:v1"
+
+ROUTE = f"{PREFIX}.route"
+BALANCER_QUEUE_GROUP = "kvlane-balancer"
+
+HEARTBEAT_ALL = f"{PREFIX}.heartbeat.*"
+WORKER_LEFT = f"{PREFIX}.events.worker_left"
+REQUEST_FINISHED = f"{PREFIX}.events.finished"
+
+NODE_SET_KEY = f"{REDIS_PREFIX}:nodes"
+
+_TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+def is_valid_token(value: str) -> bool:
+    """Whether `value` can stand alone as one NATS subject token (ids are used so)."""
+    return bool(_TOKEN.match(value))
+
+
+def heartbeat(worker_id: str) -> str:
+    return f"{PREFIX}.heartbeat.{worker_id}"
+
+
+def worker_inbox(worker_id: str) -> str:
+    """Where a worker takes generate and abort requests."""
+    return f"{PREFIX}.worker.{worker_id}.generate"
+
+
+def stream_inbox(owner_id: str) -> str:
+    """Wildcard subject on which one process receives all of its streamed replies."""
+    return f"{PREFIX}.stream.{owner_id}.*"
+
+
+def stream_subject(owner_id: str, request_id: str) -> str:
+    return f"{PREFIX}.stream.{owner_id}.{request_id}"
+
+
+def node_key(worker_id: str) -> str:
+    return f"{REDIS_PREFIX}:node:{worker_id}"

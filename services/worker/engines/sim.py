@@ -1,0 +1,172 @@
+"""The sim engine's asyncio shell around the pure `SimScheduler`.
+
+One task runs the scheduler: it takes a step, sleeps the step's simulated
+duration (divided by `speed`), then hands each emitted token to its
+request's queue, as a GPU would deliver a step's tokens when it ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+
+import structlog
+
+from contracts.messages import EngineStats
+from services.worker.engines.base import EngineOutput, EngineRequest, RequestRejected
+from services.worker.sim import SimRequest, SimScheduler, StepOutcome, get_profile
+from shared.config import SimSettings
+from shared.tokenizer import SimTokenizer
+
+log = structlog.get_logger("kvlane.worker.sim")
+
+_FINISHED = object()
+
+
+class SimEngine:
+    def __init__(self, settings: SimSettings, tokenizer: SimTokenizer, clock: Callable[[], float] = time.monotonic) -> None:
+        self._settings = settings
+        self._tokenizer = tokenizer
+        self._clock = clock
+        self._scheduler = SimScheduler(
+            num_blocks=settings.num_blocks,
+            block_size=settings.block_size,
+            max_num_seqs=settings.max_num_seqs,
+            max_batched_tokens=settings.max_batched_tokens,
+            profile=get_profile(settings.profile),
+            output_token_range=tokenizer.output_token_range,
+        )
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self._prefill_tokens = 0
+        self._decode_tokens = 0
+        self._rate_since = clock()
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="sim-engine")
+
+    async def shutdown(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    def check(self, request: EngineRequest) -> None:
+        prompt_len = len(request.prompt_token_ids)
+        if prompt_len + request.sampling.max_tokens > self._settings.max_model_len:
+            raise RequestRejected(
+                f"prompt ({prompt_len} tokens) plus max_tokens ({request.sampling.max_tokens}) "
+                f"exceeds the model's context length ({self._settings.max_model_len})"
+            )
+        bad = next((t for t in request.prompt_token_ids if not 0 <= t < self._tokenizer.vocab_size), None)
+        if bad is not None:
+            raise RequestRejected(f"token id {bad} is outside the vocabulary (0..{self._tokenizer.vocab_size - 1})")
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
+        self.check(request)
+        sampling = request.sampling
+        seed = self._settings.seed if sampling.seed is None else sampling.seed
+        queue: asyncio.Queue = asyncio.Queue()
+        try:
+            self._scheduler.add(SimRequest(request.request_id, request.prompt_token_ids, sampling.max_tokens, seed))
+        except ValueError as exc:
+            raise RequestRejected(str(exc)) from exc
+        self._queues[request.request_id] = queue
+        self._wake.set()
+        stop = StopMatcher(sampling.stop)
+        engine_finished = stopped = False
+        try:
+            while not (engine_finished or stopped):
+                token_id, engine_finished, cached_tokens = await queue.get()
+                text, stopped = stop.feed(self._tokenizer.token_text(token_id))
+                if engine_finished and not stopped:
+                    text += stop.flush()
+                reason = "stop" if stopped else ("length" if engine_finished else None)
+                yield EngineOutput([token_id], text, reason, cached_tokens)
+        finally:
+            self._queues.pop(request.request_id, None)
+            if not engine_finished:
+                self._scheduler.abort(request.request_id)
+
+    def stats(self) -> EngineStats:
+        s = self._scheduler.stats()
+        now = self._clock()
+        elapsed = max(now - self._rate_since, 1e-9)
+        prefill_rate, decode_rate = self._prefill_tokens / elapsed, self._decode_tokens / elapsed
+        self._prefill_tokens = self._decode_tokens = 0
+        self._rate_since = now
+        return EngineStats(
+            running=s.running,
+            waiting=s.waiting,
+            kv_blocks_total=s.blocks_total,
+            kv_blocks_used=s.blocks_used,
+            prefix_query_tokens=s.prefix_query_tokens,
+            prefix_hit_tokens=s.prefix_hit_tokens,
+            preemptions=s.preemptions,
+            prefill_tokens_per_s=prefill_rate,
+            decode_tokens_per_s=decode_rate,
+            gpu_utilization=None,
+        )
+
+    async def _run(self) -> None:
+        while True:
+            if not self._scheduler.has_work():
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            outcome = self._scheduler.step()
+            await asyncio.sleep(outcome.duration_s / self._settings.speed)
+            self._deliver(outcome)
+
+    def _deliver(self, outcome: StepOutcome) -> None:
+        self._prefill_tokens += outcome.prefill_tokens
+        self._decode_tokens += outcome.decode_seqs
+        finished = {info.request_id: info.cached_prompt_tokens for info in outcome.finished_info}
+        for request_id, token_id in outcome.emitted:
+            queue = self._queues.get(request_id)
+            if queue is None:
+                continue
+            if request_id in finished:
+                queue.put_nowait((token_id, True, finished[request_id]))
+            else:
+                queue.put_nowait((token_id, False, self._scheduler.cached_prompt_tokens(request_id)))
+
+
+class StopMatcher:
+    """Cuts generated text at the first stop string, across token boundaries.
+
+    Text that could be the start of a stop string is held back until it is
+    known not to be one, so a client never sees part of a stop string.
+    """
+
+    def __init__(self, stops: list[str]) -> None:
+        self._stops = [s for s in stops if s]
+        self._held = ""
+        self.stopped = False
+
+    def feed(self, piece: str) -> tuple[str, bool]:
+        """Text safe to emit now, and whether a stop string was reached."""
+        if not self._stops:
+            return piece, False
+        text = self._held + piece
+        cut = min((i for i in (text.find(s) for s in self._stops) if i >= 0), default=-1)
+        if cut >= 0:
+            self._held = ""
+            self.stopped = True
+            return text[:cut], True
+        keep = max((self._partial_suffix(text, s) for s in self._stops), default=0)
+        self._held = text[len(text) - keep :] if keep else ""
+        return text[: len(text) - keep], False
+
+    def flush(self) -> str:
+        """Held-back text, released when generation ends without a stop string."""
+        held, self._held = self._held, ""
+        return held
+
+    @staticmethod
+    def _partial_suffix(text: str, stop: str) -> int:
+        for length in range(min(len(stop) - 1, len(text)), 0, -1):
+            if stop.startswith(text[-length:]):
+                return length
+        return 0

@@ -1,0 +1,198 @@
+"""The worker: serves generate requests for one engine and keeps its node alive.
+
+Requests arrive on the worker's own inbox subject. Each is answered at once
+with `GenerateAccepted` (or an `ErrorReply`), then its frames are published
+to the caller's stream subject. Every request ends with exactly one final
+frame (`StreamEnd` or `ErrorReply`) and one `RequestFinished` event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+
+import structlog
+from nats.aio.msg import Msg
+from redis.exceptions import RedisError
+
+from contracts import subjects
+from contracts.messages import (
+    AbortRequest,
+    ErrorReply,
+    GenerateAccepted,
+    GenerateRequest,
+    Heartbeat,
+    RequestFinished,
+    StreamEnd,
+    Timings,
+    TokenChunk,
+    Usage,
+    WorkerLeft,
+    WorkerRegistration,
+    WorkerRequest,
+)
+from services.worker.engines.base import Engine, EngineRequest, RequestRejected
+from shared.bus import Bus
+from shared.config import ClusterSettings
+from shared.state import ClusterState
+
+log = structlog.get_logger("kvlane.worker")
+
+
+class WorkerService:
+    def __init__(
+        self,
+        registration: WorkerRegistration,
+        engine: Engine,
+        bus: Bus,
+        state: ClusterState,
+        cluster: ClusterSettings,
+    ) -> None:
+        self.registration = registration
+        self._engine = engine
+        self._bus = bus
+        self._state = state
+        self._cluster = cluster
+        self._running: dict[str, asyncio.Task] = {}
+        self._draining = False
+        self._heartbeat_seq = 0
+        self._heartbeat_task: asyncio.Task | None = None
+        self._log = log.bind(worker_id=registration.worker_id)
+
+    async def start(self) -> None:
+        await self._engine.start()
+        await self._bus.subscribe(self.registration.inbox, WorkerRequest, self._on_request)
+        await self._send_heartbeat()
+        self._heartbeat_task = asyncio.create_task(self._heartbeat_loop())
+        self._log.info("worker_registered", model=self.registration.model, inbox=self.registration.inbox)
+
+    async def drain(self, timeout_s: float) -> None:
+        """Stop taking requests, let in-flight ones finish, then leave the cluster."""
+        self._draining = True
+        self._log.info("worker_draining", in_flight=len(self._running))
+        # The draining heartbeat takes the node out of routing at once.
+        await self._send_heartbeat()
+        if self._running:
+            done, pending = await asyncio.wait(list(self._running.values()), timeout=timeout_s)
+            for task in pending:
+                task.cancel()
+            if pending:
+                self._log.warning("drain_timeout_aborted", aborted=len(pending))
+                await asyncio.gather(*pending, return_exceptions=True)
+        if self._heartbeat_task is not None:
+            self._heartbeat_task.cancel()
+            await asyncio.gather(self._heartbeat_task, return_exceptions=True)
+        worker_id = self.registration.worker_id
+        await self._bus.publish(subjects.WORKER_LEFT, WorkerLeft(worker_id=worker_id, reason="drained"))
+        with contextlib.suppress(RedisError, OSError):
+            await self._state.remove_node(worker_id)
+        await self._bus.flush()
+        await self._engine.shutdown()
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._running)
+
+    # --- requests -----------------------------------------------------------------
+
+    async def _on_request(self, message: WorkerRequest, msg: Msg) -> GenerateAccepted | ErrorReply | None:
+        match message:
+            case GenerateRequest():
+                return self._accept(message)
+            case AbortRequest(request_id=request_id):
+                task = self._running.get(request_id)
+                if task is not None:
+                    self._log.info("request_aborted", request_id=request_id, reason=message.reason)
+                    task.cancel()
+                return None
+
+    def _accept(self, request: GenerateRequest) -> GenerateAccepted | ErrorReply:
+        if self._draining:
+            return ErrorReply(code="draining", message="worker is draining", status=503, retry_after_s=0)
+        if request.model != self.registration.model:
+            return ErrorReply(code="model_not_found", message=f"this worker serves {self.registration.model!r}", status=404)
+        if request.request_id in self._running:
+            return ErrorReply(code="duplicate_request", message=f"request {request.request_id} is already running", status=409)
+        if request.deadline <= time.time():
+            return ErrorReply(code="deadline_exceeded", message="deadline passed before the worker got the request", status=504)
+        engine_request = EngineRequest(request.request_id, request.prompt_token_ids, request.sampling)
+        try:
+            self._engine.check(engine_request)
+        except RequestRejected as exc:
+            return ErrorReply(code="invalid_request", message=str(exc), status=400)
+        task = asyncio.create_task(self._run(request, engine_request))
+        self._running[request.request_id] = task
+        task.add_done_callback(lambda _: self._running.pop(request.request_id, None))
+        return GenerateAccepted(request_id=request.request_id, worker_id=self.registration.worker_id)
+
+    async def _run(self, request: GenerateRequest, engine_request: EngineRequest) -> None:
+        started = time.monotonic()
+        first_token_at: float | None = None
+        seq = completion_tokens = cached_tokens = 0
+        outcome: str = "error"
+        publish = self._bus.publish
+        try:
+            async with asyncio.timeout(request.deadline - time.time()):
+                async for output in self._engine.generate(engine_request):
+                    if first_token_at is None:
+                        first_token_at = time.monotonic()
+                    completion_tokens += len(output.token_ids)
+                    cached_tokens = output.cached_tokens
+                    await publish(request.stream_to, TokenChunk(request.request_id, seq, output.token_ids, output.text), traced=False)
+                    seq += 1
+                    if output.finish_reason is not None:
+                        outcome = output.finish_reason
+            usage = Usage(len(request.prompt_token_ids), completion_tokens, cached_tokens)
+            timings = Timings(first_token_s=None if first_token_at is None else first_token_at - started, finished_s=time.monotonic() - started)
+            await publish(request.stream_to, StreamEnd(request.request_id, seq, outcome, usage, timings, self.registration.worker_id))
+        except TimeoutError:
+            outcome = "error"
+            await publish(request.stream_to, ErrorReply(code="deadline_exceeded", message="request deadline passed", status=504))
+        except RequestRejected as exc:
+            outcome = "error"
+            await publish(request.stream_to, ErrorReply(code="invalid_request", message=str(exc), status=400))
+        except asyncio.CancelledError:
+            outcome = "abort"
+            with contextlib.suppress(Exception):
+                await publish(request.stream_to, ErrorReply(code="aborted", message="request aborted", status=499))
+        except Exception as exc:
+            outcome = "error"
+            self._log.exception("request_failed", request_id=request.request_id)
+            with contextlib.suppress(Exception):
+                await publish(request.stream_to, ErrorReply(code="engine_error", message=f"{type(exc).__name__}: {exc}", status=500))
+        finally:
+            finished = RequestFinished(
+                request_id=request.request_id,
+                worker_id=self.registration.worker_id,
+                finish_reason=outcome,  # type: ignore[arg-type]
+                usage=Usage(len(request.prompt_token_ids), completion_tokens, cached_tokens),
+                duration_s=time.monotonic() - started,
+            )
+            with contextlib.suppress(Exception):
+                await publish(subjects.REQUEST_FINISHED, finished)
+
+    # --- heartbeats ---------------------------------------------------------------
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self._cluster.heartbeat_interval_s)
+            await self._send_heartbeat()
+
+    async def _send_heartbeat(self) -> None:
+        self._heartbeat_seq += 1
+        heartbeat = Heartbeat(
+            registration=self.registration,
+            stats=self._engine.stats(),
+            sent_at=time.time(),
+            seq=self._heartbeat_seq,
+            draining=self._draining,
+        )
+        try:
+            await self._bus.publish(subjects.heartbeat(self.registration.worker_id), heartbeat, traced=False)
+        except Exception as exc:  # NATS down: Redis still carries the heartbeat
+            self._log.warning("heartbeat_publish_failed", error=str(exc))
+        try:
+            await self._state.put_heartbeat(heartbeat)
+        except (RedisError, OSError) as exc:
+            self._log.warning("heartbeat_store_failed", error=str(exc))

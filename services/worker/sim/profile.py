@@ -1,0 +1,130 @@
+"""Step-time model of the sim engine: how long one batched forward pass takes.
+
+``step = a + b * prefill_tokens + c * decode_seqs + d * kv_tokens``
+
+* ``a``: fixed cost of any step. On a GPU a step reads every weight once, so
+  ``a`` is about weight bytes / memory bandwidth.
+* ``b``: compute per prompt token (2 FLOPs per parameter per token).
+* ``c``: extra cost per decoding sequence (its token's share of the matmuls
+  plus sampling and bookkeeping).
+* ``d``: attention reads the KV cache: KV bytes per token / bandwidth, paid
+  for every token of context of every sequence in the step.
+
+The GPU profiles below are derived, not measured: a roofline with
+efficiency factors, written out as code so each number can be traced to a
+public figure (``/work/shared/design/REFERENCE-NUMBERS.md``). A profile
+fitted on a real engine can be built directly with ``StepTimeProfile``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import NamedTuple
+
+import msgspec
+
+
+class StepTimeProfile(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Coefficients of the linear step-time model (seconds)."""
+
+    name: str
+    a: float  # seconds per step
+    b: float  # seconds per prefill token
+    c: float  # seconds per decoding sequence
+    d: float = 0.0  # seconds per KV token attended (sum of context lengths)
+
+    def step_seconds(self, prefill_tokens: int, decode_seqs: int, kv_tokens: int) -> float:
+        """Simulated duration of a step; 0 for a step that runs no tokens."""
+        if prefill_tokens == 0 and decode_seqs == 0:
+            return 0.0
+        return self.a + self.b * prefill_tokens + self.c * decode_seqs + self.d * kv_tokens
+
+
+# --- derivation of the GPU profiles ----------------------------------------------
+
+_BF16_BYTES = 2
+# Fraction of datasheet HBM bandwidth that streaming large weight and KV
+# tensors achieves in practice (our assumption: roughly what memcpy-like
+# kernels reach on A100/H100); the roofline itself is only a lower bound.
+_HBM_EFFICIENCY = 0.8
+# Achievable share of dense bf16 peak in prefill GEMMs (50-60% is typical).
+_PREFILL_FLOP_UTILISATION = 0.55
+
+
+class _Gpu(NamedTuple):
+    hbm_bytes_per_s: float
+    bf16_flops: float  # dense
+
+
+class _Model(NamedTuple):
+    params: float
+    layers: int
+    kv_heads: int
+    head_dim: int
+
+
+def _roofline_profile(name: str, model: _Model, gpu: _Gpu, gpus: int) -> StepTimeProfile:
+    """Profile of a bf16 ``model`` tensor-parallel over ``gpus`` x ``gpu``.
+
+    Tensor parallelism splits weights, KV heads and FLOPs evenly, so every
+    term divides by ``gpus``; all-reduce latency is left out (a few ms per
+    step at TP4 at most, inside the error of this sketch).
+    """
+    bandwidth = gpus * gpu.hbm_bytes_per_s * _HBM_EFFICIENCY
+    flops_per_token = 2.0 * model.params
+    kv_bytes_per_token = 2 * model.layers * model.kv_heads * model.head_dim * _BF16_BYTES
+    return StepTimeProfile(
+        name=name,
+        a=model.params * _BF16_BYTES / bandwidth,
+        b=flops_per_token / (gpus * gpu.bf16_flops * _PREFILL_FLOP_UTILISATION),
+        # A decode token's matmuls partly hide under the weight read that `a`
+        # already pays for, so a linear fit lands near the cost at full peak:
+        # inference-sim/BLIS's fitted per-decode-token terms on H100 (13.6 us
+        # for Llama-2-7B, 35.2 us for Llama-2-70B) equal 2 * params / peak
+        # for 6.7B on one GPU and 69B on four, within 3%.
+        c=flops_per_token / (gpus * gpu.bf16_flops),
+        d=kv_bytes_per_token / bandwidth,
+    )
+
+
+# REFERENCE-NUMBERS.md, hardware table: A100 SXM 80GB ~2.0 TB/s and ~312
+# TFLOP/s bf16 dense; H100 SXM ~3.35 TB/s and ~989 TFLOP/s.
+_A100_80G = _Gpu(hbm_bytes_per_s=2.0e12, bf16_flops=312e12)
+_H100_80G = _Gpu(hbm_bytes_per_s=3.35e12, bf16_flops=989e12)
+# REFERENCE-NUMBERS.md, model shapes: Llama-3-8B 32 layers, 8 KV heads,
+# head dim 128, 8.0 B params (KV 128 KiB/token); Llama-3-70B 80 layers,
+# 8 KV heads, head dim 128, 70.6 B params (KV 320 KiB/token).
+_LLAMA3_8B = _Model(params=8.0e9, layers=32, kv_heads=8, head_dim=128)
+_LLAMA3_70B = _Model(params=70.6e9, layers=80, kv_heads=8, head_dim=128)
+
+NAMED_PROFILES: Mapping[str, StepTimeProfile] = MappingProxyType(
+    {
+        # No simulated GPU time at all: measures the control plane alone.
+        "zero": StepTimeProfile(name="zero", a=0.0, b=0.0, c=0.0, d=0.0),
+        # A tiny random-weight model on this project's 2-core CPU machines.
+        "tiny-cpu": StepTimeProfile(name="tiny-cpu", a=2e-3, b=2e-5, c=2e-4, d=0.0),
+        # a 10.0 ms, b 93 us, c 51 us, d 82 ns.
+        "a100-80g-llama3-8b": _roofline_profile("a100-80g-llama3-8b", _LLAMA3_8B, _A100_80G, gpus=1),
+        # a 6.0 ms, b 29 us, c 16 us, d 49 ns.
+        "h100-80g-llama3-8b": _roofline_profile("h100-80g-llama3-8b", _LLAMA3_8B, _H100_80G, gpus=1),
+        # 141 GB of bf16 weights over 4 x 80 GB. a 22 ms, b 206 us, c 113 us, d 51 ns.
+        "a100-80g-llama3-70b-tp4": _roofline_profile(
+            "a100-80g-llama3-70b-tp4", _LLAMA3_70B, _A100_80G, gpus=4
+        ),
+        # a 13 ms, b 65 us, c 36 us, d 31 ns. BLIS's fitted Llama-2-70B H100
+        # intercept (18 ms) sits above our `a`: it also holds engine CPU time.
+        "h100-80g-llama3-70b-tp4": _roofline_profile(
+            "h100-80g-llama3-70b-tp4", _LLAMA3_70B, _H100_80G, gpus=4
+        ),
+    }
+)
+
+
+def get_profile(name: str) -> StepTimeProfile:
+    """The named profile; KeyError naming the known profiles otherwise."""
+    try:
+        return NAMED_PROFILES[name]
+    except KeyError:
+        known = ", ".join(sorted(NAMED_PROFILES))
+        raise KeyError(f"unknown step-time profile {name!r}; known profiles: {known}") from None

@@ -1,0 +1,280 @@
+"""The NATS bus: typed publish, request/reply with a deadline, queue-group
+subscriptions whose handlers cannot crash the service, and streamed replies.
+
+Messages are msgspec Structs encoded as msgpack. Every publish and request
+carries W3C `traceparent` in NATS headers; every handler runs inside a span
+whose parent is the sender's, so one trace spans all services.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import msgspec
+import nats
+import nats.errors
+import structlog
+from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from opentelemetry.trace import SpanKind
+
+from contracts import subjects
+from contracts.messages import ErrorReply, StreamEnd, StreamFrame
+from shared.config import NatsSettings
+from shared.telemetry import Telemetry
+
+T = TypeVar("T")
+Handler = Callable[[T, Msg], Awaitable[msgspec.Struct | None]]
+
+log = structlog.get_logger("kvlane.bus")
+
+
+class BusError(Exception):
+    """A request that got no usable answer."""
+
+
+class NoResponders(BusError):
+    """Nobody listens on the subject (for example the worker is gone)."""
+
+
+class RequestTimeout(BusError):
+    pass
+
+
+class Bus:
+    def __init__(self, nc: NatsClient, telemetry: Telemetry) -> None:
+        self._nc = nc
+        self._telemetry = telemetry
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoders: dict[Any, msgspec.msgpack.Decoder] = {}
+        self._tasks: set[asyncio.Task] = set()
+
+    @classmethod
+    async def connect(cls, settings: NatsSettings, name: str, telemetry: Telemetry) -> Bus:
+        """Connect, retrying with capped exponential backoff until it works.
+
+        After the first connection nats-py reconnects by itself (for ever by
+        default), so a NATS restart costs a pause, not the service.
+        """
+        delay = settings.reconnect_wait_s
+        while True:
+            try:
+                nc = await nats.connect(
+                    settings.url,
+                    name=name,
+                    connect_timeout=settings.connect_timeout_s,
+                    reconnect_time_wait=settings.reconnect_wait_s,
+                    max_reconnect_attempts=settings.max_reconnect_attempts,
+                    error_cb=_on_error,
+                    disconnected_cb=_on_disconnected,
+                    reconnected_cb=_on_reconnected,
+                )
+                return cls(nc, telemetry)
+            except (OSError, nats.errors.Error, asyncio.TimeoutError) as exc:
+                log.warning("nats_connect_failed", url=settings.url, error=str(exc), retry_in_s=delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+
+    @property
+    def connected(self) -> bool:
+        return self._nc.is_connected
+
+    def _decoder(self, message_type: Any) -> msgspec.msgpack.Decoder:
+        decoder = self._decoders.get(message_type)
+        if decoder is None:
+            decoder = self._decoders[message_type] = msgspec.msgpack.Decoder(message_type)
+        return decoder
+
+    def encode(self, message: msgspec.Struct) -> bytes:
+        return self._encoder.encode(message)
+
+    async def publish(self, subject: str, message: msgspec.Struct, *, traced: bool = True) -> None:
+        headers = self._telemetry.inject() if traced else None
+        await self._nc.publish(subject, self._encoder.encode(message), headers=headers or None)
+
+    async def request(self, subject: str, message: msgspec.Struct, reply_type: type[T] | Any, timeout: float) -> T:
+        """Send and wait for one typed reply; raise `NoResponders` or `RequestTimeout`."""
+        headers = self._telemetry.inject()
+        try:
+            reply = await self._nc.request(subject, self._encoder.encode(message), timeout=timeout, headers=headers or None)
+        except nats.errors.NoRespondersError as exc:
+            raise NoResponders(subject) from exc
+        except nats.errors.TimeoutError as exc:
+            raise RequestTimeout(f"{subject}: no reply within {timeout:.1f}s") from exc
+        try:
+            return self._decoder(reply_type).decode(reply.data)
+        except msgspec.DecodeError as exc:
+            raise BusError(f"{subject}: undecodable reply: {exc}") from exc
+
+    async def subscribe(
+        self,
+        subject: str,
+        message_type: type[T] | Any,
+        handler: Handler[T],
+        *,
+        queue: str = "",
+        concurrent: bool = False,
+        traced: bool = True,
+    ) -> Subscription:
+        """Run `handler` for each message; its return value is the reply.
+
+        Garbage gets an `ErrorReply` (when a reply is expected) or a log
+        line, and a handler that raises answers `internal`: either way the
+        subscription keeps serving. `concurrent` runs each message as its
+        own task instead of one after another. `traced=False` skips the span
+        (for high-rate frames such as streamed tokens).
+        """
+        decoder = self._decoder(message_type)
+
+        async def serve(msg: Msg) -> None:
+            try:
+                message = decoder.decode(msg.data)
+            except msgspec.DecodeError as exc:
+                log.warning("bad_message", subject=msg.subject, error=str(exc), size=len(msg.data))
+                await self._reply(msg, ErrorReply(code="bad_request", message=f"undecodable message: {exc}", status=400))
+                return
+            if traced:
+                context = self._telemetry.extract(msg.headers)
+                with self._telemetry.tracer.start_as_current_span(f"handle {subject}", context=context, kind=SpanKind.CONSUMER):
+                    await handle(message, msg)
+            else:
+                await handle(message, msg)
+
+        async def handle(message: Any, msg: Msg) -> None:
+            try:
+                reply = await handler(message, msg)
+            except Exception as exc:  # a handler bug must not end the subscription
+                log.exception("handler_failed", subject=msg.subject)
+                reply = ErrorReply(code="internal", message=f"{type(exc).__name__}: {exc}", status=500)
+            if reply is not None:
+                await self._reply(msg, reply)
+
+        async def callback(msg: Msg) -> None:
+            if concurrent:
+                self.spawn(serve(msg))
+            else:
+                await serve(msg)
+
+        subscription = await self._nc.subscribe(subject, queue=queue, cb=callback)
+        # Once subscribe returns, the server knows the interest: a request
+        # sent right after from another connection finds a responder.
+        await self._nc.flush()
+        return subscription
+
+    async def _reply(self, msg: Msg, reply: msgspec.Struct) -> None:
+        if msg.reply:
+            try:
+                await msg.respond(self._encoder.encode(reply))
+            except nats.errors.Error as exc:
+                log.warning("reply_failed", subject=msg.subject, error=str(exc))
+
+    def spawn(self, coro: Awaitable[Any]) -> asyncio.Task:
+        """Run a task whose reference the bus keeps until it ends."""
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def flush(self, timeout: float = 2.0) -> None:
+        try:
+            await self._nc.flush(timeout=timeout)
+        except (nats.errors.Error, asyncio.TimeoutError) as exc:
+            log.warning("flush_failed", error=str(exc))
+
+    async def close(self) -> None:
+        if self._tasks:
+            await asyncio.wait(self._tasks, timeout=5.0)
+        if not self._nc.is_closed:
+            try:
+                await self._nc.drain()
+            except (nats.errors.Error, asyncio.TimeoutError) as exc:
+                log.warning("drain_failed", error=str(exc))
+                await self._nc.close()
+
+
+async def _on_error(exc: Exception) -> None:
+    log.warning("nats_error", error=str(exc))
+
+
+async def _on_disconnected() -> None:
+    log.warning("nats_disconnected")
+
+
+async def _on_reconnected() -> None:
+    log.info("nats_reconnected")
+
+
+class ReplyStream:
+    """The frames of one streamed reply, in order, as they arrive."""
+
+    def __init__(self, request_id: str, subject: str, release: Callable[[str], None]) -> None:
+        self.request_id = request_id
+        self.subject = subject
+        self._frames: asyncio.Queue[StreamFrame] = asyncio.Queue()
+        self._release = release
+
+    def put(self, frame: StreamFrame) -> None:
+        self._frames.put_nowait(frame)
+
+    async def next(self, timeout: float) -> StreamFrame:
+        """The next frame; `RequestTimeout` if none comes within `timeout`."""
+        try:
+            return await asyncio.wait_for(self._frames.get(), timeout)
+        except asyncio.TimeoutError as exc:
+            raise RequestTimeout(f"stream {self.request_id}: no frame within {timeout:.1f}s") from exc
+
+    def close(self) -> None:
+        self._release(self.request_id)
+
+    def __enter__(self) -> ReplyStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class StreamReceiver:
+    """One wildcard subscription that fans streamed replies out by request id.
+
+    One subscription per process (not per request) keeps NATS interest
+    updates off the hot path.
+    """
+
+    def __init__(self, bus: Bus, owner_id: str) -> None:
+        self._bus = bus
+        self._owner_id = owner_id
+        self._open: dict[str, ReplyStream] = {}
+        self._subscription: Subscription | None = None
+
+    async def start(self) -> None:
+        self._subscription = await self._bus.subscribe(
+            subjects.stream_inbox(self._owner_id), StreamFrame, self._dispatch, traced=False
+        )
+
+    async def _dispatch(self, frame: StreamFrame, msg: Msg) -> None:
+        request_id = msg.subject.rsplit(".", 1)[-1]
+        stream = self._open.get(request_id)
+        if stream is None:
+            # Late frames of a request the caller already gave up on.
+            log.debug("stream_frame_dropped", request_id=request_id, frame=type(frame).__name__)
+            return None
+        stream.put(frame)
+        return None
+
+    def open(self, request_id: str) -> ReplyStream:
+        if request_id in self._open:
+            raise ValueError(f"stream {request_id} is already open")
+        stream = ReplyStream(request_id, subjects.stream_subject(self._owner_id, request_id), self._open.pop)
+        self._open[request_id] = stream
+        return stream
+
+    @property
+    def open_count(self) -> int:
+        return len(self._open)
+
+
+def is_final(frame: StreamFrame) -> bool:
+    return isinstance(frame, (StreamEnd, ErrorReply))

@@ -1,0 +1,121 @@
+"""Each process's in-memory view of the live workers.
+
+`ClusterView` is the pure part: it keeps the newest heartbeat per worker
+and answers which workers are alive at a given instant (a worker is stale
+once its last heartbeat is older than the TTL). `ClusterWatcher` feeds it
+from heartbeats on NATS and re-reads Redis now and then, which rebuilds the
+view after this process or NATS restarts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+import msgspec
+import redis.exceptions
+import structlog
+from nats.aio.msg import Msg
+
+from contracts import subjects
+from contracts.messages import Heartbeat, WorkerLeft, WorkerRegistration
+from shared.bus import Bus
+from shared.state import ClusterState
+
+log = structlog.get_logger("kvlane.cluster")
+
+
+class NodeEntry(msgspec.Struct):
+    heartbeat: Heartbeat
+    seen_at: float
+
+
+class ClusterView:
+    def __init__(self, ttl_s: float) -> None:
+        self._ttl_s = ttl_s
+        self._nodes: dict[str, NodeEntry] = {}
+
+    def observe(self, heartbeat: Heartbeat, seen_at: float) -> None:
+        """Keep `heartbeat` unless a newer one from the same worker is known."""
+        worker_id = heartbeat.registration.worker_id
+        entry = self._nodes.get(worker_id)
+        if entry is not None and entry.heartbeat.sent_at > heartbeat.sent_at:
+            return
+        if entry is not None and entry.seen_at > seen_at and entry.heartbeat.sent_at == heartbeat.sent_at:
+            return
+        self._nodes[worker_id] = NodeEntry(heartbeat, seen_at)
+
+    def remove(self, worker_id: str) -> None:
+        self._nodes.pop(worker_id, None)
+
+    def prune(self, now: float) -> list[str]:
+        stale = [wid for wid, entry in self._nodes.items() if now - entry.seen_at > self._ttl_s]
+        for worker_id in stale:
+            del self._nodes[worker_id]
+        return stale
+
+    def live(self, now: float) -> list[Heartbeat]:
+        return [e.heartbeat for e in self._nodes.values() if now - e.seen_at <= self._ttl_s]
+
+    def routable(self, now: float, model: str) -> list[Heartbeat]:
+        return [hb for hb in self.live(now) if not hb.draining and hb.registration.model == model]
+
+    def models(self, now: float) -> dict[str, WorkerRegistration]:
+        """One registration per served model (any live, non-draining worker's)."""
+        models: dict[str, WorkerRegistration] = {}
+        for hb in self.live(now):
+            if not hb.draining:
+                models.setdefault(hb.registration.model, hb.registration)
+        return models
+
+
+class ClusterWatcher:
+    def __init__(
+        self,
+        bus: Bus,
+        state: ClusterState,
+        view: ClusterView,
+        resync_interval_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._bus = bus
+        self._state = state
+        self.view = view
+        self._resync_interval_s = resync_interval_s
+        self._clock = clock
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        await self._bus.subscribe(subjects.HEARTBEAT_ALL, Heartbeat, self._on_heartbeat, traced=False)
+        await self._bus.subscribe(subjects.WORKER_LEFT, WorkerLeft, self._on_left)
+        await self.resync()
+        self._task = asyncio.create_task(self._resync_loop())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    async def _on_heartbeat(self, heartbeat: Heartbeat, msg: Msg) -> None:
+        self.view.observe(heartbeat, self._clock())
+
+    async def _on_left(self, event: WorkerLeft, msg: Msg) -> None:
+        log.info("worker_left", worker_id=event.worker_id, reason=event.reason)
+        self.view.remove(event.worker_id)
+
+    async def resync(self) -> None:
+        try:
+            live = await self._state.live_heartbeats()
+        except (redis.exceptions.RedisError, OSError) as exc:
+            log.warning("redis_resync_failed", error=str(exc))
+            return
+        now = self._clock()
+        for item in live:
+            self.view.observe(item.heartbeat, now - item.age_s)
+
+    async def _resync_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self._resync_interval_s)
+            await self.resync()
+            self.view.prune(self._clock())

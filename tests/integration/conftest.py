@@ -1,0 +1,73 @@
+"""Fixtures that start real servers: nats-server, redis-server and kvlane services.
+
+Each fleet gets its own NATS and Redis on free ports, so fleets never see
+each other's workers and fault tests may kill or restart servers freely.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvlane.fleet import Fleet, start_fleet
+from kvlane.launcher import Launcher, free_port
+from shared.config import (
+    ClusterSettings,
+    IngressSettings,
+    KvlaneConfig,
+    LoggingSettings,
+    NatsSettings,
+    RedisSettings,
+    SimSettings,
+    WorkerSettings,
+)
+
+FAST_HEARTBEATS = {"heartbeat_interval_s": 0.25, "heartbeat_ttl_s": 1.0, "resync_interval_s": 0.5}
+MODEL = "kvlane-sim"
+
+
+def fleet_config(nats_port: int, redis_port: int, **sim: object) -> KvlaneConfig:
+    return KvlaneConfig(
+        nats=NatsSettings(url=f"nats://127.0.0.1:{nats_port}"),
+        redis=RedisSettings(url=f"redis://127.0.0.1:{redis_port}/0"),
+        logging=LoggingSettings(format="json", level="info"),
+        cluster=ClusterSettings(**FAST_HEARTBEATS),
+        ingress=IngressSettings(port=free_port(), stall_timeout_s=10.0),
+        worker=WorkerSettings(drain_timeout_s=20.0, sim=SimSettings(**sim)),
+    )
+
+
+def launch(log_dir: Path, workers: int = 2, **sim: object) -> Fleet:
+    launcher = Launcher(log_dir)
+    nats_port, redis_port = free_port(), free_port()
+    try:
+        launcher.start_nats(nats_port)
+        launcher.start_redis(redis_port)
+        return start_fleet(launcher, fleet_config(nats_port, redis_port, **sim), workers)
+    except BaseException:
+        launcher.stop_all()
+        raise
+
+
+def _stop(fleet: Fleet) -> None:
+    crashed = [p for p in fleet.services() if not p.alive() and p.popen.returncode not in (0, -9)]
+    fleet.stop()
+    assert not crashed, "\n".join(f"{p.name} exited {p.popen.returncode}:\n{p.log_tail()}" for p in crashed)
+
+
+@pytest.fixture(scope="module")
+def shared_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    """Two workers, for tests that do not harm the fleet."""
+    fleet = launch(tmp_path_factory.mktemp("fleet"))
+    yield fleet
+    _stop(fleet)
+
+
+@pytest.fixture
+def own_fleet(tmp_path: Path) -> Iterator[Fleet]:
+    """Two workers, for tests that kill or stop something."""
+    fleet = launch(tmp_path)
+    yield fleet
+    _stop(fleet)

@@ -1,0 +1,166 @@
+"""The OpenAI-compatible API end to end: openai client → ingress → balancer → sim worker."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+
+from kvlane.fleet import Fleet
+from tests.integration.conftest import MODEL
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def client(shared_fleet: Fleet) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{shared_fleet.base_url}/v1", api_key="unused", max_retries=0, timeout=30)
+
+
+def http(fleet: Fleet, method: str, path: str, body: bytes | None = None, headers: dict | None = None) -> tuple[int, dict, bytes]:
+    request = urllib.request.Request(f"{fleet.base_url}{path}", data=body, method=method, headers=headers or {})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, dict(response.headers), response.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, dict(exc.headers), exc.read()
+
+
+def test_chat_completion(client: openai.OpenAI) -> None:
+    reply = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hello there"}], max_tokens=12)
+    choice = reply.choices[0]
+    assert reply.object == "chat.completion"
+    assert choice.message.role == "assistant"
+    assert choice.finish_reason == "length"
+    assert len(choice.message.content.split()) == 12  # each sim token is one word
+    assert reply.usage.completion_tokens == 12
+    assert reply.usage.prompt_tokens > 0
+    assert reply.usage.total_tokens == reply.usage.prompt_tokens + 12
+
+
+def test_chat_completion_streaming_usage_matches_tokens(client: openai.OpenAI) -> None:
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Count to ten"}],
+        max_tokens=20,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    content = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    usage = chunks[-1].usage
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert finishes == ["length"]
+    assert chunks[-1].choices == []
+    assert usage.completion_tokens == len(content) == 20
+    assert len({c.id for c in chunks}) == 1
+
+
+def test_completion_and_streamed_completion_agree(client: openai.OpenAI) -> None:
+    whole = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=10, seed=7)
+    streamed = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=10, seed=7, stream=True)
+    pieces = [c.choices[0].text for c in streamed if c.choices]
+    assert whole.object == "text_completion"
+    assert whole.usage.completion_tokens == 10
+    # The sim engine is deterministic for a seed, on whichever worker runs it.
+    assert "".join(pieces) == whole.choices[0].text
+
+
+def test_stop_string_ends_generation(client: openai.OpenAI) -> None:
+    first = client.completions.create(model=MODEL, prompt="abc", max_tokens=6, seed=3).choices[0].text
+    words = first.split()
+    stopped = client.completions.create(model=MODEL, prompt="abc", max_tokens=6, seed=3, stop=[words[2]])
+    assert stopped.choices[0].finish_reason == "stop"
+    assert stopped.choices[0].text == " " + " ".join(words[:2]) + " "
+
+
+def test_models_lists_the_live_model(client: openai.OpenAI) -> None:
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+
+
+def test_health_ready_metrics_openapi(shared_fleet: Fleet, client: openai.OpenAI) -> None:
+    client.completions.create(model=MODEL, prompt="warm", max_tokens=2)
+    status, _, body = http(shared_fleet, "GET", "/health")
+    assert status == 200 and json.loads(body)["status"] == "ok"
+    status, _, body = http(shared_fleet, "GET", "/ready")
+    assert status == 200 and json.loads(body) == {"status": "ok", "workers": 2, "models": [MODEL]}
+    status, _, body = http(shared_fleet, "GET", "/metrics")
+    text = body.decode()
+    assert status == 200
+    for name in ("kvlane_ingress_requests_total", "kvlane_ingress_time_to_first_token_seconds_bucket",
+                 "kvlane_ingress_inter_token_latency_seconds_bucket", "kvlane_ingress_e2e_request_latency_seconds_bucket"):
+        assert name in text
+    status, _, body = http(shared_fleet, "GET", "/openapi.json")
+    assert status == 200 and "/v1/chat/completions" in json.loads(body)["paths"]
+
+
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+
+BAD_REQUESTS = [
+    # (what is wrong, body, expected status, expected code, expected param)
+    ("invalid JSON", b'{"model": ', 400, "invalid_json", None),
+    ("not an object", b"[1, 2]", 400, "invalid_value", None),
+    ("missing messages", {"model": MODEL}, 400, "missing_required_parameter", "messages"),
+    ("missing model", {"messages": CHAT["messages"]}, 400, "missing_required_parameter", "model"),
+    ("messages not a list", {**CHAT, "messages": "hi"}, 400, "invalid_value", "messages"),
+    ("empty messages", {**CHAT, "messages": []}, 400, "invalid_value", "messages"),
+    ("bad role", {**CHAT, "messages": [{"role": "robot", "content": "x"}]}, 400, "invalid_value", "messages"),
+    ("max_tokens wrong type", {**CHAT, "max_tokens": "ten"}, 400, "invalid_value", "max_tokens"),
+    ("max_tokens zero", {**CHAT, "max_tokens": 0}, 400, "invalid_value", "max_tokens"),
+    ("max_tokens negative", {**CHAT, "max_tokens": -5}, 400, "invalid_value", "max_tokens"),
+    ("max_tokens above the context", {**CHAT, "max_tokens": 10_000}, 400, "context_length_exceeded", "max_tokens"),
+    ("temperature out of range", {**CHAT, "temperature": 3}, 400, "invalid_value", "temperature"),
+    ("unknown parameter", {**CHAT, "frobnicate": True}, 400, "unknown_parameter", "frobnicate"),
+    ("n above one", {**CHAT, "n": 2}, 400, "unsupported_parameter", "n"),
+    ("stream_options without stream", {**CHAT, "stream_options": {"include_usage": True}}, 400, "invalid_value", "stream_options"),
+    ("unknown model", {**CHAT, "model": "no-such-model"}, 404, "model_not_found", "model"),
+    ("prompt longer than the context", {**CHAT, "messages": [{"role": "user", "content": "word " * 5000}]}, 400,
+     "context_length_exceeded", "messages"),
+]
+
+
+@pytest.mark.parametrize(("case", "body", "status", "code", "param"), BAD_REQUESTS, ids=[c[0] for c in BAD_REQUESTS])
+def test_bad_chat_requests_get_openai_errors(shared_fleet: Fleet, case: str, body, status: int, code: str, param: str | None) -> None:
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    got_status, headers, payload = http(shared_fleet, "POST", "/v1/chat/completions", raw, {"Content-Type": "application/json"})
+    error = json.loads(payload)["error"]
+    assert got_status == status, error
+    assert error["code"] == code
+    assert error["param"] == param
+    assert error["message"] and error["type"]
+    assert headers["Content-Type"].startswith("application/json")
+
+
+@pytest.mark.parametrize(
+    ("case", "body", "code"),
+    [
+        ("empty prompt", {"model": MODEL, "prompt": ""}, "invalid_value"),
+        ("echo unsupported", {"model": MODEL, "prompt": "x", "echo": True}, "invalid_value"),
+        ("logprobs unsupported", {"model": MODEL, "prompt": "x", "logprobs": 2}, "invalid_value"),
+        ("token id outside the vocabulary", {"model": MODEL, "prompt": [1, 2, 99_999_999]}, "invalid_value"),
+        ("negative token id", {"model": MODEL, "prompt": [-1] * 40}, "invalid_value"),
+    ],
+)
+def test_bad_completion_requests_get_openai_errors(shared_fleet: Fleet, case: str, body: dict, code: str) -> None:
+    status, _, payload = http(shared_fleet, "POST", "/v1/completions", json.dumps(body).encode())
+    assert status == 400
+    assert json.loads(payload)["error"]["code"] == code
+
+
+def test_unknown_path_and_wrong_method_and_huge_body(shared_fleet: Fleet) -> None:
+    status, _, payload = http(shared_fleet, "GET", "/v1/nope")
+    assert status == 404 and "error" in json.loads(payload)
+    status, _, payload = http(shared_fleet, "GET", "/v1/chat/completions")
+    assert status == 405 and "error" in json.loads(payload)
+    status, _, payload = http(shared_fleet, "POST", "/v1/completions", b"x" * (9 * 1024 * 1024))
+    assert status == 413 and json.loads(payload)["error"]["type"] == "invalid_request_error"
+
+
+def test_fleet_still_serves_after_bad_input(client: openai.OpenAI) -> None:
+    reply = client.completions.create(model=MODEL, prompt="still alive?", max_tokens=3)
+    assert reply.usage.completion_tokens == 3

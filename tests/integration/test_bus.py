@@ -1,0 +1,130 @@
+"""The NATS bus against a real nats-server: replies, deadlines, streams, traces, restarts."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from contracts.messages import ErrorReply, RouteDecision, RouteReply, RouteRequest, StreamEnd, Timings, TokenChunk, Usage
+from kvlane.launcher import Launcher, free_port
+from shared.bus import Bus, NoResponders, RequestTimeout, StreamReceiver, is_final
+from shared.config import NatsSettings, TracingSettings
+from shared.telemetry import Telemetry
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+async def nats_server(tmp_path: Path) -> AsyncIterator[tuple[Launcher, int]]:
+    launcher = Launcher(tmp_path)
+    port = free_port()
+    launcher.start_nats(port)
+    yield launcher, port
+    launcher.stop_all()
+
+
+async def connect(port: int, name: str, exporter: InMemorySpanExporter | None = None) -> tuple[Bus, Telemetry]:
+    telemetry = Telemetry(TracingSettings(), name, exporter)
+    settings = NatsSettings(url=f"nats://127.0.0.1:{port}", reconnect_wait_s=0.1)
+    return await Bus.connect(settings, name, telemetry), telemetry
+
+
+def route(request_id: str = "r1") -> RouteRequest:
+    return RouteRequest(request_id=request_id, model="m", prompt_tokens=3, max_tokens=4, deadline=2e9)
+
+
+async def test_request_reply_and_handler_failure(nats_server) -> None:
+    _, port = nats_server
+    server, _ = await connect(port, "server")
+    client, _ = await connect(port, "client")
+
+    async def handle(request: RouteRequest, msg) -> RouteDecision:
+        if request.request_id == "boom":
+            raise RuntimeError("handler bug")
+        return RouteDecision(request.request_id, "w0", "inbox", "test")
+
+    await server.subscribe("t.route", RouteRequest, handle, queue="q")
+    assert await client.request("t.route", route(), RouteReply, 2) == RouteDecision("r1", "w0", "inbox", "test")
+    failed = await client.request("t.route", route("boom"), RouteReply, 2)
+    assert isinstance(failed, ErrorReply) and failed.code == "internal" and "handler bug" in failed.message
+    # Still serving after the failure.
+    assert isinstance(await client.request("t.route", route("r2"), RouteReply, 2), RouteDecision)
+    with pytest.raises(NoResponders):
+        await client.request("t.nobody", route(), RouteReply, 2)
+
+    async def slow(request: RouteRequest, msg) -> None:
+        await asyncio.sleep(5)
+
+    await server.subscribe("t.slow", RouteRequest, slow, concurrent=True)
+    with pytest.raises(RequestTimeout):
+        await client.request("t.slow", route(), RouteReply, 0.2)
+    await client.close()
+    await server.close()
+
+
+async def test_streamed_reply_arrives_in_order_and_ends(nats_server) -> None:
+    _, port = nats_server
+    bus, _ = await connect(port, "both")
+    streams = StreamReceiver(bus, "owner1")
+    await streams.start()
+    with streams.open("req1") as stream:
+        for seq in range(100):
+            await bus.publish(stream.subject, TokenChunk("req1", seq, [seq], f"t{seq}"), traced=False)
+        await bus.publish(stream.subject, StreamEnd("req1", 100, "length", Usage(1, 100), Timings(), "w0"))
+        frames = []
+        while not frames or not is_final(frames[-1]):
+            frames.append(await stream.next(2))
+    assert [f.seq for f in frames] == list(range(101))
+    assert streams.open_count == 0
+    with streams.open("req2") as stream, pytest.raises(RequestTimeout):
+        await stream.next(0.1)
+    await bus.close()
+
+
+async def test_trace_context_crosses_the_bus(nats_server) -> None:
+    _, port = nats_server
+    spans = InMemorySpanExporter()
+    server, server_telemetry = await connect(port, "server", spans)
+    client, client_telemetry = await connect(port, "client", spans)
+
+    async def handle(request: RouteRequest, msg) -> RouteDecision:
+        return RouteDecision(request.request_id, "w0", "inbox", "test")
+
+    await server.subscribe("t.traced", RouteRequest, handle)
+    with client_telemetry.tracer.start_as_current_span("client-call") as parent:
+        await client.request("t.traced", route(), RouteReply, 2)
+    client_telemetry.flush()
+    server_telemetry.flush()
+    handled = next(s for s in spans.get_finished_spans() if s.name == "handle t.traced")
+    assert handled.context.trace_id == parent.get_span_context().trace_id
+    assert handled.parent.span_id == parent.get_span_context().span_id
+    await client.close()
+    await server.close()
+
+
+async def test_subscriptions_survive_a_nats_restart(nats_server) -> None:
+    launcher, port = nats_server
+    server, _ = await connect(port, "server")
+    client, _ = await connect(port, "client")
+
+    async def handle(request: RouteRequest, msg) -> RouteDecision:
+        return RouteDecision(request.request_id, "w0", "inbox", "test")
+
+    await server.subscribe("t.restart", RouteRequest, handle)
+    assert isinstance(await client.request("t.restart", route(), RouteReply, 2), RouteDecision)
+    launcher.stop_all()
+    launcher.start_nats(port)
+    for _ in range(100):
+        try:
+            assert isinstance(await client.request("t.restart", route(), RouteReply, 1), RouteDecision)
+            break
+        except (NoResponders, RequestTimeout, Exception):
+            await asyncio.sleep(0.1)
+    else:
+        pytest.fail("no reply within 10 s of the NATS restart")
+    await client.close()
+    await server.close()

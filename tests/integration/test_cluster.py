@@ -1,0 +1,165 @@
+"""Several workers: load spreading, a killed worker, a draining worker, garbage on the bus."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import time
+import urllib.request
+from collections import Counter
+from collections.abc import AsyncIterator
+
+import msgspec
+import nats
+import openai
+import pytest
+
+from contracts import subjects
+from contracts.messages import (
+    ErrorReply,
+    GenerateRequest,
+    RequestFinished,
+    RouteReply,
+    SamplingParams,
+    WorkerReply,
+)
+from kvlane.fleet import Fleet
+from tests.integration.conftest import FAST_HEARTBEATS, MODEL
+
+pytestmark = pytest.mark.integration
+TTL_S = FAST_HEARTBEATS["heartbeat_ttl_s"]
+
+
+class FinishedLog:
+    """Which worker ran each request, from the `RequestFinished` events on NATS."""
+
+    def __init__(self) -> None:
+        self.events: list[RequestFinished] = []
+
+    def workers(self) -> Counter[str]:
+        return Counter(e.worker_id for e in self.events)
+
+
+async def watch_finished(fleet: Fleet) -> AsyncIterator[tuple[nats.NATS, FinishedLog]]:
+    nc = await nats.connect(fleet.config.nats.url)
+    log = FinishedLog()
+    decoder = msgspec.msgpack.Decoder(RequestFinished)
+
+    async def on_finished(msg) -> None:
+        log.events.append(decoder.decode(msg.data))
+
+    await nc.subscribe(subjects.REQUEST_FINISHED, cb=on_finished)
+    try:
+        yield nc, log
+    finally:
+        await nc.close()
+
+
+def async_client(fleet: Fleet) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{fleet.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+async def stream_tokens(client: openai.AsyncOpenAI, prompt: str, max_tokens: int, started: asyncio.Event | None = None) -> tuple[int, str]:
+    stream = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens, stream=True)
+    tokens, finish = 0, ""
+    async for chunk in stream:
+        if chunk.choices and chunk.choices[0].text:
+            tokens += 1
+            if started is not None:
+                started.set()
+        if chunk.choices and chunk.choices[0].finish_reason:
+            finish = chunk.choices[0].finish_reason
+    return tokens, finish
+
+
+def live_workers(fleet: Fleet) -> int:
+    with urllib.request.urlopen(f"{fleet.base_url}/ready", timeout=5) as response:
+        return json.loads(response.read())["workers"]
+
+
+async def test_fifty_concurrent_streams_use_both_workers(shared_fleet: Fleet) -> None:
+    async for _, finished in watch_finished(shared_fleet):
+        client = async_client(shared_fleet)
+        results = await asyncio.gather(*(stream_tokens(client, f"request {i}", 30) for i in range(50)))
+        assert results == [(30, "length")] * 50
+        await asyncio.sleep(0.2)
+        workers = finished.workers()
+        assert set(workers) == {"w0", "w1"}
+        assert sum(workers.values()) == 50
+        # Least-loaded over a burst: neither worker gets everything.
+        assert min(workers.values()) >= 15, workers
+
+
+async def test_killed_worker_leaves_routing_within_ttl(own_fleet: Fleet) -> None:
+    async for _, finished in watch_finished(own_fleet):
+        client = async_client(own_fleet)
+        victim = next(p for p in own_fleet.workers if p.name == "worker-w0")
+        victim.signal(signal.SIGKILL)
+        killed_at = time.monotonic()
+        # Requests sent at once still succeed: a dead worker has no responders,
+        # so ingress routes the request again without it.
+        early = await asyncio.gather(*(stream_tokens(client, f"early {i}", 5) for i in range(6)))
+        assert early == [(5, "length")] * 6
+        while live_workers(own_fleet) != 1:
+            assert time.monotonic() - killed_at < TTL_S + 1.0, "dead worker still listed after the TTL"
+            await asyncio.sleep(0.05)
+        gone_after = time.monotonic() - killed_at
+        finished.events.clear()
+        late = await asyncio.gather(*(stream_tokens(client, f"late {i}", 5) for i in range(10)))
+        assert late == [(5, "length")] * 10
+        await asyncio.sleep(0.2)
+        assert finished.workers() == Counter({"w1": 10})
+        assert gone_after <= TTL_S + 1.0
+
+
+async def test_sigterm_drains_in_flight_requests_and_takes_no_new_ones(own_fleet: Fleet) -> None:
+    async for _, finished in watch_finished(own_fleet):
+        client = async_client(own_fleet)
+        started = [asyncio.Event() for _ in range(8)]
+        long_streams = [asyncio.create_task(stream_tokens(client, f"long {i}", 400, started[i])) for i in range(8)]
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 30)
+        assert all(not t.done() for t in long_streams), "streams too short to observe a drain"
+        draining = next(p for p in own_fleet.workers if p.name == "worker-w0")
+        draining.signal(signal.SIGTERM)
+        await asyncio.sleep(0.3)
+        finished.events.clear()
+        new = await asyncio.gather(*(stream_tokens(client, f"new {i}", 5) for i in range(6)))
+        assert new == [(5, "length")] * 6
+        await asyncio.sleep(0.2)
+        assert finished.workers() == Counter({"w1": 6})
+        assert await asyncio.gather(*long_streams) == [(400, "length")] * 8
+        assert await asyncio.to_thread(draining.popen.wait, 20) == 0
+
+
+async def test_garbage_on_balancer_and_worker_subjects_gets_error_replies(shared_fleet: Fleet) -> None:
+    nc = await nats.connect(shared_fleet.config.nats.url)
+    try:
+        route_reply = msgspec.msgpack.Decoder(RouteReply)
+        worker_reply = msgspec.msgpack.Decoder(WorkerReply)
+        inbox = subjects.worker_inbox("w0")
+        for payload in (b"\x00\xffgarbage", b"", msgspec.msgpack.encode({"type": "route", "model": 5})):
+            reply = route_reply.decode((await nc.request(subjects.ROUTE, payload, timeout=5)).data)
+            assert isinstance(reply, ErrorReply) and reply.code == "bad_request" and reply.status == 400
+            reply = worker_reply.decode((await nc.request(inbox, payload, timeout=5)).data)
+            assert isinstance(reply, ErrorReply) and reply.code == "bad_request"
+        # Well-formed but impossible: the worker refuses with a reason.
+        impossible = GenerateRequest(
+            request_id="r1", model=MODEL, prompt_token_ids=[5] * 5000, sampling=SamplingParams(max_tokens=10),
+            stream_to="kvlane.v1.stream.test.r1", deadline=time.time() + 30,
+        )
+        reply = worker_reply.decode((await nc.request(inbox, msgspec.msgpack.encode(impossible), timeout=5)).data)
+        assert isinstance(reply, ErrorReply) and reply.status == 400 and "context length" in reply.message
+        wrong_model = msgspec.structs.replace(impossible, model="other", prompt_token_ids=[5])
+        reply = worker_reply.decode((await nc.request(inbox, msgspec.msgpack.encode(wrong_model), timeout=5)).data)
+        assert isinstance(reply, ErrorReply) and reply.status == 404
+        # Published without a reply subject: logged and dropped.
+        await nc.publish(inbox, b"junk")
+        await nc.publish(subjects.ROUTE, b"junk")
+        await nc.flush()
+    finally:
+        await nc.close()
+    # Both services kept serving.
+    reply = await async_client(shared_fleet).completions.create(model=MODEL, prompt="after garbage", max_tokens=4)
+    assert reply.usage.completion_tokens == 4
+    assert all(p.alive() for p in shared_fleet.services())

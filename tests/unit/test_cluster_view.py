@@ -1,0 +1,152 @@
+"""The in-memory view of live workers (ClusterView in shared/cluster.py)."""
+
+from __future__ import annotations
+
+from contracts.messages import EngineStats, Heartbeat, WorkerRegistration
+from shared.cluster import ClusterView
+
+TTL = 3.0
+
+
+def hb(
+    worker_id: str,
+    sent_at: float = 100.0,
+    *,
+    model: str = "m",
+    draining: bool = False,
+    running: int = 0,
+    seq: int = 0,
+) -> Heartbeat:
+    registration = WorkerRegistration(
+        worker_id=worker_id,
+        role="aggregated",
+        model=model,
+        engine="sim",
+        inbox=f"inbox.{worker_id}",
+        block_size=16,
+        max_model_len=4096,
+        tokenizer="sim",
+        started_at=0.0,
+    )
+    return Heartbeat(registration=registration, stats=EngineStats(running=running), sent_at=sent_at, seq=seq, draining=draining)
+
+
+def ids(heartbeats: list[Heartbeat]) -> list[str]:
+    return sorted(h.registration.worker_id for h in heartbeats)
+
+
+def test_empty_view() -> None:
+    view = ClusterView(TTL)
+    assert view.live(0.0) == []
+    assert view.routable(0.0, "m") == []
+    assert view.models(0.0) == {}
+    assert view.prune(0.0) == []
+
+
+def test_observe_then_live_routable_models() -> None:
+    view = ClusterView(TTL)
+    view.observe(hb("a"), seen_at=10.0)
+    view.observe(hb("b", model="other"), seen_at=10.0)
+    assert ids(view.live(10.0)) == ["a", "b"]
+    assert ids(view.routable(10.0, "m")) == ["a"]
+    assert ids(view.routable(10.0, "other")) == ["b"]
+    assert view.routable(10.0, "missing") == []
+    models = view.models(10.0)
+    assert sorted(models) == ["m", "other"]
+    assert models["m"].worker_id == "a"
+    assert models["other"].worker_id == "b"
+
+
+def test_stale_after_ttl() -> None:
+    view = ClusterView(TTL)
+    view.observe(hb("a"), seen_at=10.0)
+    assert ids(view.live(10.0 + TTL)) == ["a"]  # exactly at the TTL: still alive
+    assert view.live(10.0 + TTL + 0.001) == []
+    assert view.routable(10.0 + TTL + 0.001, "m") == []
+    assert view.models(10.0 + TTL + 0.001) == {}
+
+
+def test_newer_heartbeat_refreshes_liveness_and_stats() -> None:
+    view = ClusterView(TTL)
+    view.observe(hb("a", sent_at=100.0, running=1), seen_at=10.0)
+    view.observe(hb("a", sent_at=101.0, running=5), seen_at=12.0)
+    [live] = view.live(14.0)
+    assert live.stats.running == 5
+    assert live.sent_at == 101.0
+
+
+def test_older_heartbeat_does_not_replace_newer() -> None:
+    view = ClusterView(TTL)
+    view.observe(hb("a", sent_at=101.0, running=5), seen_at=10.0)
+    # A delayed older heartbeat (or an old Redis copy) arrives later: ignored.
+    view.observe(hb("a", sent_at=100.0, running=1), seen_at=12.0)
+    [live] = view.live(12.0)
+    assert live.stats.running == 5
+    assert live.sent_at == 101.0
+    # ... including for liveness: the entry still dates from seen_at=10.
+    assert view.live(10.0 + TTL + 0.5) == []
+
+
+def test_same_heartbeat_seen_again_keeps_the_later_sighting() -> None:
+    view = ClusterView(TTL)
+    view.observe(hb("a", sent_at=100.0), seen_at=12.0)
+    view.observe(hb("a", sent_at=100.0), seen_at=11.0)  # resync with an older sighting
+    assert ids(view.live(12.0 + TTL)) == ["a"]
+    view.observe(hb("a", sent_at=100.0), seen_at=14.0)
+    assert ids(view.live(14.0 + TTL)) == ["a"]
+
+
+def test_draining_worker_is_live_but_not_routable_nor_a_model() -> None:
+    view = ClusterView(TTL)
+    view.observe(hb("a", draining=True), seen_at=10.0)
+    view.observe(hb("b"), seen_at=10.0)
+    assert ids(view.live(10.0)) == ["a", "b"]
+    assert ids(view.routable(10.0, "m")) == ["b"]
+    assert view.models(10.0)["m"].worker_id == "b"
+
+
+def test_only_draining_workers_serve_no_model() -> None:
+    view = ClusterView(TTL)
+    view.observe(hb("a", draining=True), seen_at=10.0)
+    assert view.routable(10.0, "m") == []
+    assert view.models(10.0) == {}
+
+
+def test_worker_becomes_draining_with_a_newer_heartbeat() -> None:
+    view = ClusterView(TTL)
+    view.observe(hb("a", sent_at=100.0), seen_at=10.0)
+    view.observe(hb("a", sent_at=101.0, draining=True), seen_at=11.0)
+    assert view.routable(11.0, "m") == []
+
+
+def test_remove() -> None:
+    view = ClusterView(TTL)
+    view.observe(hb("a"), seen_at=10.0)
+    view.observe(hb("b"), seen_at=10.0)
+    view.remove("a")
+    view.remove("never-seen")
+    assert ids(view.live(10.0)) == ["b"]
+    # A removed worker comes back with its next heartbeat.
+    view.observe(hb("a", sent_at=100.5), seen_at=11.0)
+    assert ids(view.live(11.0)) == ["a", "b"]
+
+
+def test_prune_returns_and_drops_stale_ids() -> None:
+    view = ClusterView(TTL)
+    view.observe(hb("old"), seen_at=1.0)
+    view.observe(hb("edge"), seen_at=5.0)
+    view.observe(hb("fresh"), seen_at=7.0)
+    now = 5.0 + TTL  # "edge" is exactly at the TTL: kept
+    assert view.prune(now) == ["old"]
+    assert ids(view.live(now)) == ["edge", "fresh"]
+    assert view.prune(now) == []
+    assert sorted(view.prune(100.0)) == ["edge", "fresh"]
+    assert view.live(0.0) == []
+
+
+def test_stale_worker_returns_when_it_heartbeats_again() -> None:
+    view = ClusterView(TTL)
+    view.observe(hb("a", sent_at=100.0), seen_at=1.0)
+    assert view.live(10.0) == []
+    view.observe(hb("a", sent_at=109.0), seen_at=10.0)
+    assert ids(view.live(10.0)) == ["a"]

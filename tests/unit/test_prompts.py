@@ -1,0 +1,254 @@
+"""Turning OpenAI requests into prepared cluster requests (services/ingress/prompts.py)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from contracts.messages import SamplingParams, WorkerRegistration
+from contracts.openai_api import ChatCompletionRequest, ChatMessage, CompletionRequest, StreamOptions, TextContentPart
+from services.ingress.errors import ApiError
+from services.ingress.prompts import prepare
+from shared.block_hash import chained_block_hashes
+from shared.tokenizer import SimTokenizer
+
+TOKENIZER = SimTokenizer()
+DEFAULT_MAX = 512
+
+
+def registration(max_model_len: int = 4096, block_size: int = 4) -> WorkerRegistration:
+    return WorkerRegistration(
+        worker_id="w1",
+        role="aggregated",
+        model="kvlane-sim",
+        engine="sim",
+        inbox="kvlane.v1.worker.w1",
+        block_size=block_size,
+        max_model_len=max_model_len,
+        tokenizer="sim",
+        started_at=0.0,
+    )
+
+
+def chat(*messages: tuple[str, str], **kwargs: object) -> ChatCompletionRequest:
+    return ChatCompletionRequest(
+        model="kvlane-sim", messages=[ChatMessage(role=r, content=c) for r, c in messages], **kwargs
+    )
+
+
+def completion(prompt: str | list[int] = "Hello there", **kwargs: object) -> CompletionRequest:
+    return CompletionRequest(model="kvlane-sim", prompt=prompt, **kwargs)
+
+
+def chat_prompt_len(request: ChatCompletionRequest) -> int:
+    return len(TOKENIZER.encode(TOKENIZER.apply_chat_template(request.messages)))
+
+
+# --- chat -------------------------------------------------------------------------
+
+
+def test_chat_prompt_is_the_templated_conversation() -> None:
+    request = chat(("system", "Be brief."), ("user", "Hi there"))
+    prepared = prepare(request, registration(), TOKENIZER, DEFAULT_MAX)
+    expected = TOKENIZER.encode("<|system|>\nBe brief.<|end|>\n<|user|>\nHi there<|end|>\n<|assistant|>\n")
+    assert prepared.prompt_token_ids == expected
+    assert prepared.model == "kvlane-sim"
+    assert prepared.stream is False
+    assert prepared.include_usage is False
+
+
+def test_chat_content_parts_are_joined() -> None:
+    parts = [TextContentPart(type="text", text="Hi "), TextContentPart(type="text", text="there")]
+    a = ChatCompletionRequest(model="kvlane-sim", messages=[ChatMessage(role="user", content=parts)])
+    b = chat(("user", "Hi there"))
+    reg = registration()
+    assert prepare(a, reg, TOKENIZER, DEFAULT_MAX).prompt_token_ids == prepare(b, reg, TOKENIZER, DEFAULT_MAX).prompt_token_ids
+
+
+def test_sampling_defaults() -> None:
+    prepared = prepare(chat(("user", "hi")), registration(), TOKENIZER, DEFAULT_MAX)
+    assert prepared.sampling == SamplingParams(max_tokens=DEFAULT_MAX)
+
+
+def test_sampling_values_are_carried_over() -> None:
+    request = chat(
+        ("user", "hi"),
+        temperature=0.0,
+        top_p=0.5,
+        top_k=40,
+        seed=3,
+        presence_penalty=1.5,
+        frequency_penalty=-0.5,
+        max_tokens=10,
+    )
+    s = prepare(request, registration(), TOKENIZER, DEFAULT_MAX).sampling
+    assert (s.temperature, s.top_p, s.top_k, s.seed) == (0.0, 0.5, 40, 3)
+    assert (s.presence_penalty, s.frequency_penalty, s.max_tokens) == (1.5, -0.5, 10)
+
+
+# --- max_tokens and the context -------------------------------------------------------
+
+
+def test_default_max_tokens_is_the_default_when_there_is_room() -> None:
+    prepared = prepare(chat(("user", "hi")), registration(max_model_len=4096), TOKENIZER, 100)
+    assert prepared.sampling.max_tokens == 100
+
+
+def test_default_max_tokens_is_capped_by_the_room_left() -> None:
+    request = chat(("user", "hi"))
+    n = chat_prompt_len(request)
+    prepared = prepare(request, registration(max_model_len=n + 5), TOKENIZER, 100)
+    assert prepared.sampling.max_tokens == 5
+
+
+def test_max_tokens_equal_to_the_room_is_accepted() -> None:
+    request = chat(("user", "hi"), max_tokens=5)
+    n = chat_prompt_len(request)
+    assert prepare(request, registration(max_model_len=n + 5), TOKENIZER, 100).sampling.max_tokens == 5
+
+
+@pytest.mark.parametrize("param", ["max_tokens", "max_completion_tokens"])
+def test_max_tokens_above_the_room(param: str) -> None:
+    request = chat(("user", "hi"), **{param: 6})
+    n = chat_prompt_len(request)
+    with pytest.raises(ApiError) as info:
+        prepare(request, registration(max_model_len=n + 5), TOKENIZER, 100)
+    err = info.value
+    assert err.status == 400
+    assert err.code == "context_length_exceeded"
+    assert err.param == param
+    assert f"maximum context length is {n + 5} tokens" in err.message
+    assert f"you requested {n + 6} tokens" in err.message
+
+
+def test_max_completion_tokens_wins_over_max_tokens() -> None:
+    request = chat(("user", "hi"), max_tokens=50, max_completion_tokens=7)
+    assert prepare(request, registration(), TOKENIZER, DEFAULT_MAX).sampling.max_tokens == 7
+
+
+@pytest.mark.parametrize("extra", [0, 3])
+def test_chat_prompt_filling_the_context(extra: int) -> None:
+    request = chat(("user", "a long enough message for the test"))
+    n = chat_prompt_len(request)
+    with pytest.raises(ApiError) as info:
+        prepare(request, registration(max_model_len=n - extra), TOKENIZER, DEFAULT_MAX)
+    assert info.value.status == 400
+    assert info.value.code == "context_length_exceeded"
+    assert info.value.param == "messages"
+
+
+def test_completion_prompt_longer_than_the_context() -> None:
+    with pytest.raises(ApiError) as info:
+        prepare(completion(list(range(100, 120))), registration(max_model_len=10), TOKENIZER, DEFAULT_MAX)
+    assert (info.value.status, info.value.code, info.value.param) == (400, "context_length_exceeded", "prompt")
+
+
+@given(prompt_len=st.integers(1, 60), context=st.integers(1, 120), asked=st.none() | st.integers(1, 100))
+def test_max_tokens_never_exceeds_the_room(prompt_len: int, context: int, asked: int | None) -> None:
+    # Chat: `asked=None` means "the default, capped by the room".
+    words = ("baba " * 60).split()
+    content = " ".join(words[:prompt_len])
+    request = chat(("user", content), max_tokens=asked)
+    n = chat_prompt_len(request)
+    try:
+        prepared = prepare(request, registration(max_model_len=context), TOKENIZER, DEFAULT_MAX)
+    except ApiError as err:
+        assert err.status == 400 and err.code == "context_length_exceeded"
+        assert n >= context or (asked is not None and n + asked > context)
+    else:
+        assert n < context
+        assert n + prepared.sampling.max_tokens <= context
+        if asked is None:
+            assert prepared.sampling.max_tokens == min(DEFAULT_MAX, context - n)
+        else:
+            assert prepared.sampling.max_tokens == asked
+
+
+# --- unsupported combinations ------------------------------------------------------
+
+
+def test_n_above_one() -> None:
+    with pytest.raises(ApiError) as info:
+        prepare(chat(("user", "hi"), n=2), registration(), TOKENIZER, DEFAULT_MAX)
+    assert (info.value.status, info.value.param, info.value.code) == (400, "n", "unsupported_parameter")
+
+
+def test_stream_options_without_stream() -> None:
+    request = chat(("user", "hi"), stream_options=StreamOptions(include_usage=True))
+    with pytest.raises(ApiError) as info:
+        prepare(request, registration(), TOKENIZER, DEFAULT_MAX)
+    assert (info.value.status, info.value.param) == (400, "stream_options")
+
+
+def test_stream_with_usage() -> None:
+    request = chat(("user", "hi"), stream=True, stream_options=StreamOptions(include_usage=True))
+    prepared = prepare(request, registration(), TOKENIZER, DEFAULT_MAX)
+    assert prepared.stream is True
+    assert prepared.include_usage is True
+    request = chat(("user", "hi"), stream=True, stream_options=StreamOptions(include_usage=False))
+    assert prepare(request, registration(), TOKENIZER, DEFAULT_MAX).include_usage is False
+    assert prepare(chat(("user", "hi"), stream=True), registration(), TOKENIZER, DEFAULT_MAX).include_usage is False
+
+
+# --- stop ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("stop", "expected"),
+    [(None, []), ("END", ["END"]), (["a", "b"], ["a", "b"]), ([], [])],
+)
+def test_stop_string_or_list(stop: object, expected: list[str]) -> None:
+    prepared = prepare(chat(("user", "hi"), stop=stop), registration(), TOKENIZER, DEFAULT_MAX)
+    assert prepared.sampling.stop == expected
+
+
+# --- block hashes -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_block_hashes_cover_full_blocks(block_size: int) -> None:
+    request = chat(("user", "The quick brown fox jumps over the lazy dog " * 3))
+    prepared = prepare(request, registration(block_size=block_size), TOKENIZER, DEFAULT_MAX)
+    ids = prepared.prompt_token_ids
+    assert len(prepared.block_hashes) == len(ids) // block_size
+    assert prepared.block_hashes == chained_block_hashes(ids, block_size)
+
+
+def test_shared_prefix_gives_shared_leading_block_hashes() -> None:
+    reg = registration(block_size=4)
+    first = prepare(chat(("system", "You are a helpful assistant."), ("user", "one")), reg, TOKENIZER, DEFAULT_MAX)
+    second = prepare(chat(("system", "You are a helpful assistant."), ("user", "two two")), reg, TOKENIZER, DEFAULT_MAX)
+    assert first.block_hashes[:2] == second.block_hashes[:2]
+
+
+# --- completions -----------------------------------------------------------------------
+
+
+def test_completion_text_prompt() -> None:
+    prepared = prepare(completion("Hello there"), registration(), TOKENIZER, DEFAULT_MAX)
+    assert prepared.prompt_token_ids == TOKENIZER.encode("Hello there")
+    assert prepared.sampling.max_tokens == 16  # the OpenAI default for completions
+
+
+def test_completion_token_id_prompt_is_used_as_is() -> None:
+    ids = [5, 17, 4200, 31999, 17, 18, 19, 20, 21]
+    prepared = prepare(completion(ids, max_tokens=3), registration(block_size=4), TOKENIZER, DEFAULT_MAX)
+    assert prepared.prompt_token_ids == ids
+    assert prepared.sampling.max_tokens == 3
+    assert len(prepared.block_hashes) == 2
+
+
+def test_completion_max_tokens_above_room() -> None:
+    with pytest.raises(ApiError) as info:
+        prepare(completion([1, 2, 3], max_tokens=8), registration(max_model_len=10), TOKENIZER, DEFAULT_MAX)
+    assert (info.value.code, info.value.param) == ("context_length_exceeded", "max_tokens")
+
+
+@pytest.mark.parametrize("bad", [-1, 2**32])
+def test_completion_token_ids_out_of_range_are_a_400(bad: int) -> None:
+    with pytest.raises(ApiError) as info:
+        # Four ids fill one block, so the bad id is hashed.
+        prepare(completion([1, bad, 3, 4]), registration(block_size=4), TOKENIZER, DEFAULT_MAX)
+    assert info.value.status == 400
+    assert info.value.param == "prompt"

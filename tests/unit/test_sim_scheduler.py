@@ -1,0 +1,435 @@
+"""Continuous-batching sim scheduler, its step-time profiles and its token stream."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from services.worker.sim import (
+    NAMED_PROFILES,
+    SimRequest,
+    SimScheduler,
+    StepOutcome,
+    StepTimeProfile,
+    get_profile,
+    output_token,
+    prompt_digest,
+)
+
+TOKEN_RANGE = (1000, 2**31)
+UNIT_PROFILE = StepTimeProfile(name="unit", a=1.0, b=0.01, c=0.1, d=0.001)
+
+
+def make_scheduler(**overrides: object) -> SimScheduler:
+    options: dict = {
+        "num_blocks": 64,
+        "block_size": 4,
+        "max_num_seqs": 8,
+        "max_batched_tokens": 64,
+        "profile": UNIT_PROFILE,
+        "output_token_range": TOKEN_RANGE,
+    }
+    options.update(overrides)
+    return SimScheduler(**options)
+
+
+def expected_tokens(request: SimRequest) -> list[int]:
+    digest = prompt_digest(request.prompt_token_ids)
+    return [output_token(request.seed, digest, k, TOKEN_RANGE) for k in range(request.max_tokens)]
+
+
+def run_all(scheduler: SimScheduler, max_steps: int = 100_000) -> tuple[dict[str, list[int]], list[StepOutcome]]:
+    emitted: dict[str, list[int]] = {}
+    outcomes = []
+    for _ in range(max_steps):
+        if not scheduler.has_work():
+            return emitted, outcomes
+        outcome = scheduler.step()
+        outcomes.append(outcome)
+        for request_id, token in outcome.emitted:
+            emitted.setdefault(request_id, []).append(token)
+    raise AssertionError("scheduler did not drain")
+
+
+# --- tokens --------------------------------------------------------------------
+
+
+def test_output_tokens_are_deterministic_and_in_range() -> None:
+    digest = prompt_digest([1, 2, 3])
+    tokens = [output_token(7, digest, k, (5, 9)) for k in range(200)]
+    assert tokens == [output_token(7, digest, k, (5, 9)) for k in range(200)]
+    assert set(tokens) == {5, 6, 7, 8}
+    assert output_token(8, digest, 0, (0, 2**31)) != output_token(7, digest, 0, (0, 2**31))
+    assert prompt_digest([1, 2, 3]) != prompt_digest([1, 2, 4])
+    # Pinned values: the stream must never change, since a request migrated
+    # to a node running another build must continue the same tokens.
+    assert prompt_digest([1, 2, 3]) == 0x9010AE5EF1711841
+    assert [output_token(7, 0x9010AE5EF1711841, k, (0, 2**31)) for k in range(3)] == [
+        1402036749,
+        1609436027,
+        578809810,
+    ]
+    with pytest.raises(ValueError):
+        output_token(0, digest, 0, (3, 3))
+
+
+# --- profiles ------------------------------------------------------------------
+
+
+def test_profiles_cover_the_named_set_and_do_nothing_for_an_empty_step() -> None:
+    required = (
+        "zero",
+        "tiny-cpu",
+        "a100-80g-llama3-8b",
+        "h100-80g-llama3-8b",
+        "a100-80g-llama3-70b-tp4",
+        "h100-80g-llama3-70b-tp4",
+    )
+    for name in required:
+        profile = get_profile(name)
+        assert profile.name == name
+        assert profile.step_seconds(0, 0, 0) == 0.0
+    assert get_profile("zero").step_seconds(100, 10, 1000) == 0.0
+    tiny = get_profile("tiny-cpu")
+    assert tiny.step_seconds(100, 10, 5000) == pytest.approx(2e-3 + 100 * 2e-5 + 10 * 2e-4)
+    assert UNIT_PROFILE.step_seconds(3, 2, 10) == pytest.approx(1.0 + 0.03 + 0.2 + 0.01)
+
+
+def test_gpu_profiles_are_ordered_as_the_hardware() -> None:
+    h100, a100 = get_profile("h100-80g-llama3-8b"), get_profile("a100-80g-llama3-8b")
+    assert 0 < h100.a < a100.a and 0 < h100.b < a100.b and 0 < h100.d < a100.d
+    big = get_profile("h100-80g-llama3-70b-tp4")
+    assert big.a > h100.a
+    # A 2k-token prefill on an 8B model takes tens of milliseconds on an H100.
+    assert 0.02 < h100.step_seconds(2048, 0, 2048) < 0.2
+
+
+def test_unknown_profile_names_the_known_ones() -> None:
+    with pytest.raises(KeyError, match="tiny-cpu"):
+        get_profile("nope")
+    with pytest.raises(TypeError):
+        NAMED_PROFILES["x"] = NAMED_PROFILES["zero"]  # type: ignore[index]
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.json.decode(b'{"name":"x","a":1,"b":1,"c":1,"e":1}', type=StepTimeProfile)
+
+
+# --- scheduling ----------------------------------------------------------------
+
+
+def test_single_request_prefills_then_decodes_one_token_per_step() -> None:
+    scheduler = make_scheduler()
+    request = SimRequest("r", list(range(10)), max_tokens=3, seed=1)
+    scheduler.add(request)
+    first = scheduler.step()
+    assert first.prefill_tokens == 10 and first.decode_seqs == 0
+    assert first.kv_tokens == 10
+    assert first.emitted == [("r", expected_tokens(request)[0])]
+    assert first.duration_s == pytest.approx(UNIT_PROFILE.step_seconds(10, 0, 10))
+    second = scheduler.step()
+    assert (second.prefill_tokens, second.decode_seqs, second.kv_tokens) == (0, 1, 11)
+    third = scheduler.step()
+    assert third.finished == ["r"]
+    assert [info.completion_tokens for info in third.finished_info] == [3]
+    assert [t for _, t in first.emitted + second.emitted + third.emitted] == expected_tokens(request)
+    assert not scheduler.has_work()
+    assert scheduler.stats().blocks_used == 0
+    idle = scheduler.step()
+    assert idle.duration_s == 0.0 and idle.emitted == []
+
+
+def test_chunked_prefill_respects_the_token_budget() -> None:
+    scheduler = make_scheduler(max_batched_tokens=4)
+    request = SimRequest("r", list(range(10)), max_tokens=2)
+    scheduler.add(request)
+    chunks = [scheduler.step() for _ in range(3)]
+    assert [o.prefill_tokens for o in chunks] == [4, 4, 2]
+    assert [o.kv_tokens for o in chunks] == [4, 8, 10]
+    assert [o.emitted for o in chunks[:2]] == [[], []]
+    assert len(chunks[2].emitted) == 1
+
+
+def test_token_budget_and_max_num_seqs_bound_every_step() -> None:
+    scheduler = make_scheduler(max_num_seqs=3, max_batched_tokens=7, num_blocks=200)
+    requests = [SimRequest(f"r{i}", [i] * (3 + i), max_tokens=4, seed=i) for i in range(8)]
+    for request in requests:
+        scheduler.add(request)
+    emitted, outcomes = run_all(scheduler)
+    for outcome in outcomes:
+        assert outcome.prefill_tokens + outcome.decode_seqs <= 7
+        assert len({rid for rid, _ in outcome.emitted}) == len(outcome.emitted) <= 3
+    assert emitted == {r.request_id: expected_tokens(r) for r in requests}
+
+
+def test_prefix_cache_hits_are_reported_and_cost_no_prefill() -> None:
+    scheduler = make_scheduler()
+    prompt = list(range(20))
+    scheduler.add(SimRequest("a", prompt, max_tokens=1))
+    first = scheduler.step()
+    assert first.finished_info[0].cached_prompt_tokens == 0
+    scheduler.add(SimRequest("b", prompt + [99], max_tokens=2))
+    second = scheduler.step()
+    assert second.prefill_tokens == 1  # 20 of 21 tokens were cached
+    assert scheduler.cached_prompt_tokens("b") == 20
+    stats = scheduler.stats()
+    assert (stats.prefix_query_tokens, stats.prefix_hit_tokens) == (41, 20)
+    done = scheduler.step()
+    assert done.finished_info[0].cached_prompt_tokens == 20
+    with pytest.raises(KeyError):
+        scheduler.cached_prompt_tokens("b")
+
+
+def test_a_follow_up_turn_hits_the_blocks_filled_during_decode() -> None:
+    scheduler = make_scheduler()
+    first = SimRequest("turn1", list(range(6)), max_tokens=9)
+    scheduler.add(first)
+    emitted, _ = run_all(scheduler)
+    # KV exists for the prompt and all answer tokens but the last one: 14 tokens.
+    follow_up = list(range(6)) + emitted["turn1"] + [7, 7, 7]
+    scheduler.add(SimRequest("turn2", follow_up, max_tokens=1))
+    outcome = scheduler.step()
+    assert outcome.finished_info[0].cached_prompt_tokens == 12
+
+
+def test_waiting_requests_are_admitted_fifo_without_skipping_ahead() -> None:
+    scheduler = make_scheduler(num_blocks=10, block_size=4, max_batched_tokens=100)
+    scheduler.add(SimRequest("big0", list(range(20)), max_tokens=4))  # 5 blocks, up to 6
+    scheduler.add(SimRequest("big1", list(range(100, 124)), max_tokens=4))  # 6 blocks: must wait
+    scheduler.add(SimRequest("small", [7, 8], max_tokens=4))  # would fit, but queues behind big1
+    outcome = scheduler.step()
+    assert [rid for rid, _ in outcome.emitted] == ["big0"]
+    assert scheduler.stats().waiting == 2
+    order = []
+    while scheduler.has_work():
+        for rid, _ in scheduler.step().emitted:
+            if rid not in order:
+                order.append(rid)
+    assert order == ["big0", "big1", "small"]
+
+
+def test_preemption_under_block_pressure_keeps_outputs_identical() -> None:
+    requests = [SimRequest(f"r{i}", [i % 3] * 5 + [i] * 3, max_tokens=20, seed=i) for i in range(6)]
+    roomy = make_scheduler(num_blocks=200, max_num_seqs=6)
+    tight = make_scheduler(num_blocks=12, max_num_seqs=6)
+    for scheduler in (roomy, tight):
+        for request in requests:
+            scheduler.add(request)
+    roomy_out, _ = run_all(roomy)
+    tight_out, outcomes = run_all(tight)
+    assert roomy.stats().preemptions == 0
+    assert tight.stats().preemptions > 0
+    assert any(o.preempted for o in outcomes)
+    assert tight_out == roomy_out == {r.request_id: expected_tokens(r) for r in requests}
+    infos = [info for o in outcomes for info in o.finished_info]
+    assert sum(info.num_preemptions for info in infos) == tight.stats().preemptions
+    assert tight.stats().blocks_used == 0
+
+
+def test_the_latest_admitted_sequence_is_preempted_first() -> None:
+    scheduler = make_scheduler(num_blocks=4, block_size=2, max_num_seqs=4)
+    scheduler.add(SimRequest("old", [1, 2], max_tokens=6))
+    scheduler.add(SimRequest("new", [3, 4], max_tokens=6))
+    preempted = []
+    while scheduler.has_work():
+        preempted += scheduler.step().preempted
+    assert preempted and set(preempted) == {"new"}
+
+
+def test_same_inputs_give_the_same_outcomes() -> None:
+    def run() -> list[StepOutcome]:
+        scheduler = make_scheduler(num_blocks=16, max_num_seqs=4, max_batched_tokens=10)
+        for i in range(10):
+            scheduler.add(SimRequest(f"r{i}", [i % 2] * 6 + [i], max_tokens=5 + i, seed=i))
+        outcomes = []
+        for step in range(1000):
+            if step == 5:
+                scheduler.abort("r3")
+            if not scheduler.has_work():
+                break
+            outcomes.append(scheduler.step())
+        return outcomes
+
+    assert run() == run()
+
+
+def test_abort_frees_blocks_and_reports_unknown_ids() -> None:
+    scheduler = make_scheduler(max_num_seqs=1)
+    scheduler.add(SimRequest("running", list(range(10)), max_tokens=50))
+    scheduler.add(SimRequest("waiting", list(range(10)), max_tokens=50))
+    scheduler.step()
+    assert scheduler.stats().blocks_used > 0
+    assert scheduler.abort("waiting")
+    assert scheduler.abort("running")
+    assert not scheduler.abort("running")
+    assert not scheduler.abort("never-seen")
+    assert not scheduler.has_work()
+    assert scheduler.stats().blocks_used == 0
+    # An id may be reused once the earlier request is gone.
+    scheduler.add(SimRequest("running", [1], max_tokens=1))
+
+
+@pytest.mark.parametrize(
+    ("request_", "message"),
+    [
+        (SimRequest("e", [], max_tokens=1), "empty"),
+        (SimRequest("m", [1], max_tokens=0), "max_tokens"),
+        (SimRequest("big", [1] * 30, max_tokens=11), "capacity"),
+        (SimRequest("neg", [1, -2], max_tokens=1), "token ids"),
+        (SimRequest("huge", [2**32], max_tokens=1), "token ids"),
+    ],
+)
+def test_add_rejects_bad_requests(request_: SimRequest, message: str) -> None:
+    scheduler = make_scheduler(num_blocks=10, block_size=4)
+    with pytest.raises(ValueError, match=message):
+        scheduler.add(request_)
+    assert not scheduler.has_work()
+
+
+def test_add_rejects_duplicate_ids_and_accepts_an_exact_fit() -> None:
+    scheduler = make_scheduler(num_blocks=10, block_size=4)
+    scheduler.add(SimRequest("fits", [1] * 30, max_tokens=10))
+    with pytest.raises(ValueError, match="already"):
+        scheduler.add(SimRequest("fits", [2], max_tokens=1))
+    emitted, _ = run_all(scheduler)
+    assert len(emitted["fits"]) == 10
+
+
+def test_constructor_rejects_bad_settings() -> None:
+    for overrides in (
+        {"max_num_seqs": 0},
+        {"max_batched_tokens": 0},
+        {"num_blocks": 0},
+        {"block_size": 0},
+        {"output_token_range": (5, 5)},
+        {"output_token_range": (-1, 5)},
+        {"output_token_range": (0, 2**33)},
+    ):
+        with pytest.raises(ValueError):
+            make_scheduler(**overrides)
+
+
+def test_kv_events_follow_the_prefix_cache() -> None:
+    scheduler = make_scheduler(record_kv_events=True)
+    scheduler.add(SimRequest("r", list(range(9)), max_tokens=1))
+    scheduler.step()
+    events = scheduler.drain_kv_events()
+    assert [e.kind for e in events] == ["stored", "stored"]
+    assert scheduler.drain_kv_events() == []
+
+
+# --- property: random workloads ----------------------------------------------------
+
+PREFIXES = ([], [1, 2, 3, 4], [1, 2, 3, 4, 5, 6, 7, 8], [9] * 6)
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    """add/abort/step in any order: accounting holds, and every request that
+    is not aborted ends with exactly its expected tokens, preempted or not."""
+
+    @initialize(
+        num_blocks=st.integers(3, 24),
+        block_size=st.sampled_from([1, 2, 4]),
+        max_num_seqs=st.integers(1, 5),
+        max_batched_tokens=st.integers(1, 24),
+    )
+    def setup(self, num_blocks: int, block_size: int, max_num_seqs: int, max_batched_tokens: int) -> None:
+        self.max_num_seqs = max_num_seqs
+        self.capacity = num_blocks * block_size
+        self.scheduler = make_scheduler(
+            num_blocks=num_blocks,
+            block_size=block_size,
+            max_num_seqs=max_num_seqs,
+            max_batched_tokens=max_batched_tokens,
+        )
+        self.requests: dict[str, SimRequest] = {}
+        self.emitted: dict[str, list[int]] = {}
+        self.live: set[str] = set()
+        self.finished: set[str] = set()
+        self.aborted: set[str] = set()
+
+    @rule(
+        prefix=st.sampled_from(PREFIXES),
+        suffix=st.lists(st.integers(0, 40), max_size=6),
+        max_tokens=st.integers(1, 10),
+        seed=st.integers(0, 2),
+    )
+    def add(self, prefix: list[int], suffix: list[int], max_tokens: int, seed: int) -> None:
+        prompt = prefix + suffix or [0]
+        request = SimRequest(f"r{len(self.requests)}", prompt, max_tokens=max_tokens, seed=seed)
+        if len(prompt) + max_tokens > self.capacity:
+            with pytest.raises(ValueError):
+                self.scheduler.add(request)
+            return
+        self.scheduler.add(request)
+        self.requests[request.request_id] = request
+        self.emitted[request.request_id] = []
+        self.live.add(request.request_id)
+
+    @precondition(lambda self: self.requests)
+    @rule(data=st.data())
+    def abort(self, data: st.DataObject) -> None:
+        request_id = data.draw(st.sampled_from(sorted(self.requests)))
+        assert self.scheduler.abort(request_id) == (request_id in self.live)
+        if request_id in self.live:
+            self.live.discard(request_id)
+            self.aborted.add(request_id)
+
+    @rule()
+    def step(self) -> None:
+        self._step_once()
+
+    def _step_once(self) -> StepOutcome:
+        had_work = self.scheduler.has_work()
+        outcome = self.scheduler.step()
+        ids = [rid for rid, _ in outcome.emitted]
+        assert len(ids) == len(set(ids)), "at most one token per sequence per step"
+        for request_id, token in outcome.emitted:
+            assert request_id in self.live
+            self.emitted[request_id].append(token)
+        for request_id in outcome.preempted:
+            assert request_id in self.live
+        assert [info.request_id for info in outcome.finished_info] == outcome.finished
+        for request_id in outcome.finished:
+            assert len(self.emitted[request_id]) == self.requests[request_id].max_tokens
+            self.live.discard(request_id)
+            self.finished.add(request_id)
+        if had_work:
+            assert outcome.emitted or outcome.preempted or outcome.prefill_tokens, "a step with work makes progress"
+        return outcome
+
+    @invariant()
+    def accounting(self) -> None:
+        if not hasattr(self, "scheduler"):
+            return
+        stats = self.scheduler.stats()
+        pool = self.scheduler._pool  # the pool's own counters are the invariant under test
+        assert stats.blocks_used <= stats.blocks_total
+        assert pool.num_used + pool.num_free == pool.num_blocks
+        assert stats.running <= self.max_num_seqs
+        assert stats.running + stats.waiting == len(self.live)
+        assert 0 <= stats.prefix_hit_tokens <= stats.prefix_query_tokens
+        for request_id in self.live | self.aborted | self.finished:
+            # Tokens so far are a prefix of the expected stream: no gaps, no repeats.
+            expected = expected_tokens(self.requests[request_id])
+            assert self.emitted[request_id] == expected[: len(self.emitted[request_id])]
+
+    def teardown(self) -> None:
+        if not hasattr(self, "scheduler"):
+            return
+        for _ in range(10_000):
+            if not self.scheduler.has_work():
+                break
+            self._step_once()
+        assert not self.scheduler.has_work()
+        for request_id in self.finished | self.live:
+            assert self.emitted[request_id] == expected_tokens(self.requests[request_id])
+        assert self.finished == set(self.requests) - self.aborted
+        stats = self.scheduler.stats()
+        assert stats.blocks_used == 0
+        assert (stats.running, stats.waiting) == (0, 0)
+
+
+TestSchedulerMachine = SchedulerMachine.TestCase
+TestSchedulerMachine.settings = settings(max_examples=150, stateful_step_count=50, deadline=None)
