@@ -184,6 +184,24 @@ class Heartbeat(Struct, tag="heartbeat", tag_field="type"):
     draining: bool = False
 
 
+class KvEvents(Struct, tag="kv_events", tag_field="type"):
+    """What entered and left one worker's prefix cache since its previous batch.
+
+    Hashes are kvlane's chained block hashes (`shared.block_hash`), never an
+    engine's own. A batch holds each hash's net change only, so the order of
+    `stored` and `removed` does not matter. `seq` rises by one per batch: a
+    subscriber that sees a gap knows its view of this worker is incomplete.
+    """
+
+    worker_id: WorkerId
+    seq: NonNegativeInt
+    block_size: Annotated[int, Meta(ge=1)]
+    stored: list[int] = []
+    removed: list[int] = []
+    # The worker's whole cache was dropped before `stored` was applied.
+    cleared: bool = False
+
+
 class WorkerLeft(Struct, tag="worker_left", tag_field="type"):
     worker_id: WorkerId
     reason: str

@@ -93,6 +93,7 @@ def wire_schema() -> dict[str, Any]:
         "request_finished": m.RequestFinished,
         "heartbeat": m.Heartbeat,
         "worker_left": m.WorkerLeft,
+        "kv_events": m.KvEvents,
     }
     refs, components = msgspec.json.schema_components(list(families.values()), ref_template="#/$defs/{name}")
     return {"$defs": components, "messages": dict(zip(families, refs, strict=True))}

@@ -16,6 +16,7 @@ BALANCER_QUEUE_GROUP = "kvlane-balancer"
 
 HEARTBEAT_ALL = f"{PREFIX}.heartbeat.*"
 WORKER_LEFT = f"{PREFIX}.events.worker_left"
+KV_EVENTS_ALL = f"{PREFIX}.kv.*"
 REQUEST_FINISHED = f"{PREFIX}.events.finished"
 
 NODE_SET_KEY = f"{REDIS_PREFIX}:nodes"
@@ -30,6 +31,10 @@ def is_valid_token(value: str) -> bool:
 
 def heartbeat(worker_id: str) -> str:
     return f"{PREFIX}.heartbeat.{worker_id}"
+
+
+def kv_events(worker_id: str) -> str:
+    return f"{PREFIX}.kv.{worker_id}"
 
 
 def worker_inbox(worker_id: str) -> str:

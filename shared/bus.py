@@ -51,6 +51,7 @@ class Bus:
         self._encoder = msgspec.msgpack.Encoder()
         self._decoders: dict[Any, msgspec.msgpack.Decoder] = {}
         self._tasks: set[asyncio.Task] = set()
+        self._closing = False
 
     @classmethod
     async def connect(cls, settings: NatsSettings, name: str, telemetry: Telemetry) -> Bus:
@@ -60,19 +61,20 @@ class Bus:
         default), so a NATS restart costs a pause, not the service.
         """
         delay = settings.reconnect_wait_s
+        bus = cls(NatsClient(), telemetry)
         while True:
             try:
-                nc = await nats.connect(
+                await bus._nc.connect(
                     settings.url,
                     name=name,
                     connect_timeout=settings.connect_timeout_s,
                     reconnect_time_wait=settings.reconnect_wait_s,
                     max_reconnect_attempts=settings.max_reconnect_attempts,
                     error_cb=_on_error,
-                    disconnected_cb=_on_disconnected,
+                    disconnected_cb=bus._on_disconnected,
                     reconnected_cb=_on_reconnected,
                 )
-                return cls(nc, telemetry)
+                return bus
             except (OSError, nats.errors.Error, asyncio.TimeoutError) as exc:
                 log.warning("nats_connect_failed", url=settings.url, error=str(exc), retry_in_s=delay)
                 await asyncio.sleep(delay)
@@ -184,7 +186,12 @@ class Bus:
         except (nats.errors.Error, asyncio.TimeoutError) as exc:
             log.warning("flush_failed", error=str(exc))
 
+    async def _on_disconnected(self) -> None:
+        # A disconnect while closing is the drain we asked for, not news.
+        (log.debug if self._closing else log.warning)("nats_disconnected")
+
     async def close(self) -> None:
+        self._closing = True
         if self._tasks:
             await asyncio.wait(self._tasks, timeout=5.0)
         if not self._nc.is_closed:
@@ -197,10 +204,6 @@ class Bus:
 
 async def _on_error(exc: Exception) -> None:
     log.warning("nats_error", error=str(exc))
-
-
-async def _on_disconnected() -> None:
-    log.warning("nats_disconnected")
 
 
 async def _on_reconnected() -> None:

@@ -66,6 +66,8 @@ class ClusterSettings(_Section):
     # How often a process re-reads the live node set from Redis, besides
     # listening to heartbeats (recovers the view after a restart).
     resync_interval_s: PositiveFloat = 2.0
+    # Workers publish prefix-cache changes in batches this far apart.
+    kv_events_interval_s: PositiveFloat = 0.05
 
 
 class IngressSettings(_Section):

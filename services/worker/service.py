@@ -23,6 +23,7 @@ from contracts.messages import (
     GenerateAccepted,
     GenerateRequest,
     Heartbeat,
+    KvEvents,
     RequestFinished,
     StreamEnd,
     Timings,
@@ -57,14 +58,15 @@ class WorkerService:
         self._running: dict[str, asyncio.Task] = {}
         self._draining = False
         self._heartbeat_seq = 0
-        self._heartbeat_task: asyncio.Task | None = None
+        self._kv_seq = 0
+        self._background: list[asyncio.Task] = []
         self._log = log.bind(worker_id=registration.worker_id)
 
     async def start(self) -> None:
         await self._engine.start()
         await self._bus.subscribe(self.registration.inbox, WorkerRequest, self._on_request)
         await self._send_heartbeat()
-        self._heartbeat_task = asyncio.create_task(self._heartbeat_loop())
+        self._background = [asyncio.create_task(self._heartbeat_loop()), asyncio.create_task(self._kv_events_loop())]
         self._log.info("worker_registered", model=self.registration.model, inbox=self.registration.inbox)
 
     async def drain(self, timeout_s: float) -> None:
@@ -80,9 +82,9 @@ class WorkerService:
             if pending:
                 self._log.warning("drain_timeout_aborted", aborted=len(pending))
                 await asyncio.gather(*pending, return_exceptions=True)
-        if self._heartbeat_task is not None:
-            self._heartbeat_task.cancel()
-            await asyncio.gather(self._heartbeat_task, return_exceptions=True)
+        for task in self._background:
+            task.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
         worker_id = self.registration.worker_id
         await self._bus.publish(subjects.WORKER_LEFT, WorkerLeft(worker_id=worker_id, reason="drained"))
         with contextlib.suppress(RedisError, OSError):
@@ -178,6 +180,28 @@ class WorkerService:
         while True:
             await asyncio.sleep(self._cluster.heartbeat_interval_s)
             await self._send_heartbeat()
+
+    async def _kv_events_loop(self) -> None:
+        # Batching at a short interval bounds the message rate however fast
+        # the engine steps, and lets a batch carry net changes only.
+        while True:
+            await asyncio.sleep(self._cluster.kv_events_interval_s)
+            delta = self._engine.drain_kv_events()
+            if not delta:
+                continue
+            self._kv_seq += 1
+            events = KvEvents(
+                worker_id=self.registration.worker_id,
+                seq=self._kv_seq,
+                block_size=self.registration.block_size,
+                stored=delta.stored,
+                removed=delta.removed,
+                cleared=delta.cleared,
+            )
+            try:
+                await self._bus.publish(subjects.kv_events(self.registration.worker_id), events, traced=False)
+            except Exception as exc:
+                self._log.warning("kv_events_publish_failed", error=str(exc))
 
     async def _send_heartbeat(self) -> None:
         self._heartbeat_seq += 1

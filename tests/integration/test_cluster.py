@@ -163,3 +163,32 @@ async def test_garbage_on_balancer_and_worker_subjects_gets_error_replies(shared
     reply = await async_client(shared_fleet).completions.create(model=MODEL, prompt="after garbage", max_tokens=4)
     assert reply.usage.completion_tokens == 4
     assert all(p.alive() for p in shared_fleet.services())
+
+
+async def test_prefix_blocks_are_published_as_kv_events(shared_fleet: Fleet) -> None:
+    from contracts.messages import KvEvents
+    from shared.block_hash import chained_block_hashes
+    from shared.tokenizer import SimTokenizer
+
+    prompt = "a long shared system prompt that fills several kv blocks " * 6
+    expected = chained_block_hashes(SimTokenizer().encode(prompt), shared_fleet.config.worker.sim.block_size)
+    assert len(expected) >= 3
+    nc = await nats.connect(shared_fleet.config.nats.url)
+    stored: dict[str, set[int]] = {}
+    decoder = msgspec.msgpack.Decoder(KvEvents)
+
+    async def on_events(msg) -> None:
+        events = decoder.decode(msg.data)
+        stored.setdefault(events.worker_id, set()).update(events.stored)
+
+    await nc.subscribe(subjects.KV_EVENTS_ALL, cb=on_events)
+    await nc.flush()
+    try:
+        await async_client(shared_fleet).completions.create(model=MODEL, prompt=prompt, max_tokens=2)
+        for _ in range(40):
+            if any(set(expected) <= hashes for hashes in stored.values()):
+                break
+            await asyncio.sleep(0.05)
+        assert any(set(expected) <= hashes for hashes in stored.values()), stored
+    finally:
+        await nc.close()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from typing import Protocol
 
 from msgspec import Struct
@@ -27,6 +27,27 @@ class EngineOutput(Struct):
     cached_tokens: int = 0
 
 
+class KvCacheDelta(Struct):
+    """Net change of an engine's prefix cache since the previous drain."""
+
+    stored: list[int] = []
+    removed: list[int] = []
+    cleared: bool = False
+
+    def __bool__(self) -> bool:
+        return bool(self.stored or self.removed or self.cleared)
+
+
+def net_kv_delta(events: Iterable[tuple[bool, int]], cleared: bool = False) -> KvCacheDelta:
+    """Collapse ordered (stored?, block_hash) events to each hash's last state."""
+    last: dict[int, bool] = {}
+    for stored, block_hash in events:
+        last[block_hash] = stored
+    return KvCacheDelta(
+        stored=[h for h, s in last.items() if s], removed=[h for h, s in last.items() if not s], cleared=cleared
+    )
+
+
 class RequestRejected(ValueError):
     """The engine can never run this request (too long, bad token ids...)."""
 
@@ -47,6 +68,9 @@ class Engine(Protocol):
         Closing the iterator early (client gone, deadline) aborts the
         request inside the engine and frees its KV blocks.
         """
+
+    def drain_kv_events(self) -> KvCacheDelta:
+        """Prefix-cache changes since the previous call, as kvlane block hashes."""
 
     def stats(self) -> EngineStats:
         """A snapshot for the heartbeat; throughputs are measured since the previous call."""

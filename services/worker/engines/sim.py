@@ -14,7 +14,13 @@ from collections.abc import AsyncIterator, Callable
 import structlog
 
 from contracts.messages import EngineStats
-from services.worker.engines.base import EngineOutput, EngineRequest, RequestRejected
+from services.worker.engines.base import (
+    EngineOutput,
+    EngineRequest,
+    KvCacheDelta,
+    RequestRejected,
+    net_kv_delta,
+)
 from services.worker.sim import SimRequest, SimScheduler, StepOutcome, get_profile
 from shared.config import SimSettings
 from shared.tokenizer import SimTokenizer
@@ -36,6 +42,7 @@ class SimEngine:
             max_batched_tokens=settings.max_batched_tokens,
             profile=get_profile(settings.profile),
             output_token_range=tokenizer.output_token_range,
+            record_kv_events=True,
         )
         self._queues: dict[str, asyncio.Queue] = {}
         self._wake = asyncio.Event()
@@ -88,6 +95,9 @@ class SimEngine:
             self._queues.pop(request.request_id, None)
             if not engine_finished:
                 self._scheduler.abort(request.request_id)
+
+    def drain_kv_events(self) -> KvCacheDelta:
+        return net_kv_delta((e.kind == "stored", e.block_hash) for e in self._scheduler.drain_kv_events())
 
     def stats(self) -> EngineStats:
         s = self._scheduler.stats()

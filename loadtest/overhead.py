@@ -1,0 +1,676 @@
+"""What the control plane costs: HTTP ingress + balancer versus the bare worker.
+
+One run starts its own nats-server, redis-server and a fleet of one
+balancer, one sim worker (profile `zero`: no simulated GPU time, so every
+microsecond measured is control plane) and one ingress, all on free ports
+of 127.0.0.1, then measures:
+
+1. latency: N sequential 1-token requests on each of two paths, interleaved
+   A, B, A, B... so that machine noise hits both alike:
+   A. `POST /v1/completions` (non-streaming, keep-alive) through
+      ingress -> balancer -> worker, timed to the full response;
+   B. a `GenerateRequest` straight to the worker's NATS inbox, timed to the
+      `StreamEnd` frame;
+   and the overhead A - B (at p50 and p99) and the ratio A / B;
+2. throughput: a closed loop of C concurrent clients for S seconds, again
+   on both paths, with the CPU each process used meanwhile (which shows the
+   bottleneck: the ingress, the worker, or this client itself).
+
+Results are printed as tables and written as JSON. Everything the run
+started is stopped however it ends.
+
+    python -m loadtest.overhead [--requests N] [--concurrency C] [--duration S] [--out PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import datetime as dt
+import itertools
+import json
+import os
+import platform
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections import Counter
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from rich.console import Console
+from rich.table import Table
+
+from contracts import subjects
+from contracts.messages import (
+    ErrorReply,
+    GenerateRequest,
+    SamplingParams,
+    StreamEnd,
+    TokenChunk,
+    WorkerReply,
+)
+from kvlane.fleet import Fleet, start_fleet, with_overrides
+from kvlane.launcher import Launcher, Process, find_nats_server, find_redis_server, free_port
+from shared.bus import Bus, BusError, StreamReceiver
+from shared.config import KvlaneConfig, LoggingSettings, TracingSettings
+from shared.logging import configure_logging
+from shared.telemetry import Telemetry
+from shared.tokenizer import SimTokenizer
+
+DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "overhead.json"
+WORKER_ID = "w0"  # start_fleet names its workers w0, w1, ...
+HOST = "127.0.0.1"
+
+Call = Callable[[], Awaitable[float]]
+
+
+@dataclass
+class BenchOptions:
+    requests: int = 500  # sequential requests per path
+    concurrency: int = 32  # closed-loop clients
+    duration_s: float = 10.0  # closed-loop length per path
+    out: Path = DEFAULT_OUT
+    warmup: int = 50  # sequential requests per path before measuring
+    prompt: str = "Say hello to the control plane."
+    max_tokens: int = 1
+    request_timeout_s: float = 10.0  # one request, either path
+    max_requests: int = 200_000  # cap on each closed loop's request count
+    ready_timeout_s: float = 60.0
+    log_dir: Path | None = None  # default: a temporary directory, removed after a clean run
+    quiet: bool = False
+
+    def check(self) -> None:
+        if self.requests < 1 or self.concurrency < 1 or self.warmup < 0 or self.max_tokens < 1:
+            raise ValueError("requests, concurrency and max_tokens must be at least 1, warmup at least 0")
+        if not 0 < self.duration_s <= 600:
+            raise ValueError("duration must be in (0, 600] seconds")
+        if self.requests > 100_000:
+            raise ValueError("at most 100000 sequential requests per path")
+
+
+class RequestFailed(Exception):
+    """A request that got an answer other than a complete, successful one."""
+
+
+class BenchError(RuntimeError):
+    pass
+
+
+# --- statistics -------------------------------------------------------------------
+
+
+def percentile(sorted_values: Sequence[float], q: float) -> float:
+    """Linear interpolation between closest ranks (numpy's default method)."""
+    if not sorted_values:
+        raise ValueError("no values")
+    pos = (len(sorted_values) - 1) * q / 100.0
+    low = int(pos)
+    high = min(low + 1, len(sorted_values) - 1)
+    return sorted_values[low] + (sorted_values[high] - sorted_values[low]) * (pos - low)
+
+
+def summarize(latencies_s: Sequence[float]) -> dict[str, float | int | None]:
+    values = sorted(x * 1000.0 for x in latencies_s)
+    if not values:
+        return {"count": 0, "p50_ms": None, "p90_ms": None, "p99_ms": None, "mean_ms": None, "min_ms": None, "max_ms": None}
+    return {
+        "count": len(values),
+        "p50_ms": percentile(values, 50),
+        "p90_ms": percentile(values, 90),
+        "p99_ms": percentile(values, 99),
+        "mean_ms": sum(values) / len(values),
+        "min_ms": values[0],
+        "max_ms": values[-1],
+    }
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def _diff(a: float | None, b: float | None) -> float | None:
+    return a - b if a is not None and b is not None else None
+
+
+# --- CPU accounting ------------------------------------------------------------------
+
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def _cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds of a process so far (Linux /proc; None elsewhere)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2 :].split()  # the name may hold spaces; fields start at `state`
+    return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
+
+
+def _machine_cpu_seconds() -> tuple[float, float, float] | None:
+    """(busy, steal, irq + softirq) CPU seconds of the whole machine so far (Linux /proc/stat)."""
+    try:
+        with open("/proc/stat") as stat:
+            fields = [int(x) for x in stat.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    fields += [0] * (8 - len(fields))
+    # user nice system idle iowait irq softirq steal [guest guest_nice, already inside user/nice]
+    total = sum(fields[:8])
+    idle = fields[3] + fields[4]
+    return (total - idle) / _CLOCK_TICKS, fields[7] / _CLOCK_TICKS, (fields[5] + fields[6]) / _CLOCK_TICKS
+
+
+class CpuMeter:
+    """CPU used by each fleet process and by this client between two samples."""
+
+    def __init__(self, processes: Sequence[Process]) -> None:
+        self._processes = list(processes)
+
+    def sample(self) -> dict[str, float | None]:
+        sample = {p.name: _cpu_seconds(p.pid) for p in self._processes}
+        times = os.times()
+        sample["loadtest-client"] = times.user + times.system
+        machine = _machine_cpu_seconds()
+        sample["machine-busy"], sample["machine-steal"], sample["machine-irq"] = machine or (None, None, None)
+        return sample
+
+    @staticmethod
+    def percent(before: dict[str, float | None], after: dict[str, float | None], wall_s: float) -> dict[str, float | None]:
+        """Per process: CPU seconds / wall seconds, as a percentage of one core.
+
+        `machine-busy` is the whole machine (this run's processes, any
+        other's, and the kernel), out of 100 x the CPU count; `machine-irq`
+        the part of it spent in interrupts (loopback networking, mostly);
+        `machine-steal` time the hypervisor gave to other guests;
+        `other-processes` what is busy beyond this run's processes and irq.
+        """
+        out: dict[str, float | None] = {}
+        for name, start in before.items():
+            end = after.get(name)
+            out[name] = None if start is None or end is None or wall_s <= 0 else 100.0 * (end - start) / wall_s
+        ours = [v for k, v in out.items() if not k.startswith("machine-")]
+        if out.get("machine-busy") is not None and None not in ours:
+            out["other-processes"] = max(0.0, out["machine-busy"] - (out.get("machine-irq") or 0.0) - sum(ours))
+        return out
+
+
+# --- the two paths -------------------------------------------------------------------
+
+
+class HttpPath:
+    """Path A: non-streaming `POST /v1/completions` to the ingress (keep-alive)."""
+
+    name = "ingress"
+
+    def __init__(self, session: aiohttp.ClientSession, base_url: str, model: str, prompt: str, max_tokens: int) -> None:
+        self._session = session
+        self._url = f"{base_url}/v1/completions"
+        self._body = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens}).encode()
+        self._headers = {"Content-Type": "application/json"}
+        self._max_tokens = max_tokens
+
+    async def call(self) -> float:
+        started = time.perf_counter()
+        async with self._session.post(self._url, data=self._body, headers=self._headers) as response:
+            payload = await response.read()
+        elapsed = time.perf_counter() - started
+        if response.status != 200:
+            raise RequestFailed(f"HTTP {response.status}: {payload[:200].decode(errors='replace')}")
+        try:
+            usage = json.loads(payload)["usage"]
+        except (ValueError, KeyError) as exc:
+            raise RequestFailed(f"malformed completion: {payload[:200]!r}") from exc
+        if usage.get("completion_tokens") != self._max_tokens:
+            raise RequestFailed(f"expected {self._max_tokens} completion tokens, got {usage.get('completion_tokens')}")
+        return elapsed
+
+
+class DirectPath:
+    """Path B: a `GenerateRequest` to the worker's inbox, done at its `StreamEnd`."""
+
+    name = "direct"
+
+    def __init__(self, bus: Bus, streams: StreamReceiver, worker_id: str, model: str, prompt_token_ids: list[int],
+                 max_tokens: int, timeout_s: float) -> None:
+        self._bus = bus
+        self._streams = streams
+        self._inbox = subjects.worker_inbox(worker_id)
+        self._model = model
+        self._prompt_token_ids = prompt_token_ids
+        # Exactly what ingress builds for this request body (prompts.prepare).
+        self._sampling = SamplingParams(max_tokens=max_tokens)
+        self._max_tokens = max_tokens
+        self._timeout_s = timeout_s
+        self._prefix = f"lt{uuid.uuid4().hex[:8]}-"
+        self._ids = itertools.count()
+
+    async def call(self) -> float:
+        request_id = f"{self._prefix}{next(self._ids)}"
+        started = time.perf_counter()
+        async with asyncio.timeout(self._timeout_s):
+            with self._streams.open(request_id) as stream:
+                generate = GenerateRequest(
+                    request_id=request_id,
+                    model=self._model,
+                    prompt_token_ids=self._prompt_token_ids,
+                    sampling=self._sampling,
+                    stream_to=stream.subject,
+                    deadline=time.time() + self._timeout_s,
+                )
+                reply = await self._bus.request(self._inbox, generate, WorkerReply, self._timeout_s)
+                if isinstance(reply, ErrorReply):
+                    raise RequestFailed(f"worker refused: {reply.code}: {reply.message}")
+                tokens = 0
+                while True:
+                    frame = await stream.next(self._timeout_s)
+                    match frame:
+                        case TokenChunk():
+                            tokens += len(frame.token_ids)
+                        case StreamEnd():
+                            break
+                        case ErrorReply():
+                            raise RequestFailed(f"stream failed: {frame.code}: {frame.message}")
+        elapsed = time.perf_counter() - started
+        if tokens != self._max_tokens or frame.usage.completion_tokens != self._max_tokens:
+            raise RequestFailed(f"expected {self._max_tokens} tokens, got {tokens} (usage {frame.usage.completion_tokens})")
+        return elapsed
+
+
+def _describe(exc: BaseException) -> str:
+    text = str(exc) or type(exc).__name__
+    return f"{type(exc).__name__}: {text}"[:200]
+
+
+_EXPECTED_ERRORS = (RequestFailed, aiohttp.ClientError, BusError, TimeoutError, OSError)
+
+
+# --- phases ----------------------------------------------------------------------------
+
+
+async def wait_until_ok(call: Call, timeout_s: float) -> None:
+    """The fleet can report ready a moment before the balancer sees the worker."""
+    deadline = time.monotonic() + timeout_s
+    last = ""
+    while time.monotonic() < deadline:
+        try:
+            await call()
+            return
+        except _EXPECTED_ERRORS as exc:
+            last = _describe(exc)
+            await asyncio.sleep(0.1)
+    raise BenchError(f"no successful request within {timeout_s:.0f}s: {last}")
+
+
+async def sequential(paths: Sequence[Any], count: int) -> dict[str, dict[str, Any]]:
+    """`count` requests per path, one at a time, the paths taking turns."""
+    latencies: dict[str, list[float | None]] = {p.name: [] for p in paths}
+    errors: dict[str, Counter[str]] = {p.name: Counter() for p in paths}
+    for _ in range(count):
+        for path in paths:
+            try:
+                latencies[path.name].append(await path.call())
+            except _EXPECTED_ERRORS as exc:
+                latencies[path.name].append(None)
+                errors[path.name][_describe(exc)] += 1
+    return {
+        p.name: {"latencies": latencies[p.name], "errors": sum(errors[p.name].values()), "error_kinds": dict(errors[p.name])}
+        for p in paths
+    }
+
+
+async def closed_loop(call: Call, concurrency: int, duration_s: float, max_requests: int, timeout_s: float,
+                      meter: CpuMeter) -> dict[str, Any]:
+    """`concurrency` clients, each sending its next request when the last one ends, for `duration_s`."""
+    latencies: list[float] = []
+    errors: Counter[str] = Counter()
+    issued = 0
+    started = time.perf_counter()
+    stop_at = started + duration_s
+
+    async def client() -> None:
+        nonlocal issued
+        while time.perf_counter() < stop_at and issued < max_requests:
+            issued += 1
+            try:
+                latencies.append(await call())
+            except _EXPECTED_ERRORS as exc:
+                errors[_describe(exc)] += 1
+                await asyncio.sleep(0.01)  # a failing fleet must not turn this into a busy loop
+
+    cpu_before = meter.sample()
+    try:
+        # Clients stop starting requests at `stop_at`; in-flight ones are bounded by their own timeout.
+        async with asyncio.timeout(duration_s + timeout_s + 5.0):
+            await asyncio.gather(*(client() for _ in range(concurrency)))
+    except TimeoutError as exc:
+        raise BenchError("closed loop did not finish in time") from exc
+    elapsed = time.perf_counter() - started
+    cpu = CpuMeter.percent(cpu_before, meter.sample(), elapsed)
+    stats = summarize(latencies)
+    return {
+        "concurrency": concurrency,
+        "duration_s": duration_s,
+        "elapsed_s": elapsed,
+        "requests": issued,
+        "succeeded": len(latencies),
+        "errors": sum(errors.values()),
+        "error_kinds": dict(errors),
+        "requests_per_s": len(latencies) / elapsed if elapsed > 0 else 0.0,
+        "p50_ms": stats["p50_ms"],
+        "p90_ms": stats["p90_ms"],
+        "p99_ms": stats["p99_ms"],
+        "mean_ms": stats["mean_ms"],
+        "cpu_percent": cpu,
+        # Less sensitive to what else runs on the machine than requests/s: what one request costs each process.
+        "cpu_ms_per_request": {
+            name: None if pct is None or not latencies else pct / 100.0 * elapsed * 1000.0 / len(latencies)
+            for name, pct in cpu.items()
+            if not name.startswith(("machine-", "other-"))
+        },
+    }
+
+
+async def measure(fleet: Fleet, options: BenchOptions, console: Console) -> dict[str, Any]:
+    config = fleet.config
+    model = config.worker.model
+    prompt_token_ids = SimTokenizer().encode(options.prompt)
+    telemetry = Telemetry(TracingSettings(), "loadtest")
+    async with asyncio.timeout(15):
+        bus = await Bus.connect(config.nats, "kvlane-loadtest", telemetry)
+    try:
+        streams = StreamReceiver(bus, f"loadtest-{uuid.uuid4().hex[:8]}")
+        await streams.start()
+        connector = aiohttp.TCPConnector(limit=options.concurrency, ttl_dns_cache=None)
+        timeout = aiohttp.ClientTimeout(total=options.request_timeout_s)
+        async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+            http = HttpPath(session, fleet.base_url, model, options.prompt, options.max_tokens)
+            direct = DirectPath(bus, streams, WORKER_ID, model, prompt_token_ids, options.max_tokens, options.request_timeout_s)
+            meter = CpuMeter([*fleet.servers, *fleet.services()])
+
+            await wait_until_ok(http.call, 20.0)
+            await wait_until_ok(direct.call, 20.0)
+            if options.warmup:
+                await sequential([http, direct], options.warmup)
+
+            _status(console, options, f"latency: {options.requests} sequential requests per path, interleaved")
+            runs = await sequential([http, direct], options.requests)
+            latency = _latency_report(runs)
+
+            throughput = {}
+            for path in (http, direct):
+                # Opens the pool's connections (and warms the worker) before the clock starts.
+                await asyncio.gather(*(path.call() for _ in range(options.concurrency)), return_exceptions=True)
+                _status(console, options, f"throughput via {path.name}: {options.concurrency} clients for {options.duration_s:g}s")
+                throughput[path.name] = await closed_loop(
+                    path.call, options.concurrency, options.duration_s, options.max_requests, options.request_timeout_s, meter
+                )
+            ingress_rps, direct_rps = throughput["ingress"]["requests_per_s"], throughput["direct"]["requests_per_s"]
+            throughput["ingress_vs_direct"] = _ratio(ingress_rps, direct_rps)
+        return {"prompt_tokens": len(prompt_token_ids), "latency": latency, "throughput": throughput}
+    finally:
+        await bus.close()
+        telemetry.shutdown()
+
+
+def _latency_report(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    a_raw, b_raw = runs["ingress"]["latencies"], runs["direct"]["latencies"]
+    report: dict[str, Any] = {}
+    for name, run in runs.items():
+        report[name] = {**summarize([x for x in run["latencies"] if x is not None]), "errors": run["errors"],
+                        "error_kinds": run["error_kinds"]}
+    a, b = report["ingress"], report["direct"]
+    # Pairs measured back to back: the median difference is less noisy than a difference of medians.
+    paired = sorted((x - y) * 1000.0 for x, y in zip(a_raw, b_raw) if x is not None and y is not None)
+    report["overhead"] = {
+        "p50_ms": _diff(a["p50_ms"], b["p50_ms"]),
+        "p90_ms": _diff(a["p90_ms"], b["p90_ms"]),
+        "p99_ms": _diff(a["p99_ms"], b["p99_ms"]),
+        "mean_ms": _diff(a["mean_ms"], b["mean_ms"]),
+        "paired_median_ms": percentile(paired, 50) if paired else None,
+        "ratio_p50": _ratio(a["p50_ms"], b["p50_ms"]),
+        "ratio_p99": _ratio(a["p99_ms"], b["p99_ms"]),
+        "ratio_mean": _ratio(a["mean_ms"], b["mean_ms"]),
+    }
+    return report
+
+
+def _status(console: Console, options: BenchOptions, text: str) -> None:
+    if not options.quiet:
+        console.print(f"[dim]{text}[/]")
+
+
+# --- machine and versions ------------------------------------------------------------------
+
+
+def _binary_version(argv: list[str]) -> str | None:
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=5, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return (done.stdout or done.stderr).strip().splitlines()[0] if (done.stdout or done.stderr).strip() else None
+
+
+def machine_info() -> dict[str, Any]:
+    versions = {}
+    for dist in ("aiohttp", "nats-py", "uvloop", "msgspec", "redis"):
+        with contextlib.suppress(metadata.PackageNotFoundError):
+            versions[dist] = metadata.version(dist)
+    info: dict[str, Any] = {
+        "cpu_count": os.cpu_count(),
+        "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "python_version": platform.python_version(),
+        "python_implementation": platform.python_implementation(),
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "load_average_at_start": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        "packages": versions,
+    }
+    with contextlib.suppress(Exception):
+        info["nats_server"] = _binary_version([find_nats_server(), "--version"])
+    with contextlib.suppress(Exception):
+        info["redis_server"] = _binary_version([find_redis_server(), "--version"])
+    return info
+
+
+# --- the run ---------------------------------------------------------------------------------
+
+
+def bench_config() -> KvlaneConfig:
+    """Defaults with free local ports, quiet logs and a worker that takes no simulated time."""
+    return with_overrides(
+        KvlaneConfig(),
+        nats={"url": f"nats://{HOST}:{free_port()}"},
+        redis={"url": f"redis://{HOST}:{free_port()}/0"},
+        ingress={"host": HOST, "port": free_port()},
+        logging={"level": "warning"},
+        tracing={"exporter": "none"},
+        **{"worker.sim": {"profile": "zero"}},
+    )
+
+
+def _run_async(coro: Awaitable[Any]) -> Any:
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a kvlane dependency
+        return asyncio.run(coro)
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(coro)
+
+
+def run_benchmark(options: BenchOptions, console: Console | None = None) -> dict[str, Any]:
+    """Start a fleet, measure, stop everything; returns the results (also written to `options.out`)."""
+    options.check()
+    console = console or Console()
+    config = bench_config()
+    own_log_dir = options.log_dir is None
+    log_dir = Path(tempfile.mkdtemp(prefix="kvlane-overhead-")) if own_log_dir else Path(options.log_dir)
+    launcher = Launcher(log_dir)
+    fleet: Fleet | None = None
+    clean = False
+    started_at = dt.datetime.now(dt.timezone.utc)
+    machine = machine_info()
+    try:
+        _status(console, options, f"starting nats, redis, balancer, worker {WORKER_ID} (sim, profile zero), ingress; logs in {log_dir}")
+        fleet = start_fleet(launcher, config, workers=1, ready_timeout=options.ready_timeout_s)
+        measured = _run_async(measure(fleet, options, console))
+        dead = [p.name for p in fleet.services() if not p.alive()]
+        if dead:
+            raise BenchError(f"{', '.join(dead)} exited during the run; logs in {log_dir}")
+        clean = True
+    except BaseException:
+        if fleet is not None:
+            for process in fleet.services():
+                tail = process.log_tail(15)
+                if tail and not options.quiet:
+                    console.print(f"[red]--- {process.name} log tail ---[/]\n{tail}")
+        console.print(f"[red]benchmark failed; logs kept in {log_dir}[/]")
+        raise
+    finally:
+        if fleet is not None:
+            fleet.stop()
+        launcher.stop_all()
+        if clean and own_log_dir:
+            shutil.rmtree(log_dir, ignore_errors=True)
+
+    results = {
+        "benchmark": "kvlane-overhead",
+        "timestamp": started_at.isoformat(),
+        "machine": machine,
+        "parameters": {
+            "requests": options.requests,
+            "warmup": options.warmup,
+            "concurrency": options.concurrency,
+            "duration_s": options.duration_s,
+            "prompt": options.prompt,
+            "prompt_tokens": measured["prompt_tokens"],
+            "max_tokens": options.max_tokens,
+            "request_timeout_s": options.request_timeout_s,
+            "model": config.worker.model,
+            "worker_engine": config.worker.engine,
+            "worker_profile": config.worker.sim.profile,
+            "workers": 1,
+            "balancers": 1,
+            "ingresses": 1,
+            "client_event_loop": "uvloop",
+            "interleaving": "A,B,A,B (A=ingress, B=direct)",
+        },
+        "latency": measured["latency"],
+        "throughput": measured["throughput"],
+    }
+    out = Path(options.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2) + "\n")
+    if not options.quiet:
+        print_report(results, console)
+        console.print(f"results written to [bold]{out}[/]")
+    return results
+
+
+# --- report ----------------------------------------------------------------------------------
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+def print_report(results: dict[str, Any], console: Console) -> None:
+    params, lat, thr = results["parameters"], results["latency"], results["throughput"]
+    table = Table(title=f"Sequential {params['max_tokens']}-token requests, {params['requests']} per path (ms)")
+    for column in ("path", "p50", "p90", "p99", "mean", "errors"):
+        table.add_column(column, justify="left" if column == "path" else "right")
+    table.add_row("A: ingress (HTTP)", *(_ms(lat["ingress"][k]) for k in ("p50_ms", "p90_ms", "p99_ms", "mean_ms")),
+                  str(lat["ingress"]["errors"]))
+    table.add_row("B: worker direct (NATS)", *(_ms(lat["direct"][k]) for k in ("p50_ms", "p90_ms", "p99_ms", "mean_ms")),
+                  str(lat["direct"]["errors"]))
+    ovh = lat["overhead"]
+    table.add_row("[bold]overhead A - B[/]", *(_ms(ovh[k]) for k in ("p50_ms", "p90_ms", "p99_ms", "mean_ms")), "")
+    ratio = lambda v: "-" if v is None else f"{v:.2f}x"  # noqa: E731
+    table.add_row("[bold]ratio A / B[/]", ratio(ovh["ratio_p50"]), "", ratio(ovh["ratio_p99"]), ratio(ovh["ratio_mean"]), "")
+    console.print(table)
+    console.print(f"paired median of (A - B): {_ms(ovh['paired_median_ms'])} ms")
+
+    table = Table(title=f"Closed loop: {params['concurrency']} clients, {params['duration_s']:g} s per path")
+    for column in ("path", "req/s", "requests", "errors", "p50 ms", "p99 ms"):
+        table.add_column(column, justify="left" if column == "path" else "right")
+    for key, label in (("ingress", "HTTP ingress"), ("direct", "NATS direct")):
+        run = thr[key]
+        table.add_row(label, f"{run['requests_per_s']:.0f}", str(run["succeeded"]), str(run["errors"]), _ms(run["p50_ms"]), _ms(run["p99_ms"]))
+    console.print(table)
+
+    names = sorted({name for key in ("ingress", "direct") for name in thr[key]["cpu_percent"]},
+                   key=lambda n: (n.startswith(("machine-", "other-")), n))
+    capacity = 100 * (results["machine"]["cpus_usable"] or 1)
+    table = Table(title=f"CPU during the closed loops: % of one core (the machine has {capacity}%), CPU ms per request")
+    table.add_column("process")
+    for label in ("HTTP loop %", "ms/req", "NATS loop %", "ms/req"):
+        table.add_column(label, justify="right")
+    for name in names:
+        cells = []
+        for key in ("ingress", "direct"):
+            pct, per_request = thr[key]["cpu_percent"].get(name), thr[key]["cpu_ms_per_request"].get(name)
+            cells += ["-" if pct is None else f"{pct:.0f}", "" if per_request is None else f"{per_request:.3f}"]
+        table.add_row(name, *cells)
+    console.print(table)
+    machine = results["machine"]
+    console.print(f"machine: {machine['cpus_usable']} usable CPUs of {machine['cpu_count']}, Python {machine['python_version']}, "
+                  f"load average at start {machine['load_average_at_start']}")
+
+
+# --- command line ------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m loadtest.overhead", description=__doc__.split("\n\n")[0])
+    defaults = BenchOptions()
+    parser.add_argument("--requests", type=int, default=defaults.requests, help="sequential requests per path (default %(default)s)")
+    parser.add_argument("--concurrency", type=int, default=defaults.concurrency, help="closed-loop clients (default %(default)s)")
+    parser.add_argument("--duration", type=float, default=defaults.duration_s, help="closed-loop seconds per path (default %(default)s)")
+    parser.add_argument("--out", type=Path, default=defaults.out, help="JSON results file (default %(default)s)")
+    parser.add_argument("--warmup", type=int, default=defaults.warmup, help="warm-up requests per path (default %(default)s)")
+    parser.add_argument("--log-dir", type=Path, help="keep the fleet's logs here (default: a temporary directory, removed after a clean run)")
+    return parser
+
+
+def _terminate(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)  # unwinds through run_benchmark's finally, which stops the fleet
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    signal.signal(signal.SIGTERM, _terminate)
+    # This process's own Bus logs through structlog; keep routine lines (a clean
+    # disconnect logs a warning) out of the report.
+    configure_logging(LoggingSettings(format="console", level="error"), "loadtest")
+    options = BenchOptions(requests=args.requests, concurrency=args.concurrency, duration_s=args.duration,
+                           out=args.out, warmup=args.warmup, log_dir=args.log_dir)
+    console = Console()
+    try:
+        options.check()
+    except ValueError as exc:
+        console.print(f"[red]{exc}[/]")
+        return 2
+    try:
+        results = run_benchmark(options, console)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:  # noqa: BLE001 - report, exit non-zero
+        console.print(f"[red]{_describe(exc)}[/]")
+        return 1
+    failed = results["latency"]["ingress"]["errors"] + results["latency"]["direct"]["errors"]
+    failed += results["throughput"]["ingress"]["errors"] + results["throughput"]["direct"]["errors"]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
