@@ -45,6 +45,8 @@ class RouteRequest(Struct, tag="route", tag_field="type"):
     block_hashes: list[int] = []
     priority: int = 0
     exclude_workers: list[WorkerId] = []
+    # The prompt's first tokens, for the cache-manager's hot-prefix pre-warming.
+    prefix_token_ids: list[int] = []
 
 
 class RouteDecision(Struct, tag="decision", tag_field="type"):
@@ -86,6 +88,10 @@ class GenerateRequest(Struct, tag="generate", tag_field="type"):
     sampling: SamplingParams
     stream_to: str
     deadline: float
+    # Tokens a previous run already streamed to the client (migration after a
+    # worker died, or resumption after preemption): generation continues
+    # after them, and they count toward `sampling.max_tokens` and usage.
+    resume_token_ids: list[int] = []
 
 
 class AbortRequest(Struct, tag="abort", tag_field="type"):
@@ -160,6 +166,8 @@ class WorkerRegistration(Struct, frozen=True):
     tokenizer: str
     started_at: float
     host: str = ""
+    # Most sequences the engine batches at once; 0 = not reported.
+    max_num_seqs: Annotated[int, Meta(ge=0)] = 0
 
 
 class EngineStats(Struct):

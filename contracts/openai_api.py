@@ -55,6 +55,10 @@ class _SamplingFields(Struct, forbid_unknown_fields=True, kw_only=True):
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
     user: str | None = None
+    # kvlane extension: a priority class, higher is more important. It orders
+    # the balancer's central queue and lets the cache-manager preempt
+    # lower-value running requests when KV memory is full.
+    priority: Annotated[int, Meta(ge=0, le=9)] = 0
 
 
 class ChatCompletionRequest(_SamplingFields, kw_only=True):
@@ -170,3 +174,5 @@ class HealthStatus(Struct):
     status: Literal["ok", "not_ready"]
     workers: int = 0
     models: list[str] = []
+    # What /ready is waiting for: "nats", "workers", "balancer", "cache-manager".
+    missing: list[str] = []

@@ -13,10 +13,19 @@ REDIS_PREFIX = "kvlane:v1"
 
 ROUTE = f"{PREFIX}.route"
 BALANCER_QUEUE_GROUP = "kvlane-balancer"
+BALANCER_STATUS = f"{PREFIX}.balancer.status"
+BALANCER_ADMIN_QUEUE_GROUP = "kvlane-balancer-admin"
 
 HEARTBEAT_ALL = f"{PREFIX}.heartbeat.*"
 WORKER_LEFT = f"{PREFIX}.events.worker_left"
 KV_EVENTS_ALL = f"{PREFIX}.kv.*"
+
+FEEDBACK = f"{PREFIX}.feedback"
+HEALTH_ALL = f"{PREFIX}.health.*"
+
+CACHE_REQUEST = f"{PREFIX}.cache.request"
+CACHE_RENEW = f"{PREFIX}.cache.renew"
+CACHE_QUEUE_GROUP = "kvlane-cache-manager"
 REQUEST_FINISHED = f"{PREFIX}.events.finished"
 
 NODE_SET_KEY = f"{REDIS_PREFIX}:nodes"
@@ -31,6 +40,14 @@ def is_valid_token(value: str) -> bool:
 
 def heartbeat(worker_id: str) -> str:
     return f"{PREFIX}.heartbeat.{worker_id}"
+
+
+def health(worker_id: str) -> str:
+    return f"{PREFIX}.health.{worker_id}"
+
+
+def health_key(worker_id: str) -> str:
+    return f"{REDIS_PREFIX}:health:{worker_id}"
 
 
 def kv_events(worker_id: str) -> str:

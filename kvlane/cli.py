@@ -13,11 +13,13 @@ from rich.console import Console
 
 from kvlane.fleet import start_fleet, with_overrides
 from kvlane.launcher import LaunchError, Launcher
-from shared.config import ConfigError, load_config
+from shared.config import ConfigError, KvlaneConfig, WorkerSettings, load_config
 
 
 def _up(args: argparse.Namespace, console: Console) -> int:
     config = load_config(args.config)
+    if args.engine == "vllm":
+        config = _with_vllm_model(config, console)
     config = with_overrides(
         config,
         ingress={"port": args.port, "host": args.host},
@@ -28,7 +30,8 @@ def _up(args: argparse.Namespace, console: Console) -> int:
     launcher = Launcher(log_dir)
     console.print(f"[bold]kvlane up[/]: {args.workers} {args.engine} worker(s), logs in {log_dir}")
     try:
-        fleet = start_fleet(launcher, config, args.workers, ready_timeout=args.ready_timeout)
+        ready_timeout = args.ready_timeout or (VLLM_READY_TIMEOUT_S if args.engine == "vllm" else 60.0)
+        fleet = start_fleet(launcher, config, args.workers, ready_timeout=ready_timeout)
     except (LaunchError, ValueError) as exc:
         console.print(f"[red]failed to start:[/] {exc}")
         return 1
@@ -56,6 +59,34 @@ def _up(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+# A vLLM engine takes ~30 s to start alone, longer when several share few cores.
+VLLM_READY_TIMEOUT_S = 600.0
+TINY_MODEL_NAME = "tiny-llama"
+
+
+def _with_vllm_model(config: KvlaneConfig, console: Console) -> KvlaneConfig:
+    """Without a configured model directory, serve the tiny test model (built once into a cache directory)."""
+    if config.worker.vllm.model:
+        return config
+    from kvlane.tiny_model import default_cache_dir, ensure_tiny_model
+
+    console.print(f"no worker.vllm.model configured: serving the tiny random-weight test model from {default_cache_dir()}")
+    directory = ensure_tiny_model(default_cache_dir())
+    worker = {"model": TINY_MODEL_NAME} if config.worker.model == WorkerSettings().model else {}
+    # The tiny model starts in seconds without torch.compile, and float32 keeps its greedy output stable.
+    engine_args = {"enforce_eager": True, **config.worker.vllm.extra_engine_args}
+    vllm = {"model": str(directory), "dtype": "float32", "extra_engine_args": engine_args}
+    return with_overrides(config, worker=worker, **{"worker.vllm": vllm})
+
+
+def _make_tiny_model(args: argparse.Namespace, console: Console) -> int:
+    from kvlane.tiny_model import make_tiny_model
+
+    directory = make_tiny_model(args.directory, seed=args.seed)
+    console.print(f"tiny model written to {directory}")
+    return 0
+
+
 def _schema(args: argparse.Namespace, console: Console) -> int:
     import json
 
@@ -66,26 +97,58 @@ def _schema(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def _status(args: argparse.Namespace, console: Console) -> int:
+    import asyncio
+
+    from kvlane.status import StatusError, fetch_status, render_status
+
+    nats_url = args.nats_url or load_config(args.config).nats.url
+    try:
+        status = asyncio.run(fetch_status(nats_url, args.model, args.timeout))
+    except StatusError as exc:
+        console.print(f"[red]{exc}[/]")
+        return 1
+    render_status(status, console)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvlane", description="LLM-serving control plane")
     commands = parser.add_subparsers(dest="command", required=True)
     up = commands.add_parser("up", help="start NATS, Redis (unless reachable), balancer, workers and ingress")
-    up.add_argument("--engine", choices=["sim"], default="sim")
+    up.add_argument("--engine", choices=["sim", "vllm"], default="sim")
     up.add_argument("--workers", type=int, default=2)
     up.add_argument("--port", type=int, default=8000)
     up.add_argument("--host", default="127.0.0.1")
     up.add_argument("--config", help="TOML configuration file")
     up.add_argument("--log-dir", help="where child logs go (default: a new temporary directory)")
-    up.add_argument("--ready-timeout", type=float, default=60.0)
+    up.add_argument("--ready-timeout", type=float, help="seconds to wait for the fleet (default: 60 sim, 600 vllm)")
     up.add_argument("--console-logs", action="store_true", help="human-readable logs instead of JSON")
     up.set_defaults(handler=_up)
+    tiny = commands.add_parser("make-tiny-model", help="write a tiny random-weight Llama with its own tokenizer (for tests)")
+    tiny.add_argument("directory")
+    tiny.add_argument("--seed", type=int, default=0)
+    tiny.set_defaults(handler=_make_tiny_model)
     schema = commands.add_parser("schema", help="print the OpenAPI document or the JSON Schema of the NATS messages")
     schema.add_argument("kind", choices=["openapi", "wire"])
     schema.set_defaults(handler=_schema)
+    status = commands.add_parser("status", help="nodes, load, slots, queue, policy and JFFC bounds, from a balancer")
+    status.add_argument("--config", help="TOML configuration file (for the NATS URL)")
+    status.add_argument("--nats-url", help="NATS URL (default: from the configuration)")
+    status.add_argument("--model", default="", help="only this model's chains")
+    status.add_argument("--timeout", type=float, default=5.0)
+    status.set_defaults(handler=_status)
+    # `kvlane bench` has its own parser (loadtest/bench.py); everything after the word goes to it.
+    commands.add_parser("bench", help="run a workload against fresh sim fleets, one per routing policy", add_help=False)
     return parser
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:
+        from loadtest.bench import main as bench_main
+
+        sys.exit(bench_main(argv[1:]))
     args = build_parser().parse_args(argv)
     console = Console(stderr=False)
     if getattr(args, "workers", 1) < 1:

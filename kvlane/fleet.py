@@ -19,6 +19,8 @@ class Fleet:
     base_url: str
     servers: list[Process] = field(default_factory=list)
     balancers: list[Process] = field(default_factory=list)
+    cache_managers: list[Process] = field(default_factory=list)
+    health_probers: list[Process] = field(default_factory=list)
     workers: list[Process] = field(default_factory=list)
     ingress: Process | None = None
 
@@ -28,8 +30,15 @@ class Fleet:
         self.workers.append(process)
         return process
 
+    def add_cache_manager(self) -> Process:
+        index = len(self.cache_managers)
+        process = self.launcher.start_service("cache_manager", to_env(self.config), name=f"cache-manager-{index}")
+        self.cache_managers.append(process)
+        return process
+
     def services(self) -> list[Process]:
-        return [*self.balancers, *self.workers, *([self.ingress] if self.ingress else [])]
+        return [*self.balancers, *self.cache_managers, *self.health_probers, *self.workers,
+                *([self.ingress] if self.ingress else [])]
 
     def stop(self) -> None:
         self.launcher.stop_all()
@@ -54,13 +63,19 @@ def ensure_servers(launcher: Launcher, config: KvlaneConfig) -> list[Process]:
     return started
 
 
-def start_fleet(launcher: Launcher, config: KvlaneConfig, workers: int, ready_timeout: float = 60.0) -> Fleet:
+def start_fleet(
+    launcher: Launcher, config: KvlaneConfig, workers: int, ready_timeout: float = 60.0, health_prober: bool = True
+) -> Fleet:
     host = "127.0.0.1" if config.ingress.host in ("0.0.0.0", "") else config.ingress.host
     fleet = Fleet(launcher, config, f"http://{host}:{config.ingress.port}")
     try:
         fleet.servers = ensure_servers(launcher, config)
         env = to_env(config)
         fleet.balancers.append(launcher.start_service("balancer", env))
+        if config.balancer.allocate_kv:
+            fleet.add_cache_manager()
+        if health_prober:
+            fleet.health_probers.append(launcher.start_service("health_prober", env, name="health-prober"))
         for index in range(workers):
             fleet.add_worker(f"w{index}")
         fleet.ingress = launcher.start_service("ingress", env)

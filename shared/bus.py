@@ -9,6 +9,7 @@ whose parent is the sender's, so one trace spans all services.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -52,6 +53,9 @@ class Bus:
         self._decoders: dict[Any, msgspec.msgpack.Decoder] = {}
         self._tasks: set[asyncio.Task] = set()
         self._closing = False
+        # Monotonic time of the last reconnect: messages in flight around it
+        # may be lost, so streams that go quiet after it should not wait long.
+        self.reconnected_at: float | None = None
 
     @classmethod
     async def connect(cls, settings: NatsSettings, name: str, telemetry: Telemetry) -> Bus:
@@ -72,7 +76,7 @@ class Bus:
                     max_reconnect_attempts=settings.max_reconnect_attempts,
                     error_cb=_on_error,
                     disconnected_cb=bus._on_disconnected,
-                    reconnected_cb=_on_reconnected,
+                    reconnected_cb=bus._on_reconnected,
                 )
                 return bus
             except (OSError, nats.errors.Error, asyncio.TimeoutError) as exc:
@@ -186,6 +190,10 @@ class Bus:
         except (nats.errors.Error, asyncio.TimeoutError) as exc:
             log.warning("flush_failed", error=str(exc))
 
+    async def _on_reconnected(self) -> None:
+        self.reconnected_at = time.monotonic()
+        log.info("nats_reconnected")
+
     async def _on_disconnected(self) -> None:
         # A disconnect while closing is the drain we asked for, not news.
         (log.debug if self._closing else log.warning)("nats_disconnected")
@@ -204,10 +212,6 @@ class Bus:
 
 async def _on_error(exc: Exception) -> None:
     log.warning("nats_error", error=str(exc))
-
-
-async def _on_reconnected() -> None:
-    log.info("nats_reconnected")
 
 
 class ReplyStream:

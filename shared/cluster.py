@@ -55,6 +55,10 @@ class ClusterView:
             del self._nodes[worker_id]
         return stale
 
+    def is_live(self, worker_id: str, now: float) -> bool:
+        entry = self._nodes.get(worker_id)
+        return entry is not None and now - entry.seen_at <= self._ttl_s
+
     def live(self, now: float) -> list[Heartbeat]:
         return [e.heartbeat for e in self._nodes.values() if now - e.seen_at <= self._ttl_s]
 

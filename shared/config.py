@@ -47,6 +47,9 @@ class NatsSettings(_Section):
 class RedisSettings(_Section):
     url: str = "redis://127.0.0.1:6379/0"
     socket_timeout_s: PositiveFloat = 2.0
+    max_connections: PositiveInt = 32
+    # How long a command may wait for a free pooled connection under a burst.
+    pool_timeout_s: PositiveFloat = 10.0
 
 
 class LoggingSettings(_Section):
@@ -68,6 +71,8 @@ class ClusterSettings(_Section):
     resync_interval_s: PositiveFloat = 2.0
     # Workers publish prefix-cache changes in batches this far apart.
     kv_events_interval_s: PositiveFloat = 0.05
+    # Workers renew the KV leases of running requests this often.
+    lease_renew_interval_s: PositiveFloat = 2.0
 
 
 class IngressSettings(_Section):
@@ -80,12 +85,145 @@ class IngressSettings(_Section):
     # A stream with no frame for this long is failed (worker stalled or gone).
     stall_timeout_s: PositiveFloat = 30.0
     dispatch_attempts: PositiveInt = 3
+    # Resumptions of a broken-off stream on another worker before giving up.
+    migration_attempts: Annotated[int, Meta(ge=0)] = 2
+    # Resumptions after being preempted for a higher-priority request.
+    preemption_resumes: Annotated[int, Meta(ge=0)] = 10
+    # While waiting for a frame, how often to check that the worker is still alive.
+    liveness_check_s: PositiveFloat = 0.25
+    # After a NATS reconnect, a stream silent this long is resumed (its frames were lost).
+    reconnect_grace_s: PositiveFloat = 1.0
+    # A stream this many times slower than its node's norm is reported as slow.
+    slow_stream_factor: PositiveFloat = 4.0
     max_tokens_default: PositiveInt = 512
     max_body_bytes: PositiveInt = 8 * 1024 * 1024
+    # How many leading prompt tokens ride along for hot-prefix pre-warming.
+    forward_prefix_tokens: Annotated[int, Meta(ge=0)] = 2048
+
+
+BalancerPolicyName = Literal[
+    "round_robin", "random", "least_loaded", "power_of_two", "prefix_affinity", "kv_cost", "score", "jffc",
+    "jffc_per_request",
+]
+
+
+class SlotSettings(_Section):
+    # A chain's slots = how many requests of this size (prompt + output) its
+    # KV memory holds; the typical split also feeds the response-time bounds.
+    typical_prompt_tokens: PositiveInt = 768
+    typical_output_tokens: PositiveInt = 256
+    # Size KV slots by the requests actually routed (a moving average of
+    # prompt + max_tokens), the typical size above being only the start:
+    # slots sized for smaller requests than arrive overcommit KV, and the
+    # engine then preempts and recomputes.
+    learn_request_size: bool = True
+    # 0: no cap; otherwise slots = min(KV slots, this). The engine's
+    # max_num_seqs, when its registration reports it, caps them too.
+    max_per_chain: Annotated[int, Meta(ge=0)] = 0
+    # "redis": one global count shared by every balancer replica (Lua);
+    # "local": this process only (one replica, or tests without Redis).
+    store: Literal["redis", "local"] = "redis"
+
+
+class QueueSettings(_Section):
+    max_length: PositiveInt = 1024
+    # A queued request is refused (503) after this long, or at its own deadline if sooner.
+    max_wait_s: PositiveFloat = 30.0
+    retry_after_s: PositiveFloat = 1.0
+
+
+class SpeedSettings(_Section):
+    # Step-time profile (services/worker/sim/profile.py) assumed for a node
+    # until its heartbeats show measured speed.
+    fallback_profile: str = "tiny-cpu"
+    # Weight of the newest measurement in the moving averages (speed, queue growth).
+    smoothing: Annotated[float, Meta(gt=0.0, le=1.0)] = 0.3
+    # A node whose waiting queue grows counts as if it were this many seconds ahead.
+    growth_horizon_s: Annotated[float, Meta(ge=0.0)] = 2.0
+    # Measured speeds within this fraction of each other count as one speed:
+    # identical nodes measure differently (prefill/decode mix, idle moments),
+    # and ranking on that noise piles requests onto a few of them. 0 = off.
+    equal_within: Annotated[float, Meta(ge=0.0)] = 0.5
+    # Seconds per prompt token moved from prefill to decode node (0 on one-node chains).
+    kv_transfer_s_per_token: Annotated[float, Meta(ge=0.0)] = 0.0
+
+
+class PrefixAffinitySettings(_Section):
+    match_threshold: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.5
+    balance_abs_threshold: Annotated[float, Meta(ge=0.0)] = 32.0
+    balance_rel_threshold: Annotated[float, Meta(ge=1.0)] = 1.5
+
+
+class KvCostSettings(_Section):
+    overlap_weight: Annotated[float, Meta(ge=0.0)] = 1.0
+
+
+class ScoreSettings(_Section):
+    load_weight: float = 0.5
+    cache_weight: float = 0.3
+    fit_weight: float = 0.2
+    # Go to the node holding the request's cache while its utilisation is below this.
+    fast_forward_utilisation: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.65
 
 
 class BalancerSettings(_Section):
-    policy: Literal["least_loaded"] = "least_loaded"
+    policy: BalancerPolicyName = "jffc_per_request"
+    # Confirm every decision with a KV allocation from the cache-manager
+    # (off only for fleets that run without one, such as pure routing benchmarks).
+    allocate_kv: bool = True
+    allocate_timeout_s: PositiveFloat = 2.0
+    # Seeds `random` and `power_of_two`, so runs can be replayed.
+    seed: int = 0
+    # Prometheus /metrics on this port; 0 = off.
+    metrics_port: Annotated[int, Meta(ge=0, le=65535)] = 0
+    metrics_host: str = "127.0.0.1"
+    # How often expired reservations are dropped, global slot usage re-read and the queue retried.
+    tick_interval_s: PositiveFloat = 0.5
+    prefix_index_max_blocks: PositiveInt = 1_000_000
+    slots: SlotSettings = msgspec.field(default_factory=SlotSettings)
+    queue: QueueSettings = msgspec.field(default_factory=QueueSettings)
+    speed: SpeedSettings = msgspec.field(default_factory=SpeedSettings)
+    prefix_affinity: PrefixAffinitySettings = msgspec.field(default_factory=PrefixAffinitySettings)
+    kv_cost: KvCostSettings = msgspec.field(default_factory=KvCostSettings)
+    score: ScoreSettings = msgspec.field(default_factory=ScoreSettings)
+
+
+class CacheManagerSettings(_Section):
+    lease_ttl_s: PositiveFloat = 10.0
+    # Output tokens reserved up front per request: min(max_tokens, this).
+    output_reserve_cap: PositiveInt = 1 << 30
+    short_request_tokens: PositiveInt = 1024
+    short_pool_share: Annotated[float, Meta(ge=0.0, lt=1.0)] = 0.1
+    length_penalty_tokens: PositiveFloat = 4096.0
+    length_penalty_power: PositiveFloat = 1.0
+    eviction: Literal["retention", "lru"] = "retention"
+    index_max_blocks: PositiveInt = 1_000_000
+    # Nodes that publish no KV events: remember what was routed there this long.
+    history_ttl_s: PositiveFloat = 120.0
+    prewarm: bool = True
+    prewarm_window_s: PositiveFloat = 30.0
+    prewarm_min_hits: PositiveInt = 20
+    prewarm_prefix_tokens: PositiveInt = 2048
+    # Pre-warm onto another node when every holder is above the high load
+    # and the target is below the low load (reserved fraction of its blocks).
+    prewarm_high_load: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.7
+    prewarm_low_load: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.3
+    metrics_port: Annotated[int, Meta(ge=0, le=65535)] = 0
+
+
+class HealthSettings(_Section):
+    probe_interval_s: PositiveFloat = 2.0
+    probe_timeout_s: PositiveFloat = 2.0
+    # A probe slower than max(factor x the node's baseline, baseline + floor) is bad.
+    slow_factor: PositiveFloat = 5.0
+    slow_floor_s: PositiveFloat = 0.25
+    bad_probes_to_suspect: PositiveInt = 2
+    bad_probes_to_unhealthy: PositiveInt = 4
+    good_probes_to_recover: PositiveInt = 3
+    feedback_window_s: PositiveFloat = 30.0
+    feedback_to_suspect: PositiveInt = 5
+    suspect_weight: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.3
+    verdict_ttl_s: PositiveFloat = 30.0
 
 
 class SimSettings(_Section):
@@ -100,13 +238,35 @@ class SimSettings(_Section):
     seed: int = 0
 
 
+class VllmSettings(_Section):
+    # A local Hugging Face model directory (config.json, safetensors, tokenizer).
+    # Empty: `kvlane up --engine vllm` builds the tiny test model and fills this in.
+    model: str = ""
+    # The name clients ask for; empty means `worker.model`.
+    served_model_name: str = ""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    # 0: the model's own limit (max_position_embeddings).
+    max_model_len: Annotated[int, Meta(ge=0)] = 0
+    # The CPU backend wants multiples of 32; kvlane hashes blocks of this size too.
+    block_size: PositiveInt = 32
+    # KV cache size, passed to vLLM as kv_cache_memory_bytes (CPU and GPU alike;
+    # it overrides gpu_memory_utilization). 0: on a GPU, vLLM's own sizing; on
+    # the CPU, VLLM_CPU_KVCACHE_SPACE if set, else 4 GiB.
+    kv_cache_gib: Annotated[float, Meta(ge=0)] = 0.0
+    enable_prefix_caching: bool = True
+    tensor_parallel_size: PositiveInt = 1
+    # Any other vllm.AsyncEngineArgs fields, passed through unchanged.
+    extra_engine_args: dict[str, Any] = {}
+
+
 class WorkerSettings(_Section):
     worker_id: str = ""
     model: str = "kvlane-sim"
-    engine: Literal["sim"] = "sim"
+    engine: Literal["sim", "vllm"] = "sim"
     role: Literal["aggregated"] = "aggregated"
     drain_timeout_s: PositiveFloat = 30.0
     sim: SimSettings = msgspec.field(default_factory=SimSettings)
+    vllm: VllmSettings = msgspec.field(default_factory=VllmSettings)
 
 
 class KvlaneConfig(_Section):
@@ -117,6 +277,8 @@ class KvlaneConfig(_Section):
     cluster: ClusterSettings = msgspec.field(default_factory=ClusterSettings)
     ingress: IngressSettings = msgspec.field(default_factory=IngressSettings)
     balancer: BalancerSettings = msgspec.field(default_factory=BalancerSettings)
+    cache_manager: CacheManagerSettings = msgspec.field(default_factory=CacheManagerSettings)
+    health: HealthSettings = msgspec.field(default_factory=HealthSettings)
     worker: WorkerSettings = msgspec.field(default_factory=WorkerSettings)
 
 
@@ -189,11 +351,14 @@ def to_env(config: KvlaneConfig) -> dict[str, str]:
     flat: dict[str, str] = {}
 
     def walk(prefix: str, value: Any) -> None:
-        if isinstance(value, dict):
-            for key, child in value.items():
-                walk(f"{prefix}__{key.upper()}" if prefix else key.upper(), child)
+        # Sections become one variable per key; any other value (including a
+        # free-form table such as extra_engine_args) is one JSON value, so its
+        # keys keep their case and its values their types.
+        if isinstance(value, Struct):
+            for key in value.__struct_fields__:
+                walk(f"{prefix}__{key.upper()}" if prefix else key.upper(), getattr(value, key))
         else:
-            flat[ENV_PREFIX + prefix] = json.dumps(value)
+            flat[ENV_PREFIX + prefix] = json.dumps(msgspec.to_builtins(value))
 
-    walk("", msgspec.to_builtins(config))
+    walk("", config)
     return flat

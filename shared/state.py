@@ -20,12 +20,17 @@ log = structlog.get_logger("kvlane.state")
 
 
 def connect_redis(settings: RedisSettings) -> redis.Redis:
-    return redis.Redis.from_url(
+    # A blocking pool makes a burst of concurrent commands wait for a
+    # connection instead of failing with "Too many connections".
+    pool = redis.BlockingConnectionPool.from_url(
         settings.url,
+        max_connections=settings.max_connections,
+        timeout=settings.pool_timeout_s,
         socket_timeout=settings.socket_timeout_s,
         socket_connect_timeout=settings.socket_timeout_s,
         health_check_interval=5,
     )
+    return redis.Redis(connection_pool=pool)
 
 
 class LiveHeartbeat(msgspec.Struct, frozen=True):

@@ -1,5 +1,8 @@
 """Tokenizers that ingress and workers share, so both count the same tokens.
 
+`HfTokenizer` ("hf:<model dir>") is a vLLM worker's: the model directory's own
+tokenizer and chat template, loaded with transformers.
+
 `SimTokenizer` is the sim engine's built-in tokenizer. It needs no files:
 * text splits GPT-style into pieces (a word with its leading space, a digit,
   a punctuation mark, a run of white space) and chat markers such as
@@ -103,8 +106,52 @@ def _template_role(role: str) -> str:
     return "system" if role == "developer" else role
 
 
+HF_PREFIX = "hf:"
+
+
+class HfTokenizer:
+    """A Hugging Face tokenizer loaded from a local model directory (a vLLM worker's).
+
+    Ingress encodes with it exactly as the engine would, so prompt token
+    counts, the context check and block hashes match what the engine sees.
+    """
+
+    def __init__(self, directory: str) -> None:
+        # Imported here: the sim path (and ingress serving only sim workers)
+        # must not need transformers installed.
+        from transformers import AutoTokenizer
+
+        self.directory = directory
+        self.name = HF_PREFIX + directory
+        self._tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+        self.vocab_size = len(self._tokenizer)
+        self._bos = self._tokenizer.bos_token
+
+    def encode(self, text: str) -> list[int]:
+        # A rendered chat template already starts with the BOS token; adding
+        # special tokens again would double it (vLLM's server skips them for
+        # chat and adds them for plain completions, as this does).
+        add_special = not (self._bos and text.startswith(self._bos))
+        return self._tokenizer.encode(text, add_special_tokens=add_special)
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return self._tokenizer.decode(list(token_ids), skip_special_tokens=True)
+
+    def apply_chat_template(self, messages: Sequence[ChatMessage]) -> str:
+        turns = [{"role": m.role, "content": m.text()} for m in messages]
+        return self._tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
+
+
 def load_tokenizer(spec: str) -> Tokenizer:
-    """The tokenizer a worker advertises in its registration."""
+    """The tokenizer a worker advertises in its registration: "sim", or "hf:<absolute model dir>"."""
     if spec == "sim":
         return SimTokenizer()
-    raise ValueError(f"unknown tokenizer {spec!r} (known: 'sim')")
+    if spec.startswith(HF_PREFIX):
+        directory = spec[len(HF_PREFIX) :]
+        try:
+            return HfTokenizer(directory)
+        except ImportError as exc:
+            raise ValueError(f"tokenizer {spec!r} needs the transformers package: {exc}") from exc
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"cannot load tokenizer from {directory}: {exc}") from exc
+    raise ValueError(f"unknown tokenizer {spec!r} (known: 'sim', 'hf:<model directory>')")

@@ -4,30 +4,87 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import uuid
 
+import structlog
+
+from services.balancer.allocation import KvAllocator
+from services.balancer.central_queue import CentralQueue
+from services.balancer.metrics import BalancerMetrics
 from services.balancer.policies import make_policy
+from services.balancer.router import Router
 from services.balancer.service import BalancerService
+from services.balancer.slot_store import LocalSlotStore, RedisSlotStore
+from services.balancer.slot_table import SlotTable
+from services.balancer.snapshot import SnapshotBuilder
+from services.balancer.speed import StepModel
+from services.balancer.status import SlotRates
+from services.balancer.trackers import QueueGrowth, SpeedTracker
 from shared.bus import Bus
 from shared.cluster import ClusterView, ClusterWatcher
-from shared.config import KvlaneConfig
+from shared.config import BalancerSettings, KvlaneConfig
+from shared.metrics_http import serve_metrics
+from shared.prefix_index import PrefixIndex
 from shared.state import ClusterState, connect_redis
 from shared.telemetry import Telemetry
 
+log = structlog.get_logger("kvlane.balancer")
+
+
+def fallback_step_model(profile_name: str) -> StepModel:
+    """The named sim profile's coefficients: what a node is assumed to do before it is measured."""
+    # The profiles are plain data; reading them creates no dependency on the worker's runtime.
+    from services.worker.sim.profile import get_profile
+
+    try:
+        profile = get_profile(profile_name)
+    except KeyError as exc:
+        raise SystemExit(f"balancer.speed.fallback_profile: {exc.args[0]}") from None
+    return StepModel(a=profile.a, b=profile.b, c=profile.c, d=profile.d)
+
+
+def build_router(settings: BalancerSettings, model: StepModel) -> Router:
+    builder = SnapshotBuilder(settings, SpeedTracker(model, settings.speed.smoothing, settings.speed.equal_within), QueueGrowth(settings.speed.smoothing))
+    return Router(
+        make_policy(settings.policy, settings, model),
+        builder,
+        PrefixIndex(settings.prefix_index_max_blocks),
+        SlotTable(),
+        CentralQueue(settings.queue.max_length),
+        settings.queue,
+    )
+
 
 async def main(config: KvlaneConfig, stop: asyncio.Event) -> None:
+    settings = config.balancer
+    model = fallback_step_model(settings.speed.fallback_profile)
+    balancer_id = f"b-{uuid.uuid4().hex[:8]}"
     telemetry = Telemetry(config.tracing, "balancer")
     redis_client = connect_redis(config.redis)
-    bus = await Bus.connect(config.nats, "kvlane-balancer", telemetry)
+    bus = await Bus.connect(config.nats, f"kvlane-balancer-{balancer_id}", telemetry)
     view = ClusterView(config.cluster.heartbeat_ttl_s)
     watcher = ClusterWatcher(bus, ClusterState(redis_client, config.cluster.heartbeat_ttl_s), view, config.cluster.resync_interval_s)
+    store = RedisSlotStore(redis_client) if settings.slots.store == "redis" else LocalSlotStore()
+    metrics = BalancerMetrics()
+    allocator = KvAllocator(bus, settings.allocate_timeout_s) if settings.allocate_kv else None
+    service = BalancerService(
+        bus, view, build_router(settings, model), store, settings, metrics, SlotRates(model, settings.slots), allocator, balancer_id
+    )
+    metrics_runner = None
     try:
         await watcher.start()
-        await BalancerService(bus, view, make_policy(config.balancer.policy)).start()
+        await service.start()
+        if settings.metrics_port:
+            metrics_runner = await serve_metrics(metrics.registry, settings.metrics_host, settings.metrics_port)
+        log.info("balancer_ready", balancer_id=balancer_id, policy=settings.policy, slot_store=settings.slots.store)
         await stop.wait()
     finally:
+        await service.stop()
         await watcher.stop()
         # Draining the connection answers the route requests already received.
         await bus.close()
+        if metrics_runner is not None:
+            await metrics_runner.cleanup()
         with contextlib.suppress(Exception):
             await redis_client.aclose()
         telemetry.shutdown()

@@ -1,26 +1,44 @@
-"""The balancer: answers route requests with the node a policy picks.
+"""The balancer service: NATS and the slot store wired to the routing core.
 
-Any number of balancers share the `kvlane.v1.route` queue group. Each keeps
-its own view of the cluster (heartbeats + Redis) and counts the requests it
-routed until their `RequestFinished` event arrives.
+Any number of balancers share the `kvlane.v1.route` queue group. A route
+request is placed at once when a suitable chain has a free slot, or waits
+in this process's central queue (the reply is sent when a slot frees, or a
+503 with Retry-After at the queue deadline). Each placement is confirmed
+with the global slot store, so replicas never oversubscribe a chain.
+Every replica hears every `RequestFinished` and releases that request's
+slot (idempotent), so a freed slot is visible to all of them at once, and
+a crashed replica's reservations are still released.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
+import redis.exceptions
 import structlog
 from nats.aio.msg import Msg
 
 from contracts import subjects
-from contracts.messages import ErrorReply, RequestFinished, RouteDecision, RouteReply, RouteRequest
-from services.balancer.outstanding import OutstandingRequests
-from services.balancer.policies import Candidate, RoutingPolicy
+from contracts.balancer import BalancerStatusReply, BalancerStatusRequest
+from contracts.health import HealthVerdict
+from contracts.messages import ErrorReply, Heartbeat, KvEvents, RequestFinished, RouteDecision, RouteReply, RouteRequest, WorkerLeft
+from services.balancer.allocation import KvAllocator
+from services.balancer.central_queue import QueuedRequest
+from services.balancer.metrics import BalancerMetrics
+from services.balancer.router import Placement, Queued, Router
+from services.balancer.slot_store import SlotStore
+from services.balancer.status import SlotRates, build_status
+from services.balancer.trackers import ArrivalRate
 from shared.bus import Bus
 from shared.cluster import ClusterView
+from shared.config import BalancerSettings
 
 log = structlog.get_logger("kvlane.balancer")
+
+_STORE_ERRORS = (redis.exceptions.RedisError, OSError, asyncio.TimeoutError)
 
 
 class BalancerService:
@@ -28,55 +46,296 @@ class BalancerService:
         self,
         bus: Bus,
         view: ClusterView,
-        policy: RoutingPolicy,
+        router: Router,
+        store: SlotStore,
+        settings: BalancerSettings,
+        metrics: BalancerMetrics,
+        rates: SlotRates,
+        allocator: KvAllocator | None = None,
+        balancer_id: str = "balancer",
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
     ) -> None:
         self._bus = bus
         self._view = view
-        self._policy = policy
+        self.router = router
+        self._store = store
+        self._settings = settings
+        self._metrics = metrics
+        self._rates = rates
+        self._allocator = allocator
+        self._balancer_id = balancer_id
         self._clock = clock
         self._wall_clock = wall_clock
-        self._outstanding = OutstandingRequests()
+        self._arrivals = ArrivalRate(settings.speed.smoothing, wall_clock())
+        self._waiters: dict[str, asyncio.Future[RouteReply]] = {}
+        self._drain_task: asyncio.Task | None = None
+        self._drain_again = False
+        self._tick_task: asyncio.Task | None = None
+        self._known_workers: set[str] = set()
+        self._fast_forwards_seen = 0
+        self._gauged_chains: set[str] = set()
+        self._store_degraded = False
 
     async def start(self) -> None:
-        await self._bus.subscribe(subjects.ROUTE, RouteRequest, self._on_route, queue=subjects.BALANCER_QUEUE_GROUP)
-        await self._bus.subscribe(subjects.REQUEST_FINISHED, RequestFinished, self._on_finished, traced=False)
+        bus = self._bus
+        # Queued requests hold their handler open, so each route request runs as its own task.
+        await bus.subscribe(subjects.ROUTE, RouteRequest, self._on_route, queue=subjects.BALANCER_QUEUE_GROUP, concurrent=True)
+        await bus.subscribe(subjects.REQUEST_FINISHED, RequestFinished, self._on_finished, traced=False)
+        await bus.subscribe(subjects.HEARTBEAT_ALL, Heartbeat, self._on_heartbeat, traced=False)
+        await bus.subscribe(subjects.KV_EVENTS_ALL, KvEvents, self._on_kv_events, traced=False)
+        await bus.subscribe(subjects.HEALTH_ALL, HealthVerdict, self._on_health, traced=False)
+        await bus.subscribe(subjects.WORKER_LEFT, WorkerLeft, self._on_worker_left, traced=False)
+        await bus.subscribe(
+            subjects.BALANCER_STATUS, BalancerStatusRequest, self._on_status, queue=subjects.BALANCER_ADMIN_QUEUE_GROUP
+        )
+        self._tick_task = asyncio.create_task(self._tick_loop())
+
+    async def stop(self) -> None:
+        """Refuse every queued request (so no client waits on a balancer that is going away)."""
+        if self._tick_task is not None:
+            self._tick_task.cancel()
+            await asyncio.gather(self._tick_task, return_exceptions=True)
+        for request_id in list(self._waiters):
+            self.router.queue.remove(request_id)
+            self._resolve(request_id, self.router.refusal("balancer_stopping", "the balancer is shutting down"))
+
+    # --- routing -------------------------------------------------------------------
 
     async def _on_route(self, request: RouteRequest, msg: Msg) -> RouteReply:
-        return self.route(request)
+        return await self.route(request)
 
-    async def _on_finished(self, event: RequestFinished, msg: Msg) -> None:
-        self._outstanding.finish(event.request_id)
-
-    def route(self, request: RouteRequest) -> RouteReply:
+    async def route(self, request: RouteRequest) -> RouteReply:
         now = self._wall_clock()
+        self._arrivals.arrived()
         if request.deadline <= now:
             return ErrorReply(code="deadline_exceeded", message="request deadline passed before routing", status=504)
-        self._outstanding.expire(now)
-        nodes = self._view.routable(self._clock(), request.model)
-        if not nodes:
+        superseded = self._waiters.pop(request.request_id, None)
+        if superseded is not None and not superseded.done():
+            superseded.set_result(ErrorReply(code="superseded", message="a newer route request has the same id", status=409))
+        if request.exclude_workers or self.router.table.holder(request.request_id) is not None:
+            # Ingress routes again after failing to reach the chosen worker: free that slot first.
+            self.router.table.release(request.request_id)
+            with contextlib.suppress(*_STORE_ERRORS):
+                await self._store.release(request.request_id)
+        heartbeats = self._routable(request.model)
+        if not heartbeats:
             if not any(hb.registration.model == request.model for hb in self._view.live(self._clock())):
                 return ErrorReply(code="model_not_found", message=f"no live worker serves model {request.model!r}", status=404)
-            return ErrorReply(code="no_capacity", message="every worker for this model is draining", status=503, retry_after_s=1.0)
+            return self.router.refusal("no_capacity", "every worker for this model is draining")
         excluded = set(request.exclude_workers)
-        candidates = [
-            Candidate(
-                worker_id=hb.registration.worker_id,
-                inbox=hb.registration.inbox,
-                running=hb.stats.running,
-                waiting=hb.stats.waiting,
-                outstanding=self._outstanding.count(hb.registration.worker_id),
-                kv_usage=hb.stats.kv_blocks_used / hb.stats.kv_blocks_total if hb.stats.kv_blocks_total else 0.0,
-            )
-            for hb in nodes
-            if hb.registration.worker_id not in excluded
-        ]
-        if not candidates:
-            return ErrorReply(code="no_capacity", message="no other live worker to retry on", status=503, retry_after_s=1.0)
-        chosen = self._policy.choose(request, candidates)
-        if chosen is None:
-            return ErrorReply(code="no_capacity", message="no worker can take the request now", status=503, retry_after_s=1.0)
-        self._outstanding.add(request.request_id, chosen.worker_id, request.deadline)
-        log.debug("routed", request_id=request.request_id, worker_id=chosen.worker_id, load=chosen.load)
-        return RouteDecision(request.request_id, chosen.worker_id, chosen.inbox, self._policy.name)
+        if all(hb.registration.worker_id in excluded for hb in heartbeats):
+            return self.router.refusal("no_capacity", "no other live worker to retry on")
+        # Each failed confirmation marks a chain full, so this ends within one try per chain.
+        for _ in range(len(heartbeats) + 1):
+            started = time.perf_counter()
+            outcome = self.router.admit(request, heartbeats, now)
+            self._metrics.decision_seconds.observe(time.perf_counter() - started)
+            match outcome:
+                case Placement():
+                    confirmed = await self._confirm(outcome, None)
+                    if confirmed is None:
+                        continue
+                    return self._count(confirmed, "placed")
+                case Queued(entry=entry):
+                    return self._count(await self._wait(entry), "queued")
+                case ErrorReply():
+                    return self._count(outcome, "refused")
+        return self._count(self.router.refusal("no_capacity", "other balancers took every free slot"), "refused")
+
+    def _count(self, reply: RouteReply, outcome: str) -> RouteReply:
+        if isinstance(reply, ErrorReply) and outcome != "refused":
+            outcome = f"{outcome}_refused"
+        self._metrics.decisions.labels(self.router.policy.name, outcome).inc()
+        return reply
+
+    async def _confirm(self, placement: Placement, entry: QueuedRequest | None) -> RouteDecision | ErrorReply | None:
+        """Make `placement` global; None when another replica holds the chain's last slot (already undone)."""
+        chain = placement.chain
+        try:
+            taken, used = await self._store.reserve(placement.request_id, chain.chain_id, chain.node.slots_total, placement.request.deadline)
+        except _STORE_ERRORS as exc:
+            # Availability over strictness: while Redis is down each replica
+            # enforces the slots on what it knows (its own reservations plus
+            # the last known foreign counts); its holds are written back once
+            # Redis answers again (`tick`).
+            if not self._store_degraded:
+                log.warning("slot_store_unavailable_using_local_counts", error=str(exc))
+            self._store_degraded = True
+            taken, used = True, -1
+        if not taken:
+            self._metrics.slot_conflicts.inc()
+            self.router.undo(placement, used, entry)
+            return None
+        if used >= 0:
+            self.router.table.set_global_used(chain.chain_id, used)
+        if self._allocator is not None:
+            allocation = await self._allocator.allocate(placement.request, chain.worker_id)
+            if isinstance(allocation, ErrorReply):
+                await self._release(placement.request_id)
+                if allocation.code == "cache_manager_unavailable":
+                    return allocation
+                # No KV room there now: treat the chain as full until the next usage refresh.
+                self._metrics.slot_conflicts.inc()
+                self.router.undo(placement, chain.node.slots_total, entry)
+                return None
+        log.debug("routed", request_id=placement.request_id, worker_id=chain.worker_id, slots_used=used, cached_blocks=chain.cached_blocks)
+        return RouteDecision(placement.request_id, chain.worker_id, chain.node.inbox, self.router.policy.name, chain.cached_blocks)
+
+    async def _wait(self, entry: QueuedRequest) -> RouteReply:
+        future: asyncio.Future[RouteReply] = asyncio.get_running_loop().create_future()
+        self._waiters[entry.request_id] = future
+        self._metrics.queue_length.set(len(self.router.queue))
+        try:
+            return await asyncio.wait_for(future, max(0.0, entry.deadline - self._wall_clock()))
+        except asyncio.TimeoutError:
+            self.router.queue.remove(entry.request_id)
+            self._metrics.queue_wait.labels("timeout").observe(self._wall_clock() - entry.enqueued_at)
+            return self.router.refusal("queue_timeout", f"no slot freed within {entry.deadline - entry.enqueued_at:.1f}s")
+        finally:
+            if self._waiters.get(entry.request_id) is future:
+                del self._waiters[entry.request_id]
+            self._metrics.queue_length.set(len(self.router.queue))
+
+    def _resolve(self, request_id: str, reply: RouteReply) -> bool:
+        future = self._waiters.get(request_id)
+        if future is None or future.done():
+            return False
+        future.set_result(reply)
+        return True
+
+    def _schedule_drain(self) -> None:
+        if self._drain_task is not None and not self._drain_task.done():
+            self._drain_again = True
+            return
+        if len(self.router.queue):
+            self._drain_task = asyncio.ensure_future(self._drain())
+
+    async def _drain(self) -> None:
+        """Hand free slots to queued requests until none fits (re-runs if more slots freed meanwhile)."""
+        self._drain_again = True
+        while self._drain_again:
+            self._drain_again = False
+            for entry, placement in self.router.dispatch_queued(self._routable):
+                confirmed = await self._confirm(placement, entry)
+                if confirmed is None:
+                    self._drain_again = True  # that chain is now known full; others may still fit
+                    continue
+                self._metrics.queue_wait.labels("served").observe(self._wall_clock() - entry.enqueued_at)
+                if not self._resolve(entry.request_id, confirmed) and isinstance(confirmed, RouteDecision):
+                    # The client gave up while the slot was being confirmed.
+                    await self._release(entry.request_id)
+        self._metrics.queue_length.set(len(self.router.queue))
+
+    # --- events ---------------------------------------------------------------------
+
+    async def _on_finished(self, event: RequestFinished, msg: Msg) -> None:
+        await self._release(event.request_id, event.worker_id)
+        self._schedule_drain()
+
+    async def _release(self, request_id: str, worker_id: str | None = None) -> None:
+        self.router.table.release(request_id, worker_id)
+        try:
+            released = await self._store.release(request_id, worker_id)
+        except _STORE_ERRORS as exc:
+            log.debug("slot_release_failed", request_id=request_id, error=str(exc))
+            self._store_degraded = True
+            return
+        if released is not None:
+            self.router.table.set_global_used(*released)
+
+    async def _on_heartbeat(self, heartbeat: Heartbeat, msg: Msg) -> None:
+        self.router.builder.observe(heartbeat)
+        self._known_workers.add(heartbeat.registration.worker_id)
+        self._schedule_drain()
+
+    async def _on_kv_events(self, events: KvEvents, msg: Msg) -> None:
+        self.router.index.apply(events.worker_id, events.stored, events.removed, events.cleared)
+
+    async def _on_health(self, verdict: HealthVerdict, msg: Msg) -> None:
+        self.router.builder.set_health_weight(verdict.worker_id, verdict.weight)
+        self._schedule_drain()
+
+    async def _on_worker_left(self, event: WorkerLeft, msg: Msg) -> None:
+        self._forget([event.worker_id])
+
+    def _forget(self, worker_ids: Sequence[str]) -> None:
+        self.router.builder.forget(worker_ids)
+        for worker_id in worker_ids:
+            self.router.index.remove_node(worker_id)
+            self._known_workers.discard(worker_id)
+
+    # --- housekeeping -----------------------------------------------------------------
+
+    async def _tick_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self._settings.tick_interval_s)
+            try:
+                await self.tick()
+            except Exception:  # housekeeping must outlive any one bad tick
+                log.exception("tick_failed")
+
+    async def tick(self) -> None:
+        """Expire reservations, drop nodes that left, re-read global usage, retry the queue."""
+        now = self._wall_clock()
+        table = self.router.table
+        expired = table.expire(now)
+        live = self._view.live(self._clock())
+        live_chains = {self.router.builder.facts(hb).chain_id: hb for hb in live}
+        dropped = table.retain_chains(live_chains)
+        self._metrics.expired_reservations.inc(len(expired) + len(dropped))
+        gone = self._known_workers - {hb.registration.worker_id for hb in live}
+        if gone:
+            self._forget(sorted(gone))
+        try:
+            if self._store_degraded:
+                await self._restore_holds()
+            usage = await self._store.usage(sorted(live_chains), now)
+        except _STORE_ERRORS as exc:
+            if not self._store_degraded:
+                log.warning("slot_usage_read_failed", error=str(exc))
+            self._store_degraded = True
+            usage = {}
+        for chain_id, used in usage.items():
+            table.set_global_used(chain_id, used)
+        for entry in self.router.queue.expire(now):
+            self._resolve(entry.request_id, self.router.refusal("queue_timeout", "no slot freed before the deadline"))
+        self._metrics.arrival_rate.set(self._arrivals.tick(now))
+        fast_forwards = getattr(self.router.policy, "fast_forwards", 0)
+        self._metrics.fast_forwards.inc(fast_forwards - self._fast_forwards_seen)
+        self._fast_forwards_seen = fast_forwards
+        self._metrics.queue_length.set(len(self.router.queue))
+        for chain_id in self._gauged_chains - live_chains.keys():
+            self._metrics.slots_used.remove(chain_id)
+            self._metrics.slots_total.remove(chain_id)
+        self._gauged_chains = set(live_chains)
+        for chain_id, heartbeat in live_chains.items():
+            self._metrics.slots_used.labels(chain_id).set(table.used(chain_id))
+            self._metrics.slots_total.labels(chain_id).set(self.router.builder.facts(heartbeat).slots_total)
+        self._schedule_drain()
+
+    async def _restore_holds(self) -> None:
+        """Write this replica's reservations back to the store (after an outage or a Redis restart lost them)."""
+        for request_id, chain_id, expires_at in self.router.table.held():
+            # No limit: these requests already run; the store must count them, not judge them.
+            await self._store.reserve(request_id, chain_id, 1 << 30, expires_at)
+        self._store_degraded = False
+        log.info("slot_store_restored", reservations=len(self.router.table))
+
+    def _routable(self, model: str) -> list[Heartbeat]:
+        return self._view.routable(self._clock(), model)
+
+    # --- admin ------------------------------------------------------------------------
+
+    async def _on_status(self, request: BalancerStatusRequest, msg: Msg) -> BalancerStatusReply:
+        return build_status(
+            balancer_id=self._balancer_id,
+            slot_store=self._settings.slots.store,
+            router=self.router,
+            heartbeats=[hb for hb in self._view.live(self._clock()) if not hb.draining],
+            rates=self._rates,
+            arrival_rate=self._arrivals.per_second,
+            now=self._wall_clock(),
+            fast_forwards=getattr(self.router.policy, "fast_forwards", 0),
+            model=request.model,
+        )

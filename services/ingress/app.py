@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 import uuid
@@ -18,6 +19,7 @@ from services.ingress.dispatch import Dispatcher
 from services.ingress.errors import ApiError, from_decode_error
 from services.ingress.metrics import IngressMetrics
 from services.ingress.prompts import PreparedRequest, prepare
+from services.ingress.readiness import Readiness
 from services.ingress.render import DONE, ChatRenderer, CompletionRenderer, Renderer, sse
 from shared.cluster import ClusterView
 from shared.config import IngressSettings
@@ -37,6 +39,7 @@ class IngressApp:
         dispatcher: Dispatcher,
         metrics: IngressMetrics,
         is_connected: Callable[[], bool],
+        readiness: Readiness | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._settings = settings
@@ -44,8 +47,9 @@ class IngressApp:
         self._dispatcher = dispatcher
         self._metrics = metrics
         self._is_connected = is_connected
+        self._readiness = readiness
         self._clock = clock
-        self._tokenizers: dict[str, Tokenizer] = {}
+        self._tokenizers: dict[str, asyncio.Future[Tokenizer]] = {}
         self._chat_decoder = msgspec.json.Decoder(ChatCompletionRequest)
         self._completion_decoder = msgspec.json.Decoder(CompletionRequest)
         self._openapi = _ENCODER.encode(build_openapi())
@@ -93,7 +97,8 @@ class IngressApp:
         except msgspec.DecodeError as exc:
             raise from_decode_error(exc) from exc
         registration = self._model(body.model)
-        prepared = prepare(body, registration, self._tokenizer(registration.tokenizer), self._settings.max_tokens_default)
+        tokenizer = await self._tokenizer(registration.tokenizer)
+        prepared = prepare(body, registration, tokenizer, self._settings.max_tokens_default)
         request_id = uuid.uuid4().hex
         structlog.contextvars.bind_contextvars(request_id=request_id)
         renderer: Renderer = renderer_type(f"{id_prefix}-{request_id}", int(time.time()), body.model)
@@ -177,11 +182,18 @@ class IngressApp:
             raise ApiError(404, f"The model `{name}` does not exist or no live worker serves it.", code="model_not_found", param="model")
         return registration
 
-    def _tokenizer(self, spec: str) -> Tokenizer:
-        tokenizer = self._tokenizers.get(spec)
-        if tokenizer is None:
-            tokenizer = self._tokenizers[spec] = load_tokenizer(spec)
-        return tokenizer
+    async def _tokenizer(self, spec: str) -> Tokenizer:
+        loading = self._tokenizers.get(spec)
+        if loading is None:
+            # A model directory's tokenizer takes seconds to load (transformers
+            # import included): off the event loop, once, shared by concurrent requests.
+            loading = self._tokenizers[spec] = asyncio.ensure_future(asyncio.to_thread(load_tokenizer, spec))
+        try:
+            return await asyncio.shield(loading)
+        except ValueError as exc:
+            self._tokenizers.pop(spec, None)  # let a later request try again
+            log.error("tokenizer_unavailable", tokenizer=spec, error=str(exc))
+            raise ApiError(503, f"the model's tokenizer cannot be loaded here: {exc}", code="tokenizer_unavailable") from exc
 
     # --- the rest -----------------------------------------------------------------
 
@@ -195,8 +207,13 @@ class IngressApp:
 
     async def ready(self, request: web.Request) -> web.Response:
         live = [hb for hb in self._view.live(self._clock()) if not hb.draining]
-        ready = self._is_connected() and bool(live)
-        status = HealthStatus("ok" if ready else "not_ready", len(live), sorted({hb.registration.model for hb in live}))
+        missing = [] if self._readiness is None else await self._readiness.missing()
+        if not self._is_connected():
+            missing.append("nats")
+        if not live:
+            missing.append("workers")
+        ready = not missing
+        status = HealthStatus("ok" if ready else "not_ready", len(live), sorted({hb.registration.model for hb in live}), missing)
         return web.Response(status=200 if ready else 503, body=_ENCODER.encode(status), content_type="application/json")
 
     async def metrics(self, request: web.Request) -> web.Response:

@@ -2,20 +2,26 @@
 
 A worker that is gone (no responders), slow to accept, or draining is
 excluded and the request is routed again, up to `dispatch_attempts` times.
-Once a worker has accepted, its frames are relayed until the final one; a
-stream that stalls past `stall_timeout_s` is aborted on the worker and
-failed with a clear error.
+
+Once a worker has accepted, its frames are relayed. If the stream breaks
+off (the worker dies, stalls, drops frames, fails, or is preempted), the
+request resumes on another worker (or the same one, after a preemption)
+with the tokens already relayed as `resume_token_ids`: the client's stream
+goes on with no duplicated and no missing token, and its frames keep one
+sequence. At most `migration_attempts` resumptions; then an explicit error.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
+import msgspec
 import structlog
 
 from contracts import subjects
+from contracts.health import FeedbackKind, NodeFeedback
 from contracts.messages import (
     AbortRequest,
     ErrorReply,
@@ -28,8 +34,9 @@ from contracts.messages import (
     WorkerReply,
 )
 from services.ingress.errors import ApiError
+from services.ingress.feedback import StreamSpeedNorms
 from services.ingress.prompts import PreparedRequest
-from shared.bus import Bus, BusError, NoResponders, RequestTimeout, StreamReceiver
+from shared.bus import Bus, BusError, NoResponders, ReplyStream, RequestTimeout, StreamReceiver
 from shared.config import IngressSettings
 
 log = structlog.get_logger("kvlane.ingress")
@@ -37,60 +44,105 @@ log = structlog.get_logger("kvlane.ingress")
 _RETRYABLE_WORKER_CODES = {"draining"}
 
 
+class StreamInterrupted(Exception):
+    """The stream from one worker broke off; `feedback` says whose fault it was."""
+
+    def __init__(self, reason: str, feedback: FeedbackKind | None, exclude: bool = True, preempted: bool = False) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.feedback = feedback
+        self.exclude = exclude
+        self.preempted = preempted
+
+
 class Dispatcher:
-    def __init__(self, bus: Bus, streams: StreamReceiver, settings: IngressSettings) -> None:
+    def __init__(
+        self,
+        bus: Bus,
+        streams: StreamReceiver,
+        settings: IngressSettings,
+        is_live: Callable[[str], bool],
+        norms: StreamSpeedNorms | None = None,
+    ) -> None:
         self._bus = bus
         self._streams = streams
         self._settings = settings
+        self._is_live = is_live
+        self._norms = norms or StreamSpeedNorms(settings.slow_stream_factor)
 
     async def run(self, request_id: str, prepared: PreparedRequest) -> AsyncIterator[TokenChunk | StreamEnd]:
         """The request's chunks, ending with its `StreamEnd`; raises `ApiError`."""
         deadline = time.time() + self._settings.request_timeout_s
         excluded: list[str] = []
-        for attempt in range(self._settings.dispatch_attempts):
-            decision = await self._route(request_id, prepared, deadline, excluded)
-            with self._streams.open(f"{request_id}-{attempt}") as stream:
-                generate = GenerateRequest(
-                    request_id=request_id,
-                    model=prepared.model,
-                    prompt_token_ids=prepared.prompt_token_ids,
-                    sampling=prepared.sampling,
-                    stream_to=stream.subject,
-                    deadline=deadline,
-                )
-                try:
-                    reply = await self._bus.request(decision.inbox, generate, WorkerReply, self._settings.accept_timeout_s)
-                except (NoResponders, RequestTimeout) as exc:
-                    log.warning("worker_unreachable", request_id=request_id, worker_id=decision.worker_id, error=str(exc))
+        produced: list[int] = []
+        out_seq = handovers = refused = migrations = preemptions = 0
+        while True:
+            decision = await self._route(request_id, prepared, deadline, excluded, len(produced))
+            with self._streams.open(f"{request_id}-{handovers}") as stream:
+                handovers += 1
+                if not await self._hand_over(request_id, prepared, decision, stream, deadline, produced):
                     excluded.append(decision.worker_id)
+                    refused += 1
+                    if refused >= self._settings.dispatch_attempts:
+                        raise ApiError(
+                            503, f"no worker accepted the request after {refused} attempts",
+                            code="no_capacity", retry_after_s=1.0,
+                        )
                     continue
-                except BusError as exc:
-                    raise ApiError(502, f"bad reply from worker: {exc}", code="bad_gateway") from exc
-                if isinstance(reply, ErrorReply):
-                    if reply.code in _RETRYABLE_WORKER_CODES:
+                ended = False
+                try:
+                    async for frame in self._relay(request_id, decision, stream):
+                        if isinstance(frame, TokenChunk):
+                            produced.extend(frame.token_ids)
+                        ended = isinstance(frame, StreamEnd)
+                        yield msgspec.structs.replace(frame, seq=out_seq)
+                        out_seq += 1
+                    return
+                except StreamInterrupted as exc:
+                    ended = True  # _abandon tells the worker
+                    await self._abandon(request_id, decision, exc)
+                    # Preemptions are bounded apart from failures: a low-priority
+                    # request may legitimately give way several times.
+                    if exc.preempted:
+                        preemptions += 1
+                        if preemptions > self._settings.preemption_resumes:
+                            raise ApiError(503, f"preempted {preemptions} times", code="preempted", retry_after_s=1.0) from exc
+                    elif migrations >= self._settings.migration_attempts:
+                        raise ApiError(
+                            502, f"request failed after {migrations} resumptions: {exc.reason}", code="stream_interrupted"
+                        ) from exc
+                    else:
+                        migrations += 1
+                    if exc.exclude:
                         excluded.append(decision.worker_id)
-                        continue
-                    raise ApiError.from_reply(reply)
-                async for frame in self._relay(request_id, decision, stream):
-                    yield frame
-                return
-        raise ApiError(
-            503, f"no worker accepted the request after {self._settings.dispatch_attempts} attempts",
-            code="no_capacity", retry_after_s=1.0,
-        )
+                    log.warning("stream_resumed", request_id=request_id, worker_id=decision.worker_id,
+                                reason=exc.reason, tokens_so_far=len(produced))
+                finally:
+                    if not ended:
+                        # The client left or the request failed: free the worker's slot.
+                        with contextlib.suppress(Exception):
+                            await self._bus.publish(decision.inbox, AbortRequest(request_id=request_id))
 
-    async def _route(self, request_id: str, prepared: PreparedRequest, deadline: float, excluded: list[str]) -> RouteDecision:
+    async def _route(
+        self, request_id: str, prepared: PreparedRequest, deadline: float, excluded: list[str], produced: int
+    ) -> RouteDecision:
         route = RouteRequest(
             request_id=request_id,
             model=prepared.model,
-            prompt_tokens=len(prepared.prompt_token_ids),
-            max_tokens=prepared.sampling.max_tokens,
+            prompt_tokens=len(prepared.prompt_token_ids) + produced,
+            max_tokens=prepared.sampling.max_tokens - produced,
             deadline=deadline,
             block_hashes=prepared.block_hashes,
             exclude_workers=excluded,
+            priority=prepared.priority,
+            prefix_token_ids=prepared.prompt_token_ids[: self._settings.forward_prefix_tokens],
         )
+        # The balancer may hold the request in its central queue until a slot
+        # frees, at most until the deadline; route_timeout_s on top lets its
+        # own answer (a 503 with Retry-After) arrive before we give up.
+        timeout = self._settings.route_timeout_s + max(0.0, deadline - time.time())
         try:
-            reply = await self._bus.request(subjects.ROUTE, route, RouteReply, self._settings.route_timeout_s)
+            reply = await self._bus.request(subjects.ROUTE, route, RouteReply, timeout)
         except NoResponders as exc:
             raise ApiError(503, "no balancer is running", code="balancer_unavailable", retry_after_s=1.0) from exc
         except BusError as exc:
@@ -99,29 +151,90 @@ class Dispatcher:
             raise ApiError.from_reply(reply)
         return reply
 
-    async def _relay(self, request_id: str, decision: RouteDecision, stream) -> AsyncIterator[TokenChunk | StreamEnd]:
-        finished = False
-        expected_seq = 0
+    async def _hand_over(
+        self, request_id: str, prepared: PreparedRequest, decision: RouteDecision, stream: ReplyStream,
+        deadline: float, produced: list[int],
+    ) -> bool:
+        """True once the worker accepted; False if it is gone or draining (route again)."""
+        generate = GenerateRequest(
+            request_id=request_id,
+            model=prepared.model,
+            prompt_token_ids=prepared.prompt_token_ids,
+            sampling=prepared.sampling,
+            stream_to=stream.subject,
+            deadline=deadline,
+            resume_token_ids=list(produced),
+        )
         try:
-            while True:
-                try:
-                    frame = await stream.next(self._settings.stall_timeout_s)
-                except RequestTimeout as exc:
-                    raise ApiError(504, f"worker {decision.worker_id} stalled: {exc}", code="worker_stalled") from exc
-                match frame:
-                    case ErrorReply():
-                        finished = True
-                        raise ApiError.from_reply(frame)
-                    case TokenChunk() | StreamEnd():
-                        if frame.seq != expected_seq:
-                            raise ApiError(502, f"stream from {decision.worker_id} lost frames", code="stream_gap")
-                        expected_seq += 1
-                        finished = isinstance(frame, StreamEnd)
-                        yield frame
-                        if finished:
-                            return
-        finally:
-            if not finished:
-                # The client left or the stream failed: free the worker's slot.
-                with contextlib.suppress(Exception):
-                    await self._bus.publish(decision.inbox, AbortRequest(request_id=request_id))
+            reply = await self._bus.request(decision.inbox, generate, WorkerReply, self._settings.accept_timeout_s)
+        except (NoResponders, RequestTimeout) as exc:
+            log.warning("worker_unreachable", request_id=request_id, worker_id=decision.worker_id, error=str(exc))
+            await self._report(decision.worker_id, "timeout", request_id, str(exc))
+            return False
+        except BusError as exc:
+            raise ApiError(502, f"bad reply from worker: {exc}", code="bad_gateway") from exc
+        if isinstance(reply, ErrorReply):
+            if reply.code in _RETRYABLE_WORKER_CODES:
+                return False
+            raise ApiError.from_reply(reply)
+        return True
+
+    async def _relay(self, request_id: str, decision: RouteDecision, stream: ReplyStream) -> AsyncIterator[TokenChunk | StreamEnd]:
+        """Frames of one worker's stream; raises `StreamInterrupted` when it breaks off."""
+        expected_seq = 0
+        last_frame_at = time.monotonic()
+        first_token_at: float | None = None
+        tokens = 0
+        check_every = self._settings.liveness_check_s
+        while True:
+            try:
+                frame = await stream.next(check_every)
+            except RequestTimeout:
+                now = time.monotonic()
+                silent_for = now - last_frame_at
+                if not self._is_live(decision.worker_id):
+                    raise StreamInterrupted(f"worker {decision.worker_id} is gone", "timeout") from None
+                reconnected_at = self._bus.reconnected_at
+                if reconnected_at is not None and last_frame_at < reconnected_at and now - reconnected_at > self._settings.reconnect_grace_s:
+                    # Frames published while NATS was down are gone; resume rather than wait for the stall timeout.
+                    raise StreamInterrupted("NATS reconnected and the stream went quiet", None, exclude=False) from None
+                if silent_for >= self._settings.stall_timeout_s:
+                    raise StreamInterrupted(f"worker {decision.worker_id} stalled for {silent_for:.1f}s", "timeout") from None
+                continue
+            last_frame_at = time.monotonic()
+            match frame:
+                case ErrorReply(code="preempted"):
+                    raise StreamInterrupted("preempted to make room", None, exclude=False, preempted=True)
+                case ErrorReply(status=status) if status >= 500:
+                    raise StreamInterrupted(f"worker {decision.worker_id} failed: {frame.message}", "error")
+                case ErrorReply():
+                    raise ApiError.from_reply(frame)
+                case TokenChunk() | StreamEnd():
+                    if frame.seq != expected_seq:
+                        raise StreamInterrupted(f"stream from {decision.worker_id} lost frames", "error")
+                    expected_seq += 1
+                    if isinstance(frame, TokenChunk):
+                        tokens += len(frame.token_ids)
+                        first_token_at = first_token_at or last_frame_at
+                    yield frame
+                    if isinstance(frame, StreamEnd):
+                        await self._judge_speed(decision.worker_id, request_id, first_token_at, last_frame_at, tokens)
+                        return
+
+    async def _judge_speed(self, worker_id: str, request_id: str, first: float | None, last: float, tokens: int) -> None:
+        if first is None or tokens < 2:
+            return
+        if self._norms.observe(worker_id, (last - first) / (tokens - 1)):
+            await self._report(worker_id, "slow", request_id, "inter-token latency far above this node's norm")
+
+    async def _abandon(self, request_id: str, decision: RouteDecision, interruption: StreamInterrupted) -> None:
+        # Free the slot the old attempt may still hold (a stalled worker that
+        # wakes up, for instance), and tell the health-prober what happened.
+        with contextlib.suppress(Exception):
+            await self._bus.publish(decision.inbox, AbortRequest(request_id=request_id, reason="migrated"))
+        if interruption.feedback is not None:
+            await self._report(decision.worker_id, interruption.feedback, request_id, interruption.reason)
+
+    async def _report(self, worker_id: str, kind: FeedbackKind, request_id: str, detail: str) -> None:
+        with contextlib.suppress(Exception):
+            await self._bus.publish(subjects.FEEDBACK, NodeFeedback(worker_id, kind, request_id, detail[:200]), traced=False)

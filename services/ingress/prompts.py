@@ -22,6 +22,7 @@ class PreparedRequest(Struct, frozen=True):
     sampling: SamplingParams
     stream: bool
     include_usage: bool
+    priority: int = 0
 
 
 def prepare(
@@ -91,4 +92,5 @@ def prepare(
         sampling=sampling,
         stream=request.stream,
         include_usage=bool(request.stream_options and request.stream_options.include_usage),
+        priority=request.priority,
     )

@@ -6,17 +6,21 @@ import asyncio
 import contextlib
 import os
 import socket
+import sys
 import time
 import uuid
+from typing import NoReturn
 
 import structlog
 
 from contracts import subjects
 from contracts.messages import WorkerRegistration
+from services.worker.amx import request_amx_permission
+from services.worker.engines.base import Engine, EngineConfigError, EngineFacts
 from services.worker.engines.sim import SimEngine
 from services.worker.service import WorkerService
 from shared.bus import Bus
-from shared.config import KvlaneConfig
+from shared.config import KvlaneConfig, WorkerSettings
 from shared.state import ClusterState, connect_redis
 from shared.telemetry import Telemetry
 from shared.tokenizer import SimTokenizer
@@ -31,30 +35,56 @@ def worker_id_from(config: KvlaneConfig) -> str:
     return worker_id
 
 
+def build_engine(settings: WorkerSettings) -> tuple[Engine, EngineFacts]:
+    """The configured engine, not started; raises `EngineConfigError` for a configuration that can never work."""
+    if settings.engine == "vllm":
+        from services.worker.engines.vllm_setup import build_vllm_engine
+
+        return build_vllm_engine(settings)
+    tokenizer = SimTokenizer()
+    facts = EngineFacts(settings.model, settings.sim.block_size, settings.sim.max_model_len, tokenizer.name)
+    return SimEngine(settings.sim, tokenizer), facts
+
+
+def _fail(message: str) -> NoReturn:
+    # One line that names the problem, and exit 2 as for any configuration error.
+    print(f"kvlane worker: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(2)
+
+
 async def main(config: KvlaneConfig, stop: asyncio.Event) -> None:
     settings = config.worker
     worker_id = worker_id_from(config)
     structlog.contextvars.bind_contextvars(worker_id=worker_id)
-    tokenizer = SimTokenizer()
-    engine = SimEngine(settings.sim, tokenizer)
+    # Before any engine (and its subprocesses, which inherit it) may run an AMX kernel.
+    request_amx_permission()
+    try:
+        engine, facts = build_engine(settings)
+    except EngineConfigError as exc:
+        _fail(str(exc))
     registration = WorkerRegistration(
         worker_id=worker_id,
         role=settings.role,
-        model=settings.model,
+        model=facts.model,
         engine=settings.engine,
         inbox=subjects.worker_inbox(worker_id),
-        block_size=settings.sim.block_size,
-        max_model_len=settings.sim.max_model_len,
-        tokenizer=tokenizer.name,
+        block_size=facts.block_size,
+        max_model_len=facts.max_model_len,
+        tokenizer=facts.tokenizer,
         started_at=time.time(),
         host=f"{socket.gethostname()}:{os.getpid()}",
+        max_num_seqs=settings.sim.max_num_seqs if settings.engine == "sim" else 0,
     )
     telemetry = Telemetry(config.tracing, "worker")
     redis_client = connect_redis(config.redis)
     bus = await Bus.connect(config.nats, f"kvlane-worker-{worker_id}", telemetry)
     service = WorkerService(registration, engine, bus, ClusterState(redis_client, config.cluster.heartbeat_ttl_s), config.cluster)
     try:
-        await service.start()
+        try:
+            await service.start()
+        except EngineConfigError as exc:
+            await engine.shutdown()
+            _fail(str(exc))
         await stop.wait()
         await service.drain(settings.drain_timeout_s)
     finally:

@@ -33,6 +33,7 @@ from contracts.messages import (
     WorkerRegistration,
     WorkerRequest,
 )
+from contracts.cache import LeaseProgress, RenewLeases
 from services.worker.engines.base import Engine, EngineRequest, RequestRejected
 from shared.bus import Bus
 from shared.config import ClusterSettings
@@ -56,6 +57,9 @@ class WorkerService:
         self._state = state
         self._cluster = cluster
         self._running: dict[str, asyncio.Task] = {}
+        # Tokens generated so far per running request (lease renewals carry it).
+        self._generated: dict[str, int] = {}
+        self._abort_reasons: dict[str, str] = {}
         self._draining = False
         self._heartbeat_seq = 0
         self._kv_seq = 0
@@ -66,7 +70,11 @@ class WorkerService:
         await self._engine.start()
         await self._bus.subscribe(self.registration.inbox, WorkerRequest, self._on_request)
         await self._send_heartbeat()
-        self._background = [asyncio.create_task(self._heartbeat_loop()), asyncio.create_task(self._kv_events_loop())]
+        self._background = [
+            asyncio.create_task(self._heartbeat_loop()),
+            asyncio.create_task(self._kv_events_loop()),
+            asyncio.create_task(self._lease_renew_loop()),
+        ]
         self._log.info("worker_registered", model=self.registration.model, inbox=self.registration.inbox)
 
     async def drain(self, timeout_s: float) -> None:
@@ -106,10 +114,20 @@ class WorkerService:
                 task = self._running.get(request_id)
                 if task is not None:
                     self._log.info("request_aborted", request_id=request_id, reason=message.reason)
+                    self._abort_reasons[request_id] = message.reason
                     task.cancel()
                 return None
 
     def _accept(self, request: GenerateRequest) -> GenerateAccepted | ErrorReply:
+        reply = self._admit(request)
+        if isinstance(reply, ErrorReply) and reply.code not in ("draining", "duplicate_request"):
+            # A refusal ends the request: the balancer and the cache-manager free
+            # its slot and lease now rather than at their deadline. (A draining
+            # refusal is routed again; a duplicate is still running.)
+            self._bus.spawn(self._publish_finished(request, "error", 0, 0, 0.0))
+        return reply
+
+    def _admit(self, request: GenerateRequest) -> GenerateAccepted | ErrorReply:
         if self._draining:
             return ErrorReply(code="draining", message="worker is draining", status=503, retry_after_s=0)
         if request.model != self.registration.model:
@@ -118,7 +136,7 @@ class WorkerService:
             return ErrorReply(code="duplicate_request", message=f"request {request.request_id} is already running", status=409)
         if request.deadline <= time.time():
             return ErrorReply(code="deadline_exceeded", message="deadline passed before the worker got the request", status=504)
-        engine_request = EngineRequest(request.request_id, request.prompt_token_ids, request.sampling)
+        engine_request = EngineRequest(request.request_id, request.prompt_token_ids, request.sampling, request.resume_token_ids)
         try:
             self._engine.check(engine_request)
         except RequestRejected as exc:
@@ -131,7 +149,8 @@ class WorkerService:
     async def _run(self, request: GenerateRequest, engine_request: EngineRequest) -> None:
         started = time.monotonic()
         first_token_at: float | None = None
-        seq = completion_tokens = cached_tokens = 0
+        seq = cached_tokens = 0
+        completion_tokens = len(request.resume_token_ids)
         outcome: str = "error"
         publish = self._bus.publish
         try:
@@ -140,6 +159,7 @@ class WorkerService:
                     if first_token_at is None:
                         first_token_at = time.monotonic()
                     completion_tokens += len(output.token_ids)
+                    self._generated[request.request_id] = completion_tokens
                     cached_tokens = output.cached_tokens
                     await publish(request.stream_to, TokenChunk(request.request_id, seq, output.token_ids, output.text), traced=False)
                     seq += 1
@@ -156,23 +176,32 @@ class WorkerService:
             await publish(request.stream_to, ErrorReply(code="invalid_request", message=str(exc), status=400))
         except asyncio.CancelledError:
             outcome = "abort"
+            reason = self._abort_reasons.get(request.request_id, "aborted")
+            # A preempted request is resumed elsewhere by whoever streams it.
+            status = 503 if reason == "preempted" else 499
             with contextlib.suppress(Exception):
-                await publish(request.stream_to, ErrorReply(code="aborted", message="request aborted", status=499))
+                await publish(request.stream_to, ErrorReply(code=reason, message=f"request {reason}", status=status))
         except Exception as exc:
             outcome = "error"
             self._log.exception("request_failed", request_id=request.request_id)
             with contextlib.suppress(Exception):
                 await publish(request.stream_to, ErrorReply(code="engine_error", message=f"{type(exc).__name__}: {exc}", status=500))
         finally:
-            finished = RequestFinished(
-                request_id=request.request_id,
-                worker_id=self.registration.worker_id,
-                finish_reason=outcome,  # type: ignore[arg-type]
-                usage=Usage(len(request.prompt_token_ids), completion_tokens, cached_tokens),
-                duration_s=time.monotonic() - started,
-            )
-            with contextlib.suppress(Exception):
-                await publish(subjects.REQUEST_FINISHED, finished)
+            self._generated.pop(request.request_id, None)
+            self._abort_reasons.pop(request.request_id, None)
+            await self._publish_finished(request, outcome, completion_tokens, cached_tokens, time.monotonic() - started)
+
+    async def _publish_finished(self, request: GenerateRequest, outcome: str, completion_tokens: int,
+                                cached_tokens: int, duration_s: float) -> None:
+        finished = RequestFinished(
+            request_id=request.request_id,
+            worker_id=self.registration.worker_id,
+            finish_reason=outcome,  # type: ignore[arg-type]
+            usage=Usage(len(request.prompt_token_ids), completion_tokens, cached_tokens),
+            duration_s=duration_s,
+        )
+        with contextlib.suppress(Exception):
+            await self._bus.publish(subjects.REQUEST_FINISHED, finished)
 
     # --- heartbeats ---------------------------------------------------------------
 
@@ -180,6 +209,17 @@ class WorkerService:
         while True:
             await asyncio.sleep(self._cluster.heartbeat_interval_s)
             await self._send_heartbeat()
+
+    async def _lease_renew_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self._cluster.lease_renew_interval_s)
+            if not self._running:
+                continue
+            leases = [LeaseProgress(rid, self._generated.get(rid, 0)) for rid in self._running]
+            try:
+                await self._bus.publish(subjects.CACHE_RENEW, RenewLeases(self.registration.worker_id, leases), traced=False)
+            except Exception as exc:
+                self._log.warning("lease_renew_failed", error=str(exc))
 
     async def _kv_events_loop(self) -> None:
         # Batching at a short interval bounds the message rate however fast

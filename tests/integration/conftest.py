@@ -6,7 +6,7 @@ each other's workers and fault tests may kill or restart servers freely.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -39,13 +39,15 @@ def fleet_config(nats_port: int, redis_port: int, **sim: object) -> KvlaneConfig
     )
 
 
-def launch(log_dir: Path, workers: int = 2, **sim: object) -> Fleet:
+def launch(log_dir: Path, workers: int = 2, tune: Callable[[KvlaneConfig], KvlaneConfig] | None = None, **sim: object) -> Fleet:
+    """A fleet on its own NATS and Redis; `tune` may adjust the config first."""
     launcher = Launcher(log_dir)
     nats_port, redis_port = free_port(), free_port()
     try:
         launcher.start_nats(nats_port)
         launcher.start_redis(redis_port)
-        return start_fleet(launcher, fleet_config(nats_port, redis_port, **sim), workers)
+        config = fleet_config(nats_port, redis_port, **sim)
+        return start_fleet(launcher, tune(config) if tune else config, workers)
     except BaseException:
         launcher.stop_all()
         raise

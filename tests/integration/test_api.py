@@ -88,7 +88,7 @@ def test_health_ready_metrics_openapi(shared_fleet: Fleet, client: openai.OpenAI
     status, _, body = http(shared_fleet, "GET", "/health")
     assert status == 200 and json.loads(body)["status"] == "ok"
     status, _, body = http(shared_fleet, "GET", "/ready")
-    assert status == 200 and json.loads(body) == {"status": "ok", "workers": 2, "models": [MODEL]}
+    assert status == 200 and json.loads(body) == {"status": "ok", "workers": 2, "models": [MODEL], "missing": []}
     status, _, body = http(shared_fleet, "GET", "/metrics")
     text = body.decode()
     assert status == 200

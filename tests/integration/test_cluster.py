@@ -8,7 +8,6 @@ import signal
 import time
 import urllib.request
 from collections import Counter
-from collections.abc import AsyncIterator
 
 import msgspec
 import nats
@@ -19,41 +18,16 @@ from contracts import subjects
 from contracts.messages import (
     ErrorReply,
     GenerateRequest,
-    RequestFinished,
     RouteReply,
     SamplingParams,
     WorkerReply,
 )
 from kvlane.fleet import Fleet
 from tests.integration.conftest import FAST_HEARTBEATS, MODEL
+from tests.integration.finished_log import watch_finished
 
 pytestmark = pytest.mark.integration
 TTL_S = FAST_HEARTBEATS["heartbeat_ttl_s"]
-
-
-class FinishedLog:
-    """Which worker ran each request, from the `RequestFinished` events on NATS."""
-
-    def __init__(self) -> None:
-        self.events: list[RequestFinished] = []
-
-    def workers(self) -> Counter[str]:
-        return Counter(e.worker_id for e in self.events)
-
-
-async def watch_finished(fleet: Fleet) -> AsyncIterator[tuple[nats.NATS, FinishedLog]]:
-    nc = await nats.connect(fleet.config.nats.url)
-    log = FinishedLog()
-    decoder = msgspec.msgpack.Decoder(RequestFinished)
-
-    async def on_finished(msg) -> None:
-        log.events.append(decoder.decode(msg.data))
-
-    await nc.subscribe(subjects.REQUEST_FINISHED, cb=on_finished)
-    try:
-        yield nc, log
-    finally:
-        await nc.close()
 
 
 def async_client(fleet: Fleet) -> openai.AsyncOpenAI:

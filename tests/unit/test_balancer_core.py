@@ -1,7 +1,8 @@
-"""Balancer core: outstanding counts, the least-loaded policy and route() (services/balancer)."""
+"""Balancer core: the slot table, the central queue and BalancerService.route (services/balancer)."""
 
 from __future__ import annotations
 
+import asyncio
 from collections import Counter
 
 import pytest
@@ -9,199 +10,144 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from contracts.messages import EngineStats, ErrorReply, Heartbeat, RouteDecision, RouteRequest, WorkerRegistration
-from services.balancer.outstanding import OutstandingRequests
-from services.balancer.policies import Candidate, LeastLoaded, make_policy
+from contracts.messages import ErrorReply, RequestFinished, RouteDecision, RouteRequest, Usage
+from services.balancer.central_queue import CentralQueue
+from services.balancer.metrics import BalancerMetrics
 from services.balancer.service import BalancerService
+from services.balancer.slot_store import LocalSlotStore
+from services.balancer.slot_table import SlotTable
+from services.balancer.status import SlotRates
 from shared.cluster import ClusterView
+from shared.config import QueueSettings
+from tests.unit.balancer_fixtures import NOW_WALL, TINY, heartbeat, request, router, settings as balancer_settings
 
-# --- OutstandingRequests --------------------------------------------------------------
-
-
-def test_outstanding_basic_counts() -> None:
-    out = OutstandingRequests()
-    out.add("r1", "a", 10.0)
-    out.add("r2", "a", 10.0)
-    out.add("r3", "b", 10.0)
-    assert (out.count("a"), out.count("b"), out.count("c"), len(out)) == (2, 1, 0, 3)
-    out.finish("r1")
-    out.finish("r1")  # twice: no effect
-    out.finish("unknown")
-    assert (out.count("a"), len(out)) == (1, 2)
+# --- SlotTable ----------------------------------------------------------------------
 
 
-def test_re_adding_a_request_moves_it() -> None:
-    out = OutstandingRequests()
-    out.add("r1", "a", 10.0)
-    out.add("r1", "b", 20.0)
-    assert (out.count("a"), out.count("b"), len(out)) == (0, 1, 1)
-    # The old deadline no longer applies.
-    assert out.expire(15.0) == 0
-    assert out.count("b") == 1
-    assert out.expire(20.0) == 1
-    assert out.count("b") == 0
+def test_slot_table_counts_and_limits() -> None:
+    table = SlotTable()
+    assert table.reserve("r1", "a", 2, 10.0)
+    assert table.reserve("r2", "a", 2, 10.0)
+    assert not table.reserve("r3", "a", 2, 10.0)  # full
+    assert table.reserve("r3", "b", 2, 10.0)
+    assert (table.used("a"), table.used("b"), table.used("c"), len(table)) == (2, 1, 0, 3)
+    assert table.release("r1") == "a"
+    assert table.release("r1") is None  # twice: no effect
+    assert table.release("unknown") is None
+    assert (table.used("a"), len(table)) == (1, 2)
+
+
+def test_re_reserving_moves_the_request_and_its_deadline() -> None:
+    table = SlotTable()
+    table.reserve("r1", "a", 5, 10.0)
+    table.reserve("r1", "b", 5, 20.0)
+    assert (table.used("a"), table.used("b"), len(table)) == (0, 1, 1)
+    assert table.expire(15.0) == []  # the old deadline no longer applies
+    assert table.expire(20.0) == ["r1"]
+    assert table.used("b") == 0
 
 
 def test_expire_drops_only_passed_deadlines() -> None:
-    out = OutstandingRequests()
-    out.add("early", "a", 5.0)
-    out.add("edge", "a", 7.0)
-    out.add("late", "a", 9.0)
-    assert out.expire(4.9) == 0
-    assert out.expire(7.0) == 2  # a deadline equal to now has passed
-    assert out.count("a") == 1
-    assert out.expire(8.0) == 0
-    assert out.expire(100.0) == 1
-    assert len(out) == 0
+    table = SlotTable()
+    for request_id, deadline in (("early", 5.0), ("edge", 7.0), ("late", 9.0)):
+        table.reserve(request_id, "a", 5, deadline)
+    assert table.expire(4.9) == []
+    assert sorted(table.expire(7.0)) == ["early", "edge"]  # a deadline equal to now has passed
+    assert table.used("a") == 1
+    assert table.expire(100.0) == ["late"]
+    assert len(table) == 0
 
 
-def test_expire_skips_finished_requests() -> None:
-    out = OutstandingRequests()
-    out.add("r1", "a", 5.0)
-    out.finish("r1")
-    assert out.expire(10.0) == 0
-
-
-def test_forget_worker() -> None:
-    out = OutstandingRequests()
-    out.add("r1", "a", 10.0)
-    out.add("r2", "a", 10.0)
-    out.add("r3", "b", 10.0)
-    out.forget_worker("a")
-    out.forget_worker("nobody")
-    assert (out.count("a"), out.count("b"), len(out)) == (0, 1, 1)
+def test_foreign_usage_and_chains_that_leave() -> None:
+    table = SlotTable()
+    table.reserve("r1", "a", 4, 10.0)
+    table.set_global_used("a", 3)  # two held by other replicas
+    assert table.used("a") == 3 and table.own("a") == 1
+    assert not table.reserve("r2", "a", 3, 10.0)
+    table.set_global_used("b", 2)
+    assert table.retain_chains(["b"]) == ["r1"]
+    assert (table.used("a"), table.used("b"), len(table)) == (0, 2, 0)
 
 
 REQUEST_IDS = st.sampled_from([f"r{i}" for i in range(6)])
-WORKERS = st.sampled_from(["a", "b", "c"])
+CHAINS = st.sampled_from(["a", "b", "c"])
 TIMES = st.integers(0, 20).map(float)
 
 
-class OutstandingMachine(RuleBasedStateMachine):
-    """Model: request id -> (worker, deadline) of every un-finished, un-expired add."""
+class SlotTableMachine(RuleBasedStateMachine):
+    """Model: request id -> (chain, deadline) of every un-released, un-expired reservation."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.out = OutstandingRequests()
+        self.table = SlotTable()
         self.model: dict[str, tuple[str, float]] = {}
 
-    @rule(request_id=REQUEST_IDS, worker=WORKERS, deadline=TIMES)
-    def add(self, request_id: str, worker: str, deadline: float) -> None:
-        self.out.add(request_id, worker, deadline)
-        self.model[request_id] = (worker, deadline)
+    @rule(request_id=REQUEST_IDS, chain=CHAINS, deadline=TIMES, slots=st.integers(1, 3))
+    def reserve(self, request_id: str, chain: str, deadline: float, slots: int) -> None:
+        self.model.pop(request_id, None)
+        fits = Counter(c for c, _ in self.model.values())[chain] < slots
+        assert self.table.reserve(request_id, chain, slots, deadline) == fits
+        if fits:
+            self.model[request_id] = (chain, deadline)
 
     @rule(request_id=REQUEST_IDS)
-    def finish(self, request_id: str) -> None:
-        self.out.finish(request_id)
-        self.model.pop(request_id, None)
+    def release(self, request_id: str) -> None:
+        expected = self.model.pop(request_id, None)
+        assert self.table.release(request_id) == (expected[0] if expected else None)
 
     @rule(now=TIMES)
     def expire(self, now: float) -> None:
-        passed = [r for r, (_, d) in self.model.items() if d <= now]
-        assert self.out.expire(now) == len(passed)
+        passed = {r for r, (_, d) in self.model.items() if d <= now}
+        assert set(self.table.expire(now)) == passed
         for request_id in passed:
             del self.model[request_id]
 
-    @rule(worker=WORKERS)
-    def forget_worker(self, worker: str) -> None:
-        self.out.forget_worker(worker)
-        self.model = {r: e for r, e in self.model.items() if e[0] != worker}
+    @rule(chain=CHAINS)
+    def chain_leaves(self, chain: str) -> None:
+        self.table.retain_chains({"a", "b", "c"} - {chain})
+        self.model = {r: e for r, e in self.model.items() if e[0] != chain}
 
     @invariant()
     def counts_match(self) -> None:
-        expected = Counter(w for w, _ in self.model.values())
-        for worker in ("a", "b", "c"):
-            assert self.out.count(worker) == expected[worker]
-        assert len(self.out) == len(self.model)
+        expected = Counter(c for c, _ in self.model.values())
+        for chain in ("a", "b", "c"):
+            assert self.table.used(chain) == expected[chain]
+        assert len(self.table) == len(self.model) == self.table.total_used()
 
 
-OutstandingMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
-TestOutstandingStateful = OutstandingMachine.TestCase
+SlotTableMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
+TestSlotTableStateful = SlotTableMachine.TestCase
 
 
-# --- LeastLoaded ----------------------------------------------------------------------
+# --- CentralQueue ---------------------------------------------------------------------
 
 
-def cand(worker_id: str, running: int = 0, waiting: int = 0, outstanding: int = 0, kv: float = 0.0) -> Candidate:
-    return Candidate(worker_id, f"inbox.{worker_id}", running, waiting, outstanding, kv)
+def test_queue_orders_by_class_then_arrival_and_is_bounded() -> None:
+    queue = CentralQueue(max_length=4)
+    for request_id, priority in (("low1", 0), ("high1", 5), ("low2", 0), ("high2", 5)):
+        assert queue.push(request(request_id, priority=priority), NOW_WALL, NOW_WALL + 10) is not None
+    assert queue.full and queue.push(request("x"), NOW_WALL, NOW_WALL + 10) is None
+    assert [e.request_id for e in queue.in_order()] == ["high1", "high2", "low1", "low2"]
+    taken = queue.remove("high1")
+    assert taken is not None and "high1" not in queue
+    queue.restore(taken)  # back at its original place
+    assert [e.request_id for e in queue.in_order()][0] == "high1"
+    assert queue.lengths() == {5: 2, 0: 2}
 
 
-REQ = RouteRequest(request_id="r1", model="m", prompt_tokens=10, max_tokens=5, deadline=1e12)
-
-
-@pytest.mark.parametrize(
-    ("running", "waiting", "outstanding", "load"),
-    [(0, 0, 0, 0), (2, 3, 1, 5), (1, 0, 4, 4), (2, 2, 4, 4)],
-)
-def test_candidate_load(running: int, waiting: int, outstanding: int, load: int) -> None:
-    assert cand("a", running, waiting, outstanding).load == load
-
-
-def test_least_loaded_picks_the_minimum() -> None:
-    policy = LeastLoaded()
-    candidates = [cand("a", running=3), cand("b", running=1, waiting=1), cand("c", outstanding=5)]
-    for _ in range(5):
-        assert policy.choose(REQ, candidates).worker_id == "b"
-
-
-def test_outstanding_counts_as_load_when_fresher_than_stats() -> None:
-    policy = LeastLoaded()
-    candidates = [cand("a", running=1, outstanding=4), cand("b", running=3)]
-    assert policy.choose(REQ, candidates).worker_id == "b"
-
-
-def test_ties_rotate_across_all_tied_candidates() -> None:
-    policy = LeastLoaded()
-    candidates = [cand("a", running=1), cand("b", running=1), cand("c", running=1), cand("d", running=9)]
-    picks = [policy.choose(REQ, candidates).worker_id for _ in range(9)]
-    assert set(picks) == {"a", "b", "c"}
-    assert Counter(picks) == {"a": 3, "b": 3, "c": 3}
-    # Consecutive picks never repeat while the tie lasts.
-    assert all(x != y for x, y in zip(picks, picks[1:]))
-
-
-def test_kv_usage_breaks_ties() -> None:
-    policy = LeastLoaded()
-    candidates = [cand("a", running=1, kv=0.5), cand("b", running=1, kv=0.2), cand("c", running=0, kv=0.9)]
-    assert policy.choose(REQ, candidates).worker_id == "c"  # load first
-    candidates = [cand("a", running=1, kv=0.5), cand("b", running=1, kv=0.2)]
-    assert {policy.choose(REQ, candidates).worker_id for _ in range(4)} == {"b"}
-
-
-def test_single_candidate() -> None:
-    only = cand("a", running=50)
-    assert LeastLoaded().choose(REQ, [only]) == only
-
-
-def test_make_policy() -> None:
-    policy = make_policy("least_loaded")
-    assert isinstance(policy, LeastLoaded)
-    assert policy.name == "least_loaded"
-    with pytest.raises(ValueError, match="unknown routing policy"):
-        make_policy("round_robin")
+def test_queue_expiry_and_duplicates() -> None:
+    queue = CentralQueue(max_length=10)
+    queue.push(request("a"), NOW_WALL, NOW_WALL + 1)
+    assert queue.push(request("a"), NOW_WALL, NOW_WALL + 5) is None  # already waiting
+    queue.push(request("b"), NOW_WALL, NOW_WALL + 5)
+    assert [e.request_id for e in queue.expire(NOW_WALL + 1)] == ["a"]
+    assert len(queue) == 1 and queue.oldest_enqueued_at() == NOW_WALL
 
 
 # --- BalancerService.route ------------------------------------------------------------
 
 TTL = 3.0
 NOW_MONO = 1000.0
-NOW_WALL = 1_700_000_000.0
-
-
-def heartbeat(worker_id: str, *, model: str = "m", draining: bool = False, running: int = 0, used: int = 0) -> Heartbeat:
-    registration = WorkerRegistration(
-        worker_id=worker_id,
-        role="aggregated",
-        model=model,
-        engine="sim",
-        inbox=f"inbox.{worker_id}",
-        block_size=16,
-        max_model_len=4096,
-        tokenizer="sim",
-        started_at=0.0,
-    )
-    stats = EngineStats(running=running, kv_blocks_total=100, kv_blocks_used=used)
-    return Heartbeat(registration=registration, stats=stats, sent_at=NOW_WALL, seq=1, draining=draining)
 
 
 class Clock:
@@ -212,122 +158,201 @@ class Clock:
         return self.value
 
 
-def make_balancer(*heartbeats: Heartbeat) -> tuple[BalancerService, Clock, Clock]:
+def make_balancer(*heartbeats, policy: str = "jffc_per_request", max_wait_s: float = 30.0, **slots):
     view = ClusterView(TTL)
-    for h in heartbeats:
-        view.observe(h, NOW_MONO)
+    core = router(policy, **slots)
+    core._queue_settings = QueueSettings(max_wait_s=max_wait_s)
+    for hb in heartbeats:
+        view.observe(hb, NOW_MONO)
+        core.builder.observe(hb)
     mono, wall = Clock(NOW_MONO), Clock(NOW_WALL)
-    return BalancerService(None, view, LeastLoaded(), clock=mono, wall_clock=wall), mono, wall  # type: ignore[arg-type]
+    s = balancer_settings(policy, **slots)
+    service = BalancerService(
+        None, view, core, LocalSlotStore(), s, BalancerMetrics(), SlotRates(TINY, s.slots), clock=mono, wall_clock=wall  # type: ignore[arg-type]
+    )
+    return service, mono, wall
 
 
 def route_request(request_id: str = "r1", model: str = "m", deadline: float = NOW_WALL + 60, exclude: list[str] | None = None) -> RouteRequest:
-    return RouteRequest(
-        request_id=request_id, model=model, prompt_tokens=10, max_tokens=5, deadline=deadline, exclude_workers=exclude or []
-    )
+    return request(request_id, model=model, deadline=deadline, exclude=exclude, blocks=0)
 
 
-def test_route_to_the_only_node() -> None:
+def finished(request_id: str, worker_id: str = "a") -> RequestFinished:
+    return RequestFinished(request_id=request_id, worker_id=worker_id, finish_reason="stop", usage=Usage(1, 1), duration_s=0.1)
+
+
+async def test_route_to_the_only_node() -> None:
     balancer, _, _ = make_balancer(heartbeat("a"))
-    reply = balancer.route(route_request())
+    reply = await balancer.route(route_request())
     assert isinstance(reply, RouteDecision)
-    assert (reply.request_id, reply.worker_id, reply.inbox, reply.policy) == ("r1", "a", "inbox.a", "least_loaded")
+    assert (reply.request_id, reply.worker_id, reply.inbox, reply.policy) == ("r1", "a", "inbox.a", "jffc_per_request")
 
 
-def test_model_not_found() -> None:
+async def test_model_not_found() -> None:
     balancer, _, _ = make_balancer(heartbeat("a", model="other"))
-    reply = balancer.route(route_request(model="m"))
+    reply = await balancer.route(route_request(model="m"))
     assert isinstance(reply, ErrorReply)
     assert (reply.status, reply.code) == (404, "model_not_found")
     assert "'m'" in reply.message
 
 
-def test_empty_cluster_is_model_not_found() -> None:
+async def test_empty_cluster_is_model_not_found() -> None:
     balancer, _, _ = make_balancer()
-    reply = balancer.route(route_request())
+    reply = await balancer.route(route_request())
     assert isinstance(reply, ErrorReply) and reply.status == 404
 
 
-def test_stale_nodes_are_not_routed_to() -> None:
+async def test_stale_nodes_are_not_routed_to() -> None:
     balancer, mono, _ = make_balancer(heartbeat("a"))
     mono.value = NOW_MONO + TTL + 1
-    reply = balancer.route(route_request())
+    reply = await balancer.route(route_request())
     assert isinstance(reply, ErrorReply) and reply.code == "model_not_found"
 
 
-def test_all_draining_is_503() -> None:
+async def test_all_draining_is_503() -> None:
     balancer, _, _ = make_balancer(heartbeat("a", draining=True), heartbeat("b", draining=True))
-    reply = balancer.route(route_request())
+    reply = await balancer.route(route_request())
     assert isinstance(reply, ErrorReply)
-    assert (reply.status, reply.code) == (503, "no_capacity")
-    assert reply.retry_after_s == 1.0
+    assert (reply.status, reply.code, reply.retry_after_s) == (503, "no_capacity", 1.0)
 
 
-def test_draining_node_is_skipped() -> None:
+async def test_draining_node_is_skipped() -> None:
     balancer, _, _ = make_balancer(heartbeat("a", draining=True), heartbeat("b", running=10))
     for i in range(3):
-        reply = balancer.route(route_request(f"r{i}"))
+        reply = await balancer.route(route_request(f"r{i}"))
         assert isinstance(reply, RouteDecision) and reply.worker_id == "b"
 
 
-def test_excluded_workers_are_honoured() -> None:
+async def test_excluded_workers_are_honoured() -> None:
     balancer, _, _ = make_balancer(heartbeat("a"), heartbeat("b", running=50))
     for i in range(3):
-        reply = balancer.route(route_request(f"r{i}", exclude=["a"]))
+        reply = await balancer.route(route_request(f"r{i}", exclude=["a"]))
         assert isinstance(reply, RouteDecision) and reply.worker_id == "b"
 
 
-def test_every_worker_excluded_is_503() -> None:
+async def test_every_worker_excluded_is_503() -> None:
     balancer, _, _ = make_balancer(heartbeat("a"), heartbeat("b"))
-    reply = balancer.route(route_request(exclude=["a", "b"]))
+    reply = await balancer.route(route_request(exclude=["a", "b"]))
     assert isinstance(reply, ErrorReply)
     assert (reply.status, reply.code, reply.retry_after_s) == (503, "no_capacity", 1.0)
 
 
 @pytest.mark.parametrize("offset", [0.0, -1.0])
-def test_deadline_passed_is_504(offset: float) -> None:
+async def test_deadline_passed_is_504(offset: float) -> None:
     balancer, _, _ = make_balancer(heartbeat("a"))
-    reply = balancer.route(route_request(deadline=NOW_WALL + offset))
+    reply = await balancer.route(route_request(deadline=NOW_WALL + offset))
     assert isinstance(reply, ErrorReply)
     assert (reply.status, reply.code) == (504, "deadline_exceeded")
 
 
-def test_successive_routes_spread_over_idle_nodes() -> None:
-    balancer, _, _ = make_balancer(heartbeat("a"), heartbeat("b"))
+@pytest.mark.parametrize("policy", ["least_loaded", "jffc", "jffc_per_request"])
+async def test_successive_routes_spread_over_idle_nodes(policy: str) -> None:
+    balancer, _, _ = make_balancer(heartbeat("a"), heartbeat("b"), policy=policy)
     picks = []
     for i in range(6):
-        reply = balancer.route(route_request(f"r{i}"))
+        reply = await balancer.route(route_request(f"r{i}"))
         assert isinstance(reply, RouteDecision)
         picks.append(reply.worker_id)
     assert Counter(picks) == {"a": 3, "b": 3}
-    assert all(x != y for x, y in zip(picks, picks[1:]))
 
 
-def test_least_loaded_node_wins_until_outstanding_evens_out() -> None:
-    balancer, _, _ = make_balancer(heartbeat("a", running=2), heartbeat("b"))
-    picks = [balancer.route(route_request(f"r{i}")).worker_id for i in range(4)]  # type: ignore[union-attr]
-    # b has load 0, 1 then 2 (outstanding > running+waiting); a stays at 2.
+async def test_least_loaded_node_wins_until_reservations_even_out() -> None:
+    balancer, _, _ = make_balancer(heartbeat("a", running=2), heartbeat("b"), policy="least_loaded")
+    picks = [(await balancer.route(route_request(f"r{i}"))).worker_id for i in range(4)]  # type: ignore[union-attr]
+    # b has load 0, 1 then 2 (reservations > running+waiting); a stays at 2.
     assert picks[:2] == ["b", "b"]
     assert sorted(picks[2:]) == ["a", "b"]
 
 
-def test_finished_requests_stop_counting() -> None:
-    balancer, _, _ = make_balancer(heartbeat("a"), heartbeat("b"))
-    first = balancer.route(route_request("r1"))
+async def test_a_re_route_releases_the_earlier_reservation() -> None:
+    balancer, _, _ = make_balancer(heartbeat("a"), heartbeat("b"), max_per_chain=1)
+    first = await balancer.route(route_request("r1"))
     assert isinstance(first, RouteDecision)
-    balancer._outstanding.finish("r1")
-    # With r1 finished both nodes are idle again; a burst still alternates.
-    second = balancer.route(route_request("r2"))
-    third = balancer.route(route_request("r3"))
-    assert {second.worker_id, third.worker_id} == {"a", "b"}  # type: ignore[union-attr]
+    retry = await balancer.route(route_request("r1", exclude=[first.worker_id]))
+    assert isinstance(retry, RouteDecision) and retry.worker_id != first.worker_id
+    assert balancer.router.table.total_used() == 1
+    # The first worker's slot is free again for someone else.
+    other = await balancer.route(route_request("r2"))
+    assert isinstance(other, RouteDecision) and other.worker_id == first.worker_id
 
 
-def test_expired_requests_stop_counting() -> None:
-    balancer, _, wall = make_balancer(heartbeat("a"), heartbeat("b", running=1))
-    for i in range(3):
-        balancer.route(route_request(f"short{i}", deadline=NOW_WALL + 5))
-    assert balancer._outstanding.count("a") + balancer._outstanding.count("b") == 3
+async def test_a_queued_request_takes_the_next_slot_that_frees() -> None:
+    balancer, _, _ = make_balancer(heartbeat("a"), max_per_chain=1)
+    assert isinstance(await balancer.route(route_request("r1")), RouteDecision)
+    waiting = asyncio.create_task(balancer.route(route_request("r2")))
+    await asyncio.sleep(0.01)
+    assert not waiting.done() and len(balancer.router.queue) == 1
+    await balancer._on_finished(finished("r1"), None)  # type: ignore[arg-type]
+    reply = await asyncio.wait_for(waiting, 1.0)
+    assert isinstance(reply, RouteDecision) and reply.request_id == "r2"
+    await balancer._on_finished(finished("r2"), None)  # type: ignore[arg-type]
+    assert balancer.router.table.total_used() == 0
+
+
+async def test_a_request_past_its_queue_deadline_gets_503_with_retry_after() -> None:
+    balancer, _, _ = make_balancer(heartbeat("a"), max_per_chain=1, max_wait_s=0.05)
+    assert isinstance(await balancer.route(route_request("r1")), RouteDecision)
+    reply = await balancer.route(route_request("r2"))
+    assert isinstance(reply, ErrorReply)
+    assert (reply.status, reply.code, reply.retry_after_s) == (503, "queue_timeout", 1.0)
+    assert len(balancer.router.queue) == 0
+
+
+async def test_a_full_queue_refuses_at_once() -> None:
+    balancer, _, _ = make_balancer(heartbeat("a"), max_per_chain=1)
+    balancer.router.queue._max_length = 1
+    await balancer.route(route_request("r1"))
+    waiting = asyncio.create_task(balancer.route(route_request("r2")))
+    await asyncio.sleep(0.01)
+    reply = await balancer.route(route_request("r3"))
+    assert isinstance(reply, ErrorReply) and (reply.status, reply.code) == (503, "queue_full")
+    await balancer.stop()
+    stopped = await waiting
+    assert isinstance(stopped, ErrorReply) and stopped.code == "balancer_stopping"
+
+
+async def test_reservations_expire_at_the_deadline_and_when_the_node_leaves() -> None:
+    balancer, mono, wall = make_balancer(heartbeat("a"), heartbeat("b"))
+    await balancer.route(route_request("short", deadline=NOW_WALL + 5))
+    await balancer.route(route_request("long", deadline=NOW_WALL + 500))
+    assert balancer.router.table.total_used() == 2
     wall.value = NOW_WALL + 5
-    reply = balancer.route(route_request("late", deadline=NOW_WALL + 60))
-    assert isinstance(reply, RouteDecision)
-    assert reply.worker_id == "a"  # all earlier entries expired: a (load 0) beats b (running 1)
-    assert len(balancer._outstanding) == 1
+    await balancer.tick()
+    assert balancer.router.table.total_used() == 1
+    mono.value = NOW_MONO + TTL + 1  # both nodes stop heartbeating
+    await balancer.tick()
+    assert balancer.router.table.total_used() == 0
+
+
+class FlakyStore(LocalSlotStore):
+    """A store that is down until `up` is set, recording what it is told afterwards."""
+
+    def __init__(self) -> None:
+        self.up = False
+        self.restored: list[tuple[str, str]] = []
+
+    async def reserve(self, request_id, chain_id, slots, expires_at):
+        if not self.up:
+            raise ConnectionError("redis down")
+        self.restored.append((request_id, chain_id))
+        return True, -1
+
+    async def usage(self, chain_ids, now):
+        if not self.up:
+            raise ConnectionError("redis down")
+        return {}
+
+
+async def test_a_store_outage_falls_back_to_local_counts_and_restores_holds() -> None:
+    balancer, _, _ = make_balancer(heartbeat("a"), max_per_chain=1)
+    store = balancer._store = FlakyStore()
+    first = await balancer.route(route_request("r1"))
+    assert isinstance(first, RouteDecision)  # served, counted locally
+    waiting = asyncio.create_task(balancer.route(route_request("r2")))
+    await asyncio.sleep(0.01)
+    assert not waiting.done()  # the local count still enforces the slot
+    store.up = True
+    await balancer.tick()
+    assert store.restored == [("r1", first.worker_id and balancer.router.table.holder("r1"))]
+    await balancer._on_finished(finished("r1"), None)  # type: ignore[arg-type]
+    assert isinstance(await asyncio.wait_for(waiting, 1.0), RouteDecision)

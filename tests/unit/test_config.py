@@ -34,7 +34,7 @@ def test_defaults_load_without_file_or_env() -> None:
     assert config.ingress.max_tokens_default == 512
     assert config.worker.sim.block_size == 16
     assert config.worker.sim.speed == 1.0
-    assert config.balancer.policy == "least_loaded"
+    assert config.balancer.policy == "jffc_per_request"
     assert config.nats.max_reconnect_attempts == -1
 
 

@@ -14,6 +14,8 @@ class EngineRequest(Struct, frozen=True):
     request_id: str
     prompt_token_ids: list[int]
     sampling: SamplingParams
+    # Output already produced elsewhere; generation continues after it.
+    resume_token_ids: list[int] = []
 
 
 class EngineOutput(Struct):
@@ -50,6 +52,37 @@ def net_kv_delta(events: Iterable[tuple[bool, int]], cleared: bool = False) -> K
 
 class RequestRejected(ValueError):
     """The engine can never run this request (too long, bad token ids...)."""
+
+
+class EngineConfigError(ValueError):
+    """The engine can never start with this configuration; the message names the problem."""
+
+
+class EngineFacts(Struct, frozen=True):
+    """What a worker advertises about its engine in its registration."""
+
+    model: str  # the name clients ask for
+    block_size: int
+    max_model_len: int
+    tokenizer: str  # a spec that shared.tokenizer.load_tokenizer understands
+
+
+def check_fits(request: EngineRequest, max_model_len: int, vocab_size: int | None) -> None:
+    """The checks every engine makes: context length, resumption room, token ids in the vocabulary."""
+    prompt_len = len(request.prompt_token_ids)
+    max_tokens = request.sampling.max_tokens
+    if prompt_len + max_tokens > max_model_len:
+        raise RequestRejected(
+            f"prompt ({prompt_len} tokens) plus max_tokens ({max_tokens}) exceeds the model's context length ({max_model_len})"
+        )
+    if len(request.resume_token_ids) >= max_tokens:
+        raise RequestRejected(
+            f"resuming after {len(request.resume_token_ids)} tokens leaves nothing of max_tokens ({max_tokens})"
+        )
+    if vocab_size:
+        bad = next((t for t in request.prompt_token_ids if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise RequestRejected(f"token id {bad} is outside the vocabulary (0..{vocab_size - 1})")
 
 
 class Engine(Protocol):

@@ -19,6 +19,7 @@ from services.worker.engines.base import (
     EngineRequest,
     KvCacheDelta,
     RequestRejected,
+    check_fits,
     net_kv_delta,
 )
 from services.worker.sim import SimRequest, SimScheduler, StepOutcome, get_profile
@@ -60,15 +61,7 @@ class SimEngine:
             await asyncio.gather(self._task, return_exceptions=True)
 
     def check(self, request: EngineRequest) -> None:
-        prompt_len = len(request.prompt_token_ids)
-        if prompt_len + request.sampling.max_tokens > self._settings.max_model_len:
-            raise RequestRejected(
-                f"prompt ({prompt_len} tokens) plus max_tokens ({request.sampling.max_tokens}) "
-                f"exceeds the model's context length ({self._settings.max_model_len})"
-            )
-        bad = next((t for t in request.prompt_token_ids if not 0 <= t < self._tokenizer.vocab_size), None)
-        if bad is not None:
-            raise RequestRejected(f"token id {bad} is outside the vocabulary (0..{self._tokenizer.vocab_size - 1})")
+        check_fits(request, self._settings.max_model_len, self._tokenizer.vocab_size)
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
         self.check(request)
@@ -76,7 +69,9 @@ class SimEngine:
         seed = self._settings.seed if sampling.seed is None else sampling.seed
         queue: asyncio.Queue = asyncio.Queue()
         try:
-            self._scheduler.add(SimRequest(request.request_id, request.prompt_token_ids, sampling.max_tokens, seed))
+            self._scheduler.add(
+                SimRequest(request.request_id, request.prompt_token_ids, sampling.max_tokens, seed, request.resume_token_ids)
+            )
         except ValueError as exc:
             raise RequestRejected(str(exc)) from exc
         self._queues[request.request_id] = queue

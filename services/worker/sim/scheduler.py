@@ -44,6 +44,10 @@ class SimRequest(msgspec.Struct, frozen=True):
     prompt_token_ids: list[int]
     max_tokens: int
     seed: int = 0
+    # Output a previous run already produced (a request resumed on another
+    # node): generation continues at position len(resume_output), with the
+    # same tokens an uninterrupted run would produce. Counts toward max_tokens.
+    resume_output: list[int] = []
 
 
 class FinishedInfo(msgspec.Struct, frozen=True):
@@ -181,12 +185,18 @@ class SimScheduler:
             )
         if request.request_id in self._live:
             raise ValueError(f"request {request.request_id!r} is already queued or running")
+        if len(request.resume_output) >= request.max_tokens:
+            raise ValueError(
+                f"request {request.request_id!r}: resumes after {len(request.resume_output)} tokens, "
+                f"nothing left of max_tokens ({request.max_tokens})"
+            )
         try:
             hashes = chained_block_hashes(prompt, self._block_size)
             digest = prompt_digest(prompt)
         except (OverflowError, TypeError) as exc:
             raise ValueError(f"request {request.request_id!r}: token ids must be ints in [0, 2**32)") from exc
         seq = _Sequence(request, hashes, stream_key(request.seed, digest))
+        seq.output = list(request.resume_output)
         self._live[request.request_id] = seq
         self._waiting.append(seq)
 

@@ -1,0 +1,56 @@
+"""Admin messages of the balancer (`kvlane.v1.balancer.status`, msgpack request/reply)."""
+
+from __future__ import annotations
+
+from msgspec import Struct
+
+from contracts.messages import ErrorReply, NonNegativeInt
+
+
+class BalancerStatusRequest(Struct, tag="balancer_status_request", tag_field="type"):
+    # Chains of this model only; "" = every model.
+    model: str = ""
+
+
+class ChainStatus(Struct):
+    chain_id: str
+    worker_id: str
+    model: str
+    running: NonNegativeInt
+    waiting: NonNegativeInt
+    slots_used: NonNegativeInt
+    slots_total: NonNegativeInt
+    kv_usage: float
+    speed: float  # relative to the fallback profile
+    speed_measured: bool
+    health_weight: float
+    queue_growth_per_s: float
+    # Typical requests per second one slot completes at full occupancy.
+    rate_per_slot: float
+
+
+class QueueClass(Struct):
+    priority: int
+    length: NonNegativeInt
+
+
+class BalancerStatus(Struct, tag="balancer_status", tag_field="type"):
+    balancer_id: str
+    policy: str
+    slot_store: str
+    chains: list[ChainStatus]
+    queue: list[QueueClass]
+    queue_length: NonNegativeInt
+    oldest_wait_s: float
+    # Measured route requests per second (moving average).
+    arrival_rate_per_s: float
+    reservations_held: NonNegativeInt
+    fast_forwards: NonNegativeInt
+    # Mean response time of JFFC at the measured arrival rate (inf: overloaded; None: no data).
+    bound_lower_s: float | None = None
+    bound_upper_s: float | None = None
+    recommended_slots_per_chain: int | None = None
+    recommended_lower_s: float | None = None
+
+
+BalancerStatusReply = BalancerStatus | ErrorReply

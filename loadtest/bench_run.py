@@ -1,0 +1,157 @@
+"""One benchmark run: a fresh fleet for one routing policy, one workload, then everything stopped.
+
+Every run gets its own nats-server and redis-server on free ports, one
+balancer with `balancer.policy` set, N sim workers sharing one profile,
+speed and seed, and one ingress; nothing carries over between runs (no warm
+prefix cache, no learnt node speeds), so policies are compared on equal
+terms.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from kvlane.fleet import Fleet, start_fleet, with_overrides
+from kvlane.launcher import Launcher, free_port
+from loadtest.client import RequestRecord, StreamingClient
+from loadtest.driver import DriveLimits, WorkloadDriver
+from loadtest.events import FinishedEvents
+from loadtest.metrics import Slo, summarize
+from loadtest.workloads import WorkloadSpec, sessions
+from shared.config import (
+    IngressSettings,
+    KvlaneConfig,
+    LoggingSettings,
+    NatsSettings,
+    RedisSettings,
+    SimSettings,
+    WorkerSettings,
+)
+
+HOST = "127.0.0.1"
+# RequestFinished is published just after the stream's last frame: give stragglers a moment.
+_EVENTS_SETTLE_S = 0.5
+
+
+class PolicyRejected(ValueError):
+    """The current configuration schema does not accept this policy name."""
+
+
+@dataclass(frozen=True)
+class FleetSpec:
+    workers: int = 4
+    profile: str = "h100-80g-llama3-8b"
+    speed: float = 1.0
+    seed: int = 0
+    max_model_len: int = 4096
+    num_blocks: int | None = None  # None: the sim default, raised to hold a max-length request
+    block_size: int = 16
+    ready_timeout_s: float = 90.0
+
+    def sim_settings(self) -> dict[str, Any]:
+        sim: dict[str, Any] = {"profile": self.profile, "speed": self.speed, "seed": self.seed,
+                               "max_model_len": self.max_model_len, "block_size": self.block_size}
+        blocks = self.num_blocks
+        if blocks is None:
+            # A KV cache smaller than one max-length request would refuse the long-context mix.
+            blocks = max(SimSettings().num_blocks, -(-2 * self.max_model_len // self.block_size))
+        sim["num_blocks"] = blocks
+        return sim
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    policy: str
+    workload: WorkloadSpec
+    fleet: FleetSpec
+    slo: Slo
+    limits: DriveLimits
+    request_timeout_s: float
+    log_dir: Path
+
+
+def fleet_config(fleet: FleetSpec, policy: str, request_timeout_s: float) -> KvlaneConfig:
+    """tests/integration/conftest.py's fleet config with default heartbeats, quiet logs and the policy set."""
+    base = KvlaneConfig(
+        nats=NatsSettings(url=f"nats://{HOST}:{free_port()}"),
+        redis=RedisSettings(url=f"redis://{HOST}:{free_port()}/0"),
+        # warning: on a small machine every info line per request is CPU taken from the fleet.
+        logging=LoggingSettings(format="json", level="warning"),
+        ingress=IngressSettings(host=HOST, port=free_port(), request_timeout_s=request_timeout_s),
+        worker=WorkerSettings(drain_timeout_s=10.0),
+    )
+    try:
+        return with_overrides(base, **{"balancer": {"policy": policy}, "worker.sim": fleet.sim_settings()})
+    except (msgspec.ValidationError, KeyError, TypeError) as exc:
+        raise PolicyRejected(f"policy {policy!r} rejected by the current config: {exc}") from exc
+
+
+def run_once(spec: RunSpec, on_record: Callable[[RequestRecord], None]) -> dict[str, Any]:
+    """Start the fleet, send the workload, stop the fleet; the run's metrics and records."""
+    config = fleet_config(spec.fleet, spec.policy, spec.request_timeout_s)
+    launcher = Launcher(spec.log_dir)
+    fleet: Fleet | None = None
+    started = time.monotonic()
+    try:
+        fleet = start_fleet(launcher, config, spec.fleet.workers, ready_timeout=spec.fleet.ready_timeout_s)
+        startup_s = time.monotonic() - started
+        records, runs = _run_async(_measure(fleet, spec, on_record))
+        dead = [f"{p.name} (exit {p.popen.returncode})" for p in fleet.services() if not p.alive()]
+    finally:
+        if fleet is not None:
+            fleet.stop()
+        launcher.stop_all()
+    worker_ids = [f"w{index}" for index in range(spec.fleet.workers)]  # start_fleet's names
+    return {
+        "policy": spec.policy,
+        "fleet_startup_s": startup_s,
+        "processes_died": dead,
+        "summary": summarize(records, spec.slo, runs, worker_ids),
+        "records": [r.to_json() for r in records],
+        "log_dir": str(spec.log_dir),
+    }
+
+
+async def _measure(fleet: Fleet, spec: RunSpec, on_record: Callable[[RequestRecord], None]):
+    model = fleet.config.worker.model
+    async with FinishedEvents(fleet.config.nats.url) as events:
+        async with StreamingClient(fleet.base_url, model, spec.request_timeout_s, time.perf_counter()) as warmup:
+            await _wait_until_served(warmup, timeout_s=30.0)
+        # A fresh clock: the run starts at 0 after warm-up, whatever it took.
+        async with StreamingClient(fleet.base_url, model, spec.request_timeout_s, time.perf_counter()) as client:
+            records = await WorkloadDriver(client, spec.limits, on_record).run(sessions(spec.workload))
+        await asyncio.sleep(_EVENTS_SETTLE_S)
+        runs = dict(events.runs)
+    return records, runs
+
+
+async def _wait_until_served(client: StreamingClient, timeout_s: float) -> None:
+    """/ready can answer a moment before the balancer has heard every worker."""
+    deadline = time.monotonic() + timeout_s
+    last = ""
+    while time.monotonic() < deadline:
+        record = RequestRecord("warmup", "warmup", 0, "completions", 1, 0.0)
+        await client.send(record, {"prompt": " warm up"})
+        if record.ok:
+            # One heartbeat interval more, so that the balancer knows every worker, not just one.
+            await asyncio.sleep(1.5)
+            return
+        last = record.error or ""
+        await asyncio.sleep(0.2)
+    raise RuntimeError(f"the fleet served no request within {timeout_s:.0f}s: {last}")
+
+
+def _run_async(coro: Awaitable[Any]) -> Any:
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a kvlane dependency
+        return asyncio.run(coro)
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(coro)

@@ -1,0 +1,332 @@
+"""What kvlane costs in front of real vLLM: the same workload through kvlane and straight to vLLM.
+
+One run builds the tiny model, then starts, on free ports of 127.0.0.1:
+A. kvlane: nats-server, redis-server, balancer, ONE vllm worker, ingress;
+B. vLLM's own OpenAI server (`python -m vllm.entrypoints.openai.api_server`)
+   with the same model and engine settings.
+Both serve `POST /v1/completions` with streaming. Each round sends the same
+fresh prompts (token ids, so both engines see identical input and neither
+has them cached) through A, then B, then the next round's through B, then
+A, so that drift hits both alike. Temperature 0: both generate the same
+tokens. A closed loop of C clients measures throughput (completion tokens
+per second of wall time), TTFT and inter-token latency (ITL) per path, and
+the CPU seconds each process tree used (where kvlane's cost goes).
+
+    python -m loadtest.vllm_vs_direct [--concurrency C] [--requests N] [--rounds R] [--out PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import itertools
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import psutil
+
+from kvlane.fleet import start_fleet, with_overrides
+from kvlane.launcher import Launcher, Process, free_port
+from loadtest.overhead import machine_info, summarize
+from shared.config import KvlaneConfig
+
+DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "vllm_vs_direct.json"
+HOST = "127.0.0.1"
+MODEL = "tiny-llama"
+ENGINE_ENV = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+@dataclass
+class Options:
+    concurrency: int = 16
+    requests: int = 64  # per round and path
+    rounds: int = 2
+    prompt_tokens: int = 128
+    max_tokens: int = 64
+    max_model_len: int = 1024
+    kv_cache_gib: int = 1
+    seed: int = 0
+    cooldown_s: float = 3.0
+    out: Path = DEFAULT_OUT
+    model_dir: Path | None = None
+
+
+@dataclass
+class RequestResult:
+    ttft_s: float | None
+    itl_s: list[float]
+    completion_tokens: int
+
+
+@dataclass
+class PathRun:
+    wall_s: float = 0.0
+    completion_tokens: int = 0
+    ttft_s: list[float] = field(default_factory=list)
+    itl_s: list[float] = field(default_factory=list)
+    cpu_s: dict[str, float] = field(default_factory=dict)
+    # CPU the other (idle) server used meanwhile: interference, not this path's cost.
+    other_cpu_s: dict[str, float] = field(default_factory=dict)
+    errors: int = 0
+
+
+# --- the client ------------------------------------------------------------------------
+
+
+async def stream_completion(session: aiohttp.ClientSession, base_url: str, prompt: list[int], max_tokens: int) -> RequestResult:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    started = time.perf_counter()
+    token_times: list[float] = []
+    completion_tokens = 0
+    async with session.post(f"{base_url}/v1/completions", json=body) as response:
+        if response.status != 200:
+            raise RuntimeError(f"HTTP {response.status}: {(await response.text())[:200]}")
+        async for raw in response.content:
+            line = raw.strip()
+            if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                completion_tokens = chunk["usage"]["completion_tokens"]
+            if chunk.get("choices") and chunk["choices"][0].get("text"):
+                token_times.append(time.perf_counter())
+    # A greedy answer may be only tokens that decode to nothing (or EOS at once): no TTFT then.
+    ttft = token_times[0] - started if token_times else None
+    return RequestResult(ttft, [b - a for a, b in itertools.pairwise(token_times)], completion_tokens)
+
+
+async def closed_loop(base_url: str, prompts: list[list[int]], options: Options) -> PathRun:
+    queue: asyncio.Queue[list[int]] = asyncio.Queue()
+    for prompt in prompts:
+        queue.put_nowait(prompt)
+    run = PathRun()
+    timeout = aiohttp.ClientTimeout(total=300)
+    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=options.concurrency)) as session:
+
+        async def client() -> None:
+            while not queue.empty():
+                prompt = queue.get_nowait()
+                try:
+                    result = await stream_completion(session, base_url, prompt, options.max_tokens)
+                except (aiohttp.ClientError, RuntimeError, asyncio.TimeoutError):
+                    run.errors += 1
+                    continue
+                if result.ttft_s is not None:
+                    run.ttft_s.append(result.ttft_s)
+                run.itl_s.extend(result.itl_s)
+                run.completion_tokens += result.completion_tokens
+
+        started = time.perf_counter()
+        await asyncio.gather(*(client() for _ in range(options.concurrency)))
+        run.wall_s = time.perf_counter() - started
+    return run
+
+
+# --- CPU accounting ----------------------------------------------------------------------
+
+
+def tree_cpu_seconds(name: str, pid: int) -> dict[str, float]:
+    """User + system CPU of a process and of each descendant, by process title.
+
+    vLLM names its engine-core and model-worker processes ("VLLM::EngineCore",
+    "VLLM::Worker"), so the front end's share (kvlane's worker or vLLM's API
+    server) shows apart from the engine's.
+    """
+    seconds: dict[str, float] = {}
+    try:
+        root = psutil.Process(pid)
+        for proc in [root, *root.children(recursive=True)]:
+            try:
+                times = proc.cpu_times()
+                label = name if proc.pid == pid else f"{name}/{proc.name()}"
+                seconds[label] = seconds.get(label, 0.0) + times.user + times.system
+            except psutil.NoSuchProcess:
+                continue
+    except psutil.NoSuchProcess:
+        pass
+    return seconds
+
+
+def cpu_sample(processes: list[Process]) -> dict[str, float]:
+    sample: dict[str, float] = {}
+    for process in processes:
+        sample |= tree_cpu_seconds(process.name, process.pid)
+    times = os.times()
+    sample["loadtest-client"] = times.user + times.system
+    return sample
+
+
+async def measured(base_url: str, prompts: list[list[int]], options: Options, processes: list[Process],
+                   others: list[Process]) -> PathRun:
+    # Let the previous phase's engine settle, so its tail does not land in this one.
+    await asyncio.sleep(options.cooldown_s)
+    before, others_before = cpu_sample(processes), cpu_sample(others)
+    run = await closed_loop(base_url, prompts, options)
+    after, others_after = cpu_sample(processes), cpu_sample(others)
+    run.cpu_s = {name: round(after.get(name, 0.0) - before[name], 3) for name in before}
+    run.other_cpu_s = {name: round(others_after.get(name, 0.0) - others_before[name], 3) for name in others_before
+                       if name != "loadtest-client"}
+    return run
+
+
+# --- the two servers ---------------------------------------------------------------------
+
+
+def kvlane_config(model_dir: Path, options: Options) -> KvlaneConfig:
+    vllm = {"model": str(model_dir), "dtype": "float32", "max_model_len": options.max_model_len, "block_size": 32,
+            "kv_cache_gib": float(options.kv_cache_gib), "extra_engine_args": {"enforce_eager": True}}
+    return with_overrides(
+        KvlaneConfig(),
+        nats={"url": f"nats://{HOST}:{free_port()}"},
+        redis={"url": f"redis://{HOST}:{free_port()}/0"},
+        ingress={"host": HOST, "port": free_port()},
+        logging={"level": "warning"},
+        worker={"engine": "vllm", "model": MODEL},
+        **{"worker.vllm": vllm},
+    )
+
+
+def start_direct_vllm(launcher: Launcher, model_dir: Path, options: Options, port: int) -> Process:
+    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--host", HOST, "--port", str(port),
+            "--model", str(model_dir), "--served-model-name", MODEL, "--dtype", "float32",
+            "--max-model-len", str(options.max_model_len), "--block-size", "32", "--enforce-eager",
+            "--enable-prefix-caching", "--kv-cache-memory-bytes", str(options.kv_cache_gib << 30)]
+    return launcher.spawn("vllm-direct", argv, ENGINE_ENV)
+
+
+async def wait_http_ok(url: str, process: Process, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    async with aiohttp.ClientSession() as session:
+        while time.monotonic() < deadline:
+            if not process.alive():
+                raise RuntimeError(f"{process.name} exited {process.popen.returncode}:\n{process.log_tail()}")
+            try:
+                async with session.get(url, timeout=aiohttp.ClientTimeout(total=2)) as response:
+                    if response.status == 200:
+                        return
+            except (aiohttp.ClientError, asyncio.TimeoutError):
+                pass
+            await asyncio.sleep(0.5)
+    raise RuntimeError(f"{url} not healthy within {timeout_s:.0f}s")
+
+
+# --- the run -----------------------------------------------------------------------------
+
+
+def make_prompts(options: Options, round_index: int) -> list[list[int]]:
+    rng = random.Random(options.seed * 1000 + round_index)
+    # Ids 10..999: ordinary tokens of the tiny model (its special tokens are 0..6).
+    return [[rng.randrange(10, 1000) for _ in range(options.prompt_tokens)] for _ in range(options.requests)]
+
+
+def merge(runs: list[PathRun]) -> PathRun:
+    total = PathRun()
+    for run in runs:
+        total.wall_s += run.wall_s
+        total.completion_tokens += run.completion_tokens
+        total.ttft_s += run.ttft_s
+        total.itl_s += run.itl_s
+        total.errors += run.errors
+        for name, seconds in run.cpu_s.items():
+            total.cpu_s[name] = round(total.cpu_s.get(name, 0.0) + seconds, 3)
+        for name, seconds in run.other_cpu_s.items():
+            total.other_cpu_s[name] = round(total.other_cpu_s.get(name, 0.0) + seconds, 3)
+    return total
+
+
+def report(kvlane: PathRun, direct: PathRun) -> dict[str, Any]:
+    def path(run: PathRun) -> dict[str, Any]:
+        return {"throughput_tok_s": run.completion_tokens / run.wall_s if run.wall_s else None,
+                "completion_tokens": run.completion_tokens, "wall_s": run.wall_s, "errors": run.errors,
+                "ttft": summarize(run.ttft_s), "itl": summarize(run.itl_s), "cpu_s": run.cpu_s,
+                "other_server_cpu_s": run.other_cpu_s}
+
+    a, b = path(kvlane), path(direct)
+    return {
+        "kvlane": a,
+        "direct": b,
+        "throughput_ratio": a["throughput_tok_s"] / b["throughput_tok_s"] if b["throughput_tok_s"] else None,
+        "ttft_diff_ms": {q: a["ttft"][q] - b["ttft"][q] for q in ("p50_ms", "p99_ms")},
+        "itl_diff_ms": {q: a["itl"][q] - b["itl"][q] for q in ("p50_ms", "p99_ms")},
+    }
+
+
+async def run(options: Options) -> dict[str, Any]:
+    from kvlane.tiny_model import default_cache_dir, ensure_tiny_model
+
+    model_dir = ensure_tiny_model(options.model_dir or default_cache_dir())
+    launcher = Launcher(Path(tempfile.mkdtemp(prefix="kvlane-vllm-bench-")), base_env={**os.environ, **ENGINE_ENV})
+    direct_port = free_port()
+    try:
+        config = kvlane_config(model_dir, options)
+        # Both engines start at once (they are measured one at a time).
+        direct = start_direct_vllm(launcher, model_dir, options, direct_port)
+        fleet = start_fleet(launcher, config, workers=1, ready_timeout=600)
+        direct_url = f"http://{HOST}:{direct_port}"
+        await wait_http_ok(f"{direct_url}/health", direct, 600)
+        kvlane_processes = [*fleet.services(), *fleet.servers]
+        warm = make_prompts(options, 10_000)[: options.concurrency]
+        await closed_loop(fleet.base_url, warm, options)
+        await closed_loop(direct_url, warm, options)
+        kvlane_runs, direct_runs = [], []
+        for index in range(options.rounds):
+            prompts = make_prompts(options, index)
+            order = [("kvlane", fleet.base_url), ("direct", direct_url)]
+            for name, url in order if index % 2 == 0 else reversed(order):
+                processes, others = (kvlane_processes, [direct]) if name == "kvlane" else ([direct], kvlane_processes)
+                result = await measured(url, prompts, options, processes, others)
+                (kvlane_runs if name == "kvlane" else direct_runs).append(result)
+                print(f"round {index} {name}: {result.completion_tokens / result.wall_s:.0f} tok/s, "
+                      f"{result.errors} errors, cpu {result.cpu_s}, other server {result.other_cpu_s}", flush=True)
+    finally:
+        launcher.stop_all()
+    results = report(merge(kvlane_runs), merge(direct_runs))
+    results["options"] = {k: str(v) if isinstance(v, Path) else v for k, v in asdict(options).items()}
+    results["machine"] = machine_info() | {"vllm": metadata.version("vllm-cpu") if _has("vllm-cpu") else metadata.version("vllm")}
+    results["finished_at"] = dt.datetime.now(dt.UTC).isoformat()
+    return results
+
+
+def _has(distribution: str) -> bool:
+    try:
+        metadata.version(distribution)
+        return True
+    except metadata.PackageNotFoundError:
+        return False
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m loadtest.vllm_vs_direct", description=__doc__.split("\n")[0])
+    for name in ("concurrency", "requests", "rounds", "prompt_tokens", "max_tokens", "seed"):
+        parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(Options, name))
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--model-dir", type=Path, help="the tiny model's directory (default: kvlane's cache)")
+    args = parser.parse_args(argv)
+    options = Options(**{k: v for k, v in vars(args).items()})
+    results = asyncio.run(run(options))
+    options.out.parent.mkdir(parents=True, exist_ok=True)
+    options.out.write_text(json.dumps(results, indent=2))
+    k, d = results["kvlane"], results["direct"]
+    print(f"throughput  kvlane {k['throughput_tok_s']:.0f} tok/s   direct {d['throughput_tok_s']:.0f} tok/s   "
+          f"ratio {results['throughput_ratio']:.3f}")
+    for metric in ("ttft", "itl"):
+        print(f"{metric:<5} p50 kvlane {k[metric]['p50_ms']:.1f} ms direct {d[metric]['p50_ms']:.1f} ms | "
+              f"p99 kvlane {k[metric]['p99_ms']:.1f} ms direct {d[metric]['p99_ms']:.1f} ms")
+    print(f"cpu seconds  kvlane {k['cpu_s']}\n             direct {d['cpu_s']}")
+    print(f"written to {options.out}")
+    return 0
+
+
+if __name__ == "__main__":  # vLLM engines start subprocesses
+    sys.exit(main())

@@ -1,0 +1,66 @@
+"""Uncached prompt tokens each node still has to prefill, as far as this balancer knows (pure, no I/O).
+
+A node that has just been sent several long uncached prompts will not
+start the next request's prefill until those are done: that wait is most
+of the next request's time to first token, and neither the node's last
+heartbeat (up to an interval old) nor its batch size shows it. The
+balancer knows what it sent, so each placement adds the request's uncached
+prompt tokens to the node's backlog, and the backlog drains at the node's
+prefill rate (a fluid estimate). A heartbeat that shows an empty waiting
+queue caps the backlog at what was sent after that heartbeat, so errors in
+the drain rate do not accumulate.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+
+# A request routed this long before a heartbeat may not have reached the
+# engine by then (ingress hop, a loaded host): the heartbeat cannot vouch for it.
+_TRANSIT_S = 0.25
+
+
+class PrefillBacklog:
+    def __init__(self) -> None:
+        self._tokens: dict[str, float] = {}
+        self._since: dict[str, float] = {}
+        self._sent: dict[str, deque[tuple[float, int]]] = {}
+
+    def tokens(self, worker_id: str, drain_per_s: float, now: float) -> float:
+        """Tokens still queued for prefill on the node at `now`."""
+        left = self._tokens.get(worker_id)
+        if not left:
+            return 0.0
+        return max(0.0, left - drain_per_s * max(0.0, now - self._since[worker_id]))
+
+    def add(self, worker_id: str, tokens: int, drain_per_s: float, now: float) -> None:
+        self._tokens[worker_id] = self.tokens(worker_id, drain_per_s, now) + tokens
+        self._since[worker_id] = now
+        self._sent.setdefault(worker_id, deque()).append((now, tokens))
+
+    def withdraw(self, worker_id: str, tokens: int, drain_per_s: float, now: float) -> None:
+        """A placement was undone: its tokens never went to the node."""
+        if worker_id in self._tokens:
+            self._tokens[worker_id] = max(0.0, self.tokens(worker_id, drain_per_s, now) - tokens)
+            self._since[worker_id] = now
+
+    def observe(self, worker_id: str, sent_at: float, waiting: int, drain_per_s: float, now: float) -> None:
+        """A heartbeat sent at `sent_at` showed `waiting` requests queued on the node."""
+        sent = self._sent.get(worker_id)
+        if sent is None:
+            return
+        while sent and sent[0][0] < sent_at - _TRANSIT_S:
+            sent.popleft()
+        if waiting == 0:
+            # Everything sent well before the heartbeat had started prefilling by then.
+            unseen = float(sum(tokens for _, tokens in sent))
+            if unseen < self.tokens(worker_id, drain_per_s, now):
+                self._tokens[worker_id] = unseen
+                self._since[worker_id] = now
+
+    def forget(self, worker_ids: Iterable[str]) -> None:
+        for worker_id in worker_ids:
+            self._tokens.pop(worker_id, None)
+            self._since.pop(worker_id, None)
+            self._sent.pop(worker_id, None)

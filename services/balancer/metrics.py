@@ -1,0 +1,33 @@
+"""The balancer's Prometheus metrics, in its own registry (served by shared.metrics_http)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
+_WAIT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class BalancerMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.decisions = Counter("kvlane_balancer_decisions_total", "Route requests by outcome", ["policy", "outcome"], registry=r)
+        self.decision_seconds = Histogram(
+            "kvlane_balancer_decision_seconds", "Time the routing core takes per placement attempt", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.queue_length = Gauge("kvlane_balancer_queue_length", "Requests waiting in the central queue", registry=r)
+        self.queue_wait = Histogram(
+            "kvlane_balancer_queue_wait_seconds", "Time requests waited in the central queue", ["outcome"], buckets=_WAIT_BUCKETS,
+            registry=r,
+        )
+        self.slots_used = Gauge("kvlane_balancer_slots_used", "Slots in use per chain (all replicas)", ["chain"], registry=r)
+        self.slots_total = Gauge("kvlane_balancer_slots_total", "Slots per chain", ["chain"], registry=r)
+        self.slot_conflicts = Counter(
+            "kvlane_balancer_slot_conflicts_total", "Placements another replica's reservation beat", registry=r
+        )
+        self.expired_reservations = Counter(
+            "kvlane_balancer_expired_reservations_total", "Reservations dropped at their deadline or when their node left", registry=r
+        )
+        self.fast_forwards = Counter("kvlane_balancer_fast_forwards_total", "Score policy fast-forwards to the cache node", registry=r)
+        self.arrival_rate = Gauge("kvlane_balancer_arrival_rate", "Route requests per second (moving average)", registry=r)

@@ -1,0 +1,72 @@
+"""Join-the-Fastest-Free-Chain, with chain speed or with per-request completion time.
+
+Both only ever pick a chain with a free slot (None otherwise: the request
+waits in the central queue), which keeps JFFC work-conserving; that is what
+its throughput optimality rests on. Waiting for a busy chain that would be
+faster for this request (say, the one holding its cache) is deliberately
+not done: a wrong estimate of when that chain frees would leave the request
+waiting beside an idle slot.
+"""
+
+from __future__ import annotations
+
+from contracts.messages import RouteRequest
+from services.balancer.policies.base import Rotation
+from services.balancer.snapshot import ChainState, ClusterSnapshot
+from services.balancer.speed import StepModel
+
+
+class Jffc:
+    """The fastest chain (speed x health) with a free slot; equal speeds go to the less loaded.
+
+    Speeds come tiered (`trackers.speed_tiers`): identical nodes measure a
+    little differently, and ranking on that noise would fill one of them
+    before the next instead of sharing the load.
+    """
+
+    name = "jffc"
+
+    def __init__(self) -> None:
+        self._rotation = Rotation()
+
+    def choose(self, request: RouteRequest, snapshot: ClusterSnapshot) -> ChainState | None:
+        free = snapshot.free()
+        if not free:
+            return None
+        return self._rotation.best(free, lambda c: (-c.node.speed * c.node.health_weight, c.load))
+
+
+class JffcPerRequest:
+    """The free chain that would finish THIS request first.
+
+    Expected completion = queue wait (no slot wait: only free chains
+    qualify; but the prefill backlog this balancer already sent there, which
+    delays this request's first token) + prefill(uncached prompt tokens) +
+    KV transfer (0 on one-node chains) + decode(output tokens at the chain's
+    batch once it joins), from each node's measured speed; divided by the
+    node's health weight.
+    """
+
+    name = "jffc_per_request"
+
+    def __init__(self, model: StepModel) -> None:
+        self._model = model
+        self._rotation = Rotation()
+
+    def choose(self, request: RouteRequest, snapshot: ClusterSnapshot) -> ChainState | None:
+        free = snapshot.free()
+        if not free:
+            return None
+        return self._rotation.best(free, lambda c: self.expected_seconds(request, c))
+
+    def expected_seconds(self, request: RouteRequest, chain: ChainState) -> float:
+        node = chain.node
+        seconds = chain.prefill_backlog_s + self._model.request_seconds(
+            uncached_tokens=chain.uncached_tokens(request.prompt_tokens),
+            prompt_tokens=request.prompt_tokens,
+            output_tokens=request.max_tokens,
+            batch=max(node.running + node.waiting, chain.slots_used) + node.growth_penalty + 1,
+            node_kv_tokens=node.kv_blocks_used * node.block_size,
+            factor=node.speed,
+        )
+        return seconds / node.health_weight

@@ -1,0 +1,131 @@
+"""The routing core (pure, synchronous): policy + slots + central queue.
+
+`admit` places a new request on a chain with a free slot (reserving it in
+the `SlotTable`), or queues it, or refuses it when the queue is full.
+`dispatch_queued` hands freed slots to queued requests in priority/FIFO
+order; the service calls it after every event that can free a slot, so no
+request waits while a slot it could use is free. The service confirms each
+placement with the global slot store and calls `undo` when another replica
+got the slot first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from msgspec import Struct
+
+from contracts.messages import ErrorReply, Heartbeat, RouteRequest
+from services.balancer.central_queue import CentralQueue, QueuedRequest
+from services.balancer.policies import RoutingPolicy
+from services.balancer.slot_table import SlotTable
+from services.balancer.snapshot import ChainState, SnapshotBuilder
+from shared.config import QueueSettings
+from shared.prefix_index import PrefixIndex
+
+HeartbeatsFor = Callable[[str], Sequence[Heartbeat]]
+
+
+class Placement(Struct, frozen=True):
+    request: RouteRequest
+    chain: ChainState
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+
+class Queued(Struct, frozen=True):
+    entry: QueuedRequest
+
+
+class Router:
+    def __init__(
+        self,
+        policy: RoutingPolicy,
+        builder: SnapshotBuilder,
+        index: PrefixIndex,
+        table: SlotTable,
+        queue: CentralQueue,
+        queue_settings: QueueSettings,
+    ) -> None:
+        self.policy = policy
+        self.builder = builder
+        self.index = index
+        self.table = table
+        self.queue = queue
+        self._queue_settings = queue_settings
+
+    def place(self, request: RouteRequest, heartbeats: Sequence[Heartbeat]) -> Placement | None:
+        """Choose a chain with a free slot and reserve it locally; None when the policy finds none."""
+        cached = self.index.match(request.block_hashes) if request.block_hashes else {}
+        snapshot = self.builder.snapshot(request, heartbeats, self.table.used, cached)
+        chain = self.policy.choose(request, snapshot)
+        if chain is None:
+            return None
+        if chain.free_slots <= 0 or not self.table.reserve(request.request_id, chain.chain_id, chain.node.slots_total, request.deadline):
+            raise RuntimeError(f"policy {self.policy.name} chose full chain {chain.chain_id}")
+        self.builder.note_sent(chain, request)
+        return Placement(request, chain)
+
+    def admit(self, request: RouteRequest, heartbeats: Sequence[Heartbeat], now: float) -> Placement | Queued | ErrorReply:
+        # A re-route of the same request (ingress could not hand it to the
+        # chosen worker) gives back whatever the earlier attempt held.
+        self.table.release(request.request_id)
+        self.queue.remove(request.request_id)
+        placement = self.place(request, heartbeats)
+        if placement is not None:
+            return placement
+        if self.queue.full:
+            return self.refusal("queue_full", f"all slots busy and {len(self.queue)} requests already waiting")
+        deadline = min(request.deadline, now + self._queue_settings.max_wait_s)
+        entry = self.queue.push(request, now, deadline)
+        assert entry is not None
+        return Queued(entry)
+
+    def dispatch_queued(self, heartbeats_for: HeartbeatsFor) -> list[tuple[QueuedRequest, Placement]]:
+        """Give free slots to queued requests, highest class and oldest first.
+
+        A request that no free chain suits (all free chains excluded for it)
+        is skipped, not blocking those behind it; a model whose chains are
+        all full is skipped at once.
+        """
+        placed = []
+        exhausted: set[str] = set()
+        heartbeats_cache: dict[str, Sequence[Heartbeat]] = {}
+        for entry in self.queue.in_order():
+            model = entry.request.model
+            if model in exhausted:
+                continue
+            heartbeats = heartbeats_cache.get(model)
+            if heartbeats is None:
+                heartbeats = heartbeats_cache[model] = heartbeats_for(model)
+            if not self._any_free(entry.request, heartbeats):
+                exhausted.add(model)
+                continue
+            placement = self.place(entry.request, heartbeats)
+            if placement is not None:
+                self.queue.remove(entry.request_id)
+                placed.append((entry, placement))
+        return placed
+
+    def undo(self, placement: Placement, chain_used: int, entry: QueuedRequest | None = None) -> None:
+        """The global store refused the placement: note the chain as `chain_used` full and requeue `entry`."""
+        self.table.release(placement.request_id)
+        self.table.set_global_used(placement.chain.chain_id, chain_used)
+        self.builder.note_undone(placement.chain, placement.request)
+        if entry is not None:
+            self.queue.restore(entry)
+
+    def refusal(self, code: str, message: str) -> ErrorReply:
+        return ErrorReply(code=code, message=message, status=503, retry_after_s=self._queue_settings.retry_after_s)
+
+    def _any_free(self, request: RouteRequest, heartbeats: Sequence[Heartbeat]) -> bool:
+        # Cheaper than a snapshot: most drains find every chain full.
+        for heartbeat in heartbeats:
+            if heartbeat.registration.role != "aggregated":
+                continue
+            facts = self.builder.facts(heartbeat)
+            if facts.health_weight > 0 and self.table.used(facts.chain_id) < facts.slots_total:
+                return True
+        return False

@@ -1,0 +1,237 @@
+"""The immutable cluster snapshot every routing policy decides on (pure).
+
+`NodeFacts` is what one heartbeat says about a node, plus what the balancer
+learnt about it (speed factor, queue growth, health weight, slot count); it
+is rebuilt only when a newer heartbeat or verdict arrives. `ChainState`
+adds, per decision, the chain's used slots, the request's cached prefix
+blocks there, and the prefill work this balancer has sent there that the
+node has probably not done yet. Only aggregated workers form chains today; disaggregated
+pools will pair nodes with `chains.pair_chains` into two-node chains.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Mapping
+
+from msgspec import Struct
+
+from contracts.messages import Heartbeat, RouteRequest
+from services.balancer.backlog import PrefillBacklog
+from services.balancer.chains import kv_slots
+from services.balancer.trackers import QueueGrowth, SpeedTracker
+from shared.config import BalancerSettings
+
+
+# Weight of each routed request in the typical request size: about the last 50 requests.
+_REQUEST_SIZE_SMOOTHING = 0.02
+
+
+class NodeFacts(Struct, frozen=True):
+    worker_id: str
+    chain_id: str
+    inbox: str
+    block_size: int
+    running: int
+    waiting: int
+    kv_blocks_total: int
+    kv_blocks_used: int
+    gpu_utilization: float | None
+    slots_total: int
+    speed: float  # relative to the fallback profile
+    speed_measured: bool
+    health_weight: float
+    queue_growth_per_s: float
+    # Requests the waiting queue is expected to gain over the growth horizon.
+    growth_penalty: float
+    sent_at: float
+
+
+class ChainState(Struct, frozen=True):
+    node: NodeFacts
+    slots_used: int
+    cached_blocks: int
+    # Seconds before the node can start another prefill: uncached prompt
+    # tokens this balancer sent it that it has probably not prefilled yet.
+    prefill_backlog_s: float = 0.0
+
+    @property
+    def worker_id(self) -> str:
+        return self.node.worker_id
+
+    @property
+    def chain_id(self) -> str:
+        return self.node.chain_id
+
+    @property
+    def free_slots(self) -> int:
+        return self.node.slots_total - self.slots_used
+
+    def uncached_tokens(self, prompt_tokens: int) -> int:
+        """Prompt tokens the chain must prefill for a request whose leading `cached_blocks` it holds."""
+        return max(0, prompt_tokens - self.cached_blocks * self.node.block_size)
+
+    @property
+    def load(self) -> float:
+        """Requests on the node (the fresher of heartbeat and reservations), plus queue growth, per unit of health."""
+        node = self.node
+        return (max(node.running + node.waiting, self.slots_used) + node.growth_penalty) / node.health_weight
+
+    @property
+    def kv_usage(self) -> float:
+        node = self.node
+        return node.kv_blocks_used / node.kv_blocks_total if node.kv_blocks_total else 0.0
+
+    @property
+    def utilisation(self) -> float:
+        """GPU utilisation when known, else the busier of KV and slot occupancy."""
+        if self.node.gpu_utilization is not None:
+            return self.node.gpu_utilization
+        return max(self.kv_usage, self.slots_used / self.node.slots_total if self.node.slots_total else 1.0)
+
+
+class ClusterSnapshot(Struct, frozen=True):
+    chains: tuple[ChainState, ...]
+    request_blocks: int  # full prompt blocks of the request (len(block_hashes))
+
+    def free(self) -> list[ChainState]:
+        return [c for c in self.chains if c.free_slots > 0]
+
+
+def chain_id_of(heartbeat: Heartbeat) -> str:
+    """Slot-ledger key of a worker's chain: a restarted worker (new `started_at`) starts with no reservations."""
+    registration = heartbeat.registration
+    return f"{registration.worker_id}@{int(registration.started_at * 1000)}"
+
+
+class SnapshotBuilder:
+    """Turns heartbeats and the balancer's trackers into snapshots; caches each node's facts per heartbeat."""
+
+    def __init__(
+        self,
+        settings: BalancerSettings,
+        speed: SpeedTracker,
+        growth: QueueGrowth,
+        backlog: PrefillBacklog | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._slots = settings.slots
+        self._typical_tokens = float(settings.slots.typical_prompt_tokens + settings.slots.typical_output_tokens)
+        self._growth_horizon_s = settings.speed.growth_horizon_s
+        self._speed = speed
+        self._growth = growth
+        self._backlog = backlog if backlog is not None else PrefillBacklog()
+        # Wall clock, as heartbeats' `sent_at`: the backlog compares the two.
+        self.clock = clock
+        self._health: dict[str, float] = {}
+        self._facts: dict[str, tuple[float, int, NodeFacts]] = {}
+        self._version = 0  # bumps on each health verdict, invalidating every cached fact
+
+    def observe(self, heartbeat: Heartbeat) -> None:
+        """Feed the trackers; call once per heartbeat received."""
+        self._speed.observe(heartbeat)
+        # The node's cached facts carry its heartbeat's sent_at, so they are rebuilt at the next snapshot.
+        worker_id = heartbeat.registration.worker_id
+        self._growth.observe(worker_id, heartbeat.sent_at, heartbeat.stats.waiting)
+        self._backlog.observe(worker_id, heartbeat.sent_at, heartbeat.stats.waiting, self._drain_per_s(worker_id), self.clock())
+
+    def note_sent(self, chain: ChainState, request: RouteRequest) -> None:
+        """`request` was placed on `chain`: its uncached prompt joins the node's prefill backlog."""
+        worker_id = chain.worker_id
+        self._backlog.add(worker_id, chain.uncached_tokens(request.prompt_tokens), self._drain_per_s(worker_id), self.clock())
+        if self._slots.learn_request_size:
+            size = request.prompt_tokens + request.max_tokens
+            self._typical_tokens += _REQUEST_SIZE_SMOOTHING * (size - self._typical_tokens)
+
+    def note_undone(self, chain: ChainState, request: RouteRequest) -> None:
+        worker_id = chain.worker_id
+        self._backlog.withdraw(worker_id, chain.uncached_tokens(request.prompt_tokens), self._drain_per_s(worker_id), self.clock())
+
+    def _drain_per_s(self, worker_id: str) -> float:
+        """Prompt tokens per second the node prefills, from the step model and its measured speed."""
+        per_token = self._speed.model.b
+        if per_token <= 0:
+            return float("inf")
+        factor = self._speed.factor(worker_id)
+        return (factor if factor is not None else self._speed.typical_factor()) / per_token
+
+    def set_health_weight(self, worker_id: str, weight: float) -> None:
+        """A prober's verdict: 1.0 healthy, lower is less attractive, 0 takes the node out of routing."""
+        self._health[worker_id] = max(0.0, min(1.0, weight))
+        self._version += 1
+
+    def health_weight(self, worker_id: str) -> float:
+        return self._health.get(worker_id, 1.0)
+
+    def forget(self, worker_ids: Iterable[str]) -> None:
+        worker_ids = list(worker_ids)
+        self._speed.forget(worker_ids)
+        self._growth.forget(worker_ids)
+        self._backlog.forget(worker_ids)
+        for worker_id in worker_ids:
+            self._facts.pop(worker_id, None)
+            self._health.pop(worker_id, None)
+
+    def facts(self, heartbeat: Heartbeat) -> NodeFacts:
+        worker_id = heartbeat.registration.worker_id
+        cached = self._facts.get(worker_id)
+        if cached is not None and cached[0] == heartbeat.sent_at and cached[1] == self._version:
+            return cached[2]
+        registration, stats = heartbeat.registration, heartbeat.stats
+        measured = self._speed.factor(worker_id)
+        growth = self._growth.rate(worker_id)
+        facts = NodeFacts(
+            worker_id=worker_id,
+            chain_id=chain_id_of(heartbeat),
+            inbox=registration.inbox,
+            block_size=registration.block_size,
+            running=stats.running,
+            waiting=stats.waiting,
+            kv_blocks_total=stats.kv_blocks_total,
+            kv_blocks_used=stats.kv_blocks_used,
+            gpu_utilization=stats.gpu_utilization,
+            slots_total=self._slots_of(heartbeat),
+            speed=measured if measured is not None else self._speed.typical_factor(),
+            speed_measured=measured is not None,
+            health_weight=self.health_weight(worker_id),
+            queue_growth_per_s=growth,
+            growth_penalty=max(0.0, growth) * self._growth_horizon_s,
+            sent_at=heartbeat.sent_at,
+        )
+        self._facts[worker_id] = (heartbeat.sent_at, self._version, facts)
+        return facts
+
+    def _slots_of(self, heartbeat: Heartbeat) -> int:
+        """Typical requests the node's KV holds, capped by its batch limit and the configured cap.
+
+        A request beyond the engine's `max_num_seqs` only waits in that
+        node's own queue, where it is bound to the node; in the central
+        queue it takes whichever slot frees first.
+        """
+        registration = heartbeat.registration
+        caps = [c for c in (self._slots.max_per_chain, registration.max_num_seqs) if c > 0]
+        typical = max(1, round(self._typical_tokens))
+        return kv_slots(heartbeat.stats.kv_blocks_total, registration.block_size, typical, min(caps, default=0))
+
+    def snapshot(
+        self,
+        request: RouteRequest,
+        heartbeats: Iterable[Heartbeat],
+        slots_used: Callable[[str], int],
+        cached_blocks: Mapping[str, int],
+    ) -> ClusterSnapshot:
+        """Chains that may take `request`: aggregated, not excluded, health weight above 0."""
+        excluded = set(request.exclude_workers)
+        now = self.clock()
+        chains = []
+        for heartbeat in heartbeats:
+            registration = heartbeat.registration
+            if registration.role != "aggregated" or registration.worker_id in excluded:
+                continue
+            facts = self.facts(heartbeat)
+            if facts.health_weight <= 0:
+                continue
+            backlog_tokens = self._backlog.tokens(facts.worker_id, self._drain_per_s(facts.worker_id), now)
+            backlog_s = backlog_tokens * self._speed.model.b / facts.speed if facts.speed > 0 else 0.0
+            chains.append(ChainState(facts, slots_used(facts.chain_id), cached_blocks.get(facts.worker_id, 0), backlog_s))
+        return ClusterSnapshot(tuple(chains), len(request.block_hashes))

@@ -1,0 +1,52 @@
+"""Expected service time of a request on a chain (pure).
+
+The model is the sim engine's step-time line, `step = a + b*prefill_tokens
++ c*decode_seqs + d*kv_tokens`, with the coefficients of a named fallback
+profile, divided by each node's measured speed factor (`SpeedTracker`). It
+is used for two things: ranking chains per request (`jffc_per_request`) and
+per-slot service rates for the response-time bounds.
+"""
+
+from __future__ import annotations
+
+from msgspec import Struct
+
+
+class StepModel(Struct, frozen=True):
+    a: float
+    b: float
+    c: float
+    d: float = 0.0
+
+    def busy_seconds(self, steps_per_s: float, prefill_tokens_per_s: float, batch: int, kv_tokens: int) -> float:
+        """Seconds of profile work in one second that ran these rates at this batch."""
+        return steps_per_s * (self.a + self.c * batch + self.d * kv_tokens) + self.b * prefill_tokens_per_s
+
+    def prefill_seconds(self, uncached_tokens: int, factor: float) -> float:
+        if uncached_tokens <= 0:
+            return 0.0
+        return (self.a + self.b * uncached_tokens) / factor
+
+    def decode_seconds(self, output_tokens: int, batch: float, kv_tokens: float, factor: float) -> float:
+        """`output_tokens` steps at `batch` sequences attending `kv_tokens` in total."""
+        return output_tokens * (self.a + self.c * batch + self.d * kv_tokens) / factor
+
+    def request_seconds(
+        self,
+        *,
+        uncached_tokens: int,
+        prompt_tokens: int,
+        output_tokens: int,
+        batch: float,
+        node_kv_tokens: float,
+        factor: float,
+        transfer_s: float = 0.0,
+    ) -> float:
+        """prefill(uncached prompt) + KV transfer + decode(output at the chain's batch)."""
+        # This request's own context is, on average, its prompt plus half its output.
+        kv_tokens = node_kv_tokens + prompt_tokens + output_tokens / 2
+        return (
+            self.prefill_seconds(uncached_tokens, factor)
+            + transfer_s
+            + self.decode_seconds(output_tokens, batch, kv_tokens, factor)
+        )

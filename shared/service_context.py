@@ -1,0 +1,48 @@
+"""What every service process opens at start and closes at exit.
+
+Telemetry, a Redis client, the NATS bus and (for services that route or
+watch workers) a live `ClusterView`, closed in reverse order however the
+service ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import redis.asyncio as redis
+
+from shared.bus import Bus
+from shared.cluster import ClusterView, ClusterWatcher
+from shared.config import KvlaneConfig
+from shared.state import ClusterState, connect_redis
+from shared.telemetry import Telemetry
+
+
+@dataclass
+class ServiceContext:
+    telemetry: Telemetry
+    redis: redis.Redis
+    bus: Bus
+    state: ClusterState
+    view: ClusterView
+
+
+@contextlib.asynccontextmanager
+async def service_context(config: KvlaneConfig, service: str, instance_id: str) -> AsyncIterator[ServiceContext]:
+    telemetry = Telemetry(config.tracing, service)
+    redis_client = connect_redis(config.redis)
+    state = ClusterState(redis_client, config.cluster.heartbeat_ttl_s)
+    bus = await Bus.connect(config.nats, f"kvlane-{service}-{instance_id}", telemetry)
+    view = ClusterView(config.cluster.heartbeat_ttl_s)
+    watcher = ClusterWatcher(bus, state, view, config.cluster.resync_interval_s)
+    try:
+        await watcher.start()
+        yield ServiceContext(telemetry, redis_client, bus, state, view)
+    finally:
+        await watcher.stop()
+        await bus.close()
+        with contextlib.suppress(Exception):
+            await redis_client.aclose()
+        telemetry.shutdown()

@@ -1,0 +1,99 @@
+"""`kvlane bench` end to end: two policies, each on a fresh two-worker fleet, JSON and plots written.
+
+Only shape and success are checked, never timing: the numbers depend on the machine.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvlane.launcher import LaunchError, find_nats_server, find_redis_server
+from loadtest.bench import main
+
+pytestmark = pytest.mark.integration
+
+
+def _servers_available() -> bool:
+    try:
+        find_nats_server()
+        find_redis_server()
+    except LaunchError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _servers_available(), reason="needs nats-server and redis-server")
+@pytest.mark.timeout(120)
+def test_bench_compares_two_policies_and_writes_results(tmp_path) -> None:
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "out"
+    code = main([
+        "--policies", "round_robin,least_loaded", "--workers", "2", "--profile", "zero",
+        "--workload", "shared-prefix", "--groups", "3", "--system-tokens", "128", "--question-tokens", "16",
+        "--output-tokens", "8", "--rate", "20", "--requests", "30", "--seed", "3",
+        "--out", str(out), "--log-dir", str(tmp_path / "logs"), "--quiet",
+    ])
+
+    assert code == 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["parameters"]["rejected_policies"] == {}
+    assert results["parameters"]["fleet"]["workers"] == 2
+    runs = {run["policy"]: run for run in results["runs"]}
+    assert set(runs) == {"round_robin", "least_loaded"}
+    for policy, run in runs.items():
+        assert "error" not in run, run.get("error")
+        assert run["processes_died"] == []
+        summary = run["summary"]
+        assert summary["requests"] == summary["succeeded"] == 30, summary["errors"]
+        assert summary["ttft_ms"]["count"] == 30 and summary["ttft_ms"]["p50"] > 0
+        assert summary["output_tokens"] == 30 * 8
+        assert summary["goodput_rps"] > 0
+        # Every request was matched to the worker that ran it.
+        assert summary["finished_events_matched"] == 30
+        assert sum(summary["requests_per_worker"].values()) == 30
+        assert set(summary["requests_per_worker"]) == {"w0", "w1"}
+        assert len(run["records"]) == 30
+        assert all(r["request_id"] and len(r["token_times_s"]) == 8 for r in run["records"])
+    # Round robin alternates, so its load is even.
+    assert runs["round_robin"]["summary"]["load_cv"] == pytest.approx(0.0, abs=0.1)
+    # The same seeded workload went to both fleets.
+    sessions = [[(r["session_id"], r["scheduled_s"]) for r in runs[p]["records"]] for p in runs]
+    assert sorted(sessions[0]) == sorted(sessions[1])
+    assert (out / "ttft_cdf.png").stat().st_size > 0
+    assert (out / "goodput.png").stat().st_size > 0
+
+
+def test_bench_rejects_contradictory_load_options(tmp_path) -> None:
+    assert main(["--concurrency", "4", "--rate", "2", "--out", str(tmp_path), "--quiet"]) == 2
+    assert main(["--policies", "round_robin", "--out", str(tmp_path), "--quiet"]) == 2  # no rate, no concurrency
+
+
+@pytest.mark.skipif(not _servers_available(), reason="needs nats-server and redis-server")
+@pytest.mark.timeout(90)
+def test_bench_multi_turn_feeds_answers_back_and_hits_the_prefix_cache(tmp_path) -> None:
+    out = tmp_path / "out"
+    code = main([
+        "--policies", "least_loaded", "--workers", "2", "--profile", "zero", "--workload", "multi-turn",
+        "--turns", "3", "--groups", "2", "--system-tokens", "64", "--question-tokens", "16", "--output-tokens", "16",
+        "--concurrency", "4", "--requests", "12", "--out", str(out), "--log-dir", str(tmp_path / "logs"), "--quiet",
+    ])
+
+    assert code == 0
+    run = json.loads((out / "results.json").read_text())["runs"][0]
+    summary = run["summary"]
+    assert summary["succeeded"] == summary["requests"] == 12, summary["errors"]
+    by_conversation: dict[str, list[dict]] = {}
+    for record in run["records"]:
+        by_conversation.setdefault(record["session_id"], []).append(record)
+    assert len(by_conversation) == 4
+    for turns in by_conversation.values():
+        turns.sort(key=lambda r: r["turn"])
+        assert [r["turn"] for r in turns] == [0, 1, 2]
+        # Each turn's prompt holds the previous prompt and the answer received: it grows by more than the answer.
+        prompts = [r["prompt_tokens"] for r in turns]
+        assert all(later > earlier + 16 for earlier, later in zip(prompts, prompts[1:]))
+        # Turns are sequential: the next is sent only after the previous answer ended.
+        assert all(b["sent_s"] >= a["end_s"] for a, b in zip(turns, turns[1:]))
+    assert summary["prefix_cache_hit_rate"] > 0.3

@@ -1,0 +1,136 @@
+"""The Redis block ledger (Lua scripts) under random operation sequences, on a real redis-server."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis.asyncio as redis
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from kvlane.launcher import Launcher, free_port
+from services.cache_manager.ledger import BlockLedger, lease_key
+
+pytestmark = pytest.mark.integration
+
+CAPACITY = {"n0": (30, 10), "n1": (12, 4), "n2": (50, 0)}  # node: (general, short)
+
+
+@pytest.fixture(scope="module")
+def redis_port(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
+    launcher = Launcher(Path(tmp_path_factory.mktemp("redis")))
+    port = free_port()
+    launcher.start_redis(port)
+    yield port
+    launcher.stop_all()
+
+
+class LedgerMachine(RuleBasedStateMachine):
+    """Allocate, release, expire, and nodes joining and leaving, against one real Redis."""
+
+    port = 0
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.loop = asyncio.new_event_loop()
+        self.client = redis.Redis(port=self.port)
+        self.run(self.client.flushdb())
+        self.ledger = BlockLedger(self.client, lease_ttl_s=60)
+        self.live_nodes = {"n0", "n1"}
+        self.leases: dict[str, tuple[str, int, str]] = {}
+        self.counter = 0
+
+    def run(self, coro):
+        return self.loop.run_until_complete(coro)
+
+    @rule(node=st.sampled_from(sorted(CAPACITY)), blocks=st.integers(1, 15), short=st.booleans())
+    def allocate(self, node: str, blocks: int, short: bool) -> None:
+        if node not in self.live_nodes:
+            return
+        self.counter += 1
+        rid = f"r{self.counter}"
+        general, short_cap = CAPACITY[node]
+        result = self.run(self.ledger.reserve(rid, node, blocks, "short" if short else "general", general, short_cap, 1.0, 10))
+        if result.granted:
+            self.leases[rid] = (node, blocks, result.pool)
+
+    @precondition(lambda self: self.leases)
+    @rule(data=st.data())
+    def release(self, data) -> None:
+        rid = data.draw(st.sampled_from(sorted(self.leases)))
+        node, blocks, _ = self.leases.pop(rid)
+        assert self.run(self.ledger.release(rid)) == blocks
+        assert self.run(self.ledger.release(rid)) is None  # twice is harmless
+
+    @precondition(lambda self: self.leases)
+    @rule(data=st.data())
+    def expire(self, data) -> None:
+        rid = data.draw(st.sampled_from(sorted(self.leases)))
+        # Backdate the lease, as if its holder had stopped renewing long ago.
+        self.run(self.client.zadd("kvlane:v1:cache:leases", {rid: 0}))
+        assert rid in self.run(self.ledger.reap())
+        self.leases.pop(rid)
+
+    @precondition(lambda self: self.leases)
+    @rule(data=st.data(), node=st.sampled_from(sorted(CAPACITY)), blocks=st.integers(1, 15))
+    def reallocate_elsewhere(self, data, node: str, blocks: int) -> None:
+        # A retried or resumed request allocates again under the same id on another node.
+        rid = data.draw(st.sampled_from(sorted(self.leases)))
+        if node not in self.live_nodes or self.leases[rid][0] == node:
+            return
+        general, short_cap = CAPACITY[node]
+        self.leases.pop(rid)  # its old blocks are returned whether or not the new node has room
+        result = self.run(self.ledger.reserve(rid, node, blocks, "general", general, short_cap, 1.0, 10))
+        if result.granted:
+            self.leases[rid] = (node, blocks, result.pool)
+
+    @precondition(lambda self: self.leases)
+    @rule(data=st.data())
+    def late_release_from_another_node_is_ignored(self, data) -> None:
+        rid = data.draw(st.sampled_from(sorted(self.leases)))
+        other = next(n for n in sorted(CAPACITY) if n != self.leases[rid][0])
+        assert self.run(self.ledger.release(rid, other)) is None
+
+    @rule(node=st.sampled_from(sorted(CAPACITY)))
+    def node_joins(self, node: str) -> None:
+        self.live_nodes.add(node)
+
+    @rule(node=st.sampled_from(sorted(CAPACITY)))
+    def node_leaves(self, node: str) -> None:
+        # A departed node renews nothing: all its leases expire.
+        self.live_nodes.discard(node)
+        for rid in [r for r, (n, _, _) in self.leases.items() if n == node]:
+            self.run(self.client.zadd("kvlane:v1:cache:leases", {rid: 0}))
+            self.leases.pop(rid)
+        self.run(self.ledger.reap())
+
+    @invariant()
+    def reserved_within_capacity_and_matching_leases(self) -> None:
+        usage = self.run(self.ledger.usage(sorted(CAPACITY)))
+        for node, (general, short) in CAPACITY.items():
+            used_general, used_short, count = usage[node]
+            assert 0 <= used_general <= general and 0 <= used_short <= short
+            mine = [(b, p) for n, b, p in self.leases.values() if n == node]
+            assert used_general == sum(b for b, p in mine if p == "general")
+            assert used_short == sum(b for b, p in mine if p == "short")
+            assert count == len(mine)
+
+    def teardown(self) -> None:
+        for rid in list(self.leases):
+            self.run(self.ledger.release(rid))
+        usage = self.run(self.ledger.usage(sorted(CAPACITY)))
+        assert all(u == (0, 0, 0) for u in usage.values()), usage
+        assert not self.run(self.client.exists(*[lease_key(r) for r in [f"r{i}" for i in range(1, self.counter + 1)]] or ["none"]))
+        self.run(self.client.aclose())
+        self.loop.close()
+
+
+def test_ledger_never_overcommits_and_returns_to_zero(redis_port: int) -> None:
+    LedgerMachine.port = redis_port
+    run = LedgerMachine.TestCase()
+    run.settings = settings(max_examples=40, stateful_step_count=30, deadline=None)
+    run.runTest()

