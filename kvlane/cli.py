@@ -149,6 +149,11 @@ def main(argv: list[str] | None = None) -> None:
         from loadtest.bench import main as bench_main
 
         sys.exit(bench_main(argv[1:]))
+    if argv[:1] == ["calibrate"]:
+        # Like bench: its own parser in loadtest/calibrate.py takes everything after the word.
+        from loadtest.calibrate import main as calibrate_main
+
+        sys.exit(calibrate_main(argv[1:]))
     args = build_parser().parse_args(argv)
     console = Console(stderr=False)
     if getattr(args, "workers", 1) < 1:

@@ -8,7 +8,7 @@ from urllib.parse import urlparse
 
 import msgspec
 
-from kvlane.launcher import Launcher, Process, url_reachable, wait_ready
+from kvlane.launcher import Launcher, Process, url_reachable, wait_ready, wait_services_ready
 from shared.config import KvlaneConfig, to_env
 
 
@@ -28,6 +28,12 @@ class Fleet:
         env = to_env(self.config) | {"KVLANE__WORKER__WORKER_ID": f'"{worker_id}"'}
         process = self.launcher.start_service("worker", env, name=f"worker-{worker_id}")
         self.workers.append(process)
+        return process
+
+    def add_balancer(self) -> Process:
+        index = len(self.balancers)
+        process = self.launcher.start_service("balancer", to_env(self.config), name=f"balancer-{index}")
+        self.balancers.append(process)
         return process
 
     def add_cache_manager(self) -> Process:
@@ -76,6 +82,8 @@ def start_fleet(
             fleet.add_cache_manager()
         if health_prober:
             fleet.health_probers.append(launcher.start_service("health_prober", env, name="health-prober"))
+        # Routing must be up before the first request can arrive.
+        wait_services_ready([*fleet.balancers, *fleet.cache_managers], ready_timeout)
         for index in range(workers):
             fleet.add_worker(f"w{index}")
         fleet.ingress = launcher.start_service("ingress", env)

@@ -160,6 +160,26 @@ class Launcher:
         self.processes.clear()
 
 
+def wait_services_ready(processes: list[Process], timeout: float = 60.0) -> None:
+    """Until every process has logged that it serves (`shared.runner.READY_EVENT`)."""
+    from shared.runner import READY_EVENT
+
+    deadline = time.monotonic() + timeout
+    pending = list(processes)
+    while pending:
+        for process in list(pending):
+            if not process.alive():
+                raise LaunchError(f"{process.name} exited with {process.popen.returncode}:\n{process.log_tail()}")
+            try:
+                if READY_EVENT in process.log_path.read_text(errors="replace"):
+                    pending.remove(process)
+            except OSError:
+                pass
+        if pending and time.monotonic() > deadline:
+            raise LaunchError(f"{[p.name for p in pending]} not ready within {timeout:.0f}s")
+        time.sleep(0.05)
+
+
 def wait_ready(base_url: str, timeout: float, processes: list[Process] | None = None, min_workers: int = 1) -> dict:
     """Poll `GET /ready` until it answers 200 with `min_workers` live workers; returns its JSON body."""
     import json

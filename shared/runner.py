@@ -23,6 +23,14 @@ from shared.logging import configure_logging
 
 ServiceMain = Callable[[KvlaneConfig, asyncio.Event], Awaitable[None]]
 
+# Logged by each service once its subscriptions are in place: launchers and
+# tests wait for this line before they rely on the service.
+READY_EVENT = "service_ready"
+
+
+def announce_ready(**fields: object) -> None:
+    structlog.get_logger("kvlane.runner").info(READY_EVENT, **fields)
+
 
 def run_service(name: str, main: ServiceMain, argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog=f"python -m services.{name}")

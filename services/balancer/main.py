@@ -25,6 +25,7 @@ from shared.cluster import ClusterView, ClusterWatcher
 from shared.config import BalancerSettings, KvlaneConfig
 from shared.metrics_http import serve_metrics
 from shared.prefix_index import PrefixIndex
+from shared.runner import announce_ready
 from shared.state import ClusterState, connect_redis
 from shared.telemetry import Telemetry
 
@@ -76,7 +77,7 @@ async def main(config: KvlaneConfig, stop: asyncio.Event) -> None:
         await service.start()
         if settings.metrics_port:
             metrics_runner = await serve_metrics(metrics.registry, settings.metrics_host, settings.metrics_port)
-        log.info("balancer_ready", balancer_id=balancer_id, policy=settings.policy, slot_store=settings.slots.store)
+        announce_ready(balancer_id=balancer_id, policy=settings.policy, slot_store=settings.slots.store)
         await stop.wait()
     finally:
         await service.stop()

@@ -76,11 +76,14 @@ class BalancerService:
         self._fast_forwards_seen = 0
         self._gauged_chains: set[str] = set()
         self._store_degraded = False
+        self._route_subscription = None
 
     async def start(self) -> None:
         bus = self._bus
         # Queued requests hold their handler open, so each route request runs as its own task.
-        await bus.subscribe(subjects.ROUTE, RouteRequest, self._on_route, queue=subjects.BALANCER_QUEUE_GROUP, concurrent=True)
+        self._route_subscription = await bus.subscribe(
+            subjects.ROUTE, RouteRequest, self._on_route, queue=subjects.BALANCER_QUEUE_GROUP, concurrent=True
+        )
         await bus.subscribe(subjects.REQUEST_FINISHED, RequestFinished, self._on_finished, traced=False)
         await bus.subscribe(subjects.HEARTBEAT_ALL, Heartbeat, self._on_heartbeat, traced=False)
         await bus.subscribe(subjects.KV_EVENTS_ALL, KvEvents, self._on_kv_events, traced=False)
@@ -92,7 +95,11 @@ class BalancerService:
         self._tick_task = asyncio.create_task(self._tick_loop())
 
     async def stop(self) -> None:
-        """Refuse every queued request (so no client waits on a balancer that is going away)."""
+        """Take no more route requests, then refuse every queued one (no client waits on a balancer that is going away)."""
+        if self._route_subscription is not None:
+            # Later route requests go to the other replicas of the queue group.
+            with contextlib.suppress(Exception):
+                await self._route_subscription.unsubscribe()
         if self._tick_task is not None:
             self._tick_task.cancel()
             await asyncio.gather(self._tick_task, return_exceptions=True)

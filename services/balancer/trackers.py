@@ -58,7 +58,7 @@ class SpeedTracker:
         self._factor: dict[str, float] = {}
         self._seen: dict[str, float] = {}
         self._was_busy: set[str] = set()
-        self._tiers: dict[str, float] | None = None  # measured factor merged with its near-equals; None: recompute
+        self._tiers: tuple[dict[str, float], float] | None = None  # (tiered factors, median); None: recompute
 
     def observe(self, heartbeat: Heartbeat) -> None:
         worker_id, stats = heartbeat.registration.worker_id, heartbeat.stats
@@ -97,16 +97,18 @@ class SpeedTracker:
         """
         if worker_id not in self._factor:
             return None
-        if self._tiers is None:
-            self._tiers = speed_tiers(self._factor, self._equal_within)
-        return self._tiers[worker_id]
+        return self._tiered()[0][worker_id]
 
     def typical_factor(self) -> float:
         """What an unmeasured node is assumed to be: the median measured node, else the profile."""
-        if not self._factor:
-            return 1.0
-        ordered = sorted(self._factor.values())
-        return ordered[len(ordered) // 2]
+        return self._tiered()[1] if self._factor else 1.0
+
+    def _tiered(self) -> tuple[dict[str, float], float]:
+        # Recomputed once per new measurement, not per routing decision.
+        if self._tiers is None:
+            ordered = sorted(self._factor.values())
+            self._tiers = (speed_tiers(self._factor, self._equal_within), ordered[len(ordered) // 2] if ordered else 1.0)
+        return self._tiers
 
     def forget(self, worker_ids: Iterable[str]) -> None:
         for worker_id in worker_ids:

@@ -10,6 +10,7 @@ from services.cache_manager.metrics import CacheMetrics
 from services.cache_manager.service import CacheManagerService
 from shared.config import KvlaneConfig
 from shared.metrics_http import serve_metrics
+from shared.runner import announce_ready
 from shared.service_context import service_context
 
 
@@ -25,6 +26,7 @@ async def main(config: KvlaneConfig, stop: asyncio.Event) -> None:
             await service.start()
             if settings.metrics_port:
                 metrics_runner = await serve_metrics(metrics.registry, config.ingress.host, settings.metrics_port)
+            announce_ready(manager_id=manager_id)
             await stop.wait()
         finally:
             await service.stop()

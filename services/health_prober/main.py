@@ -8,6 +8,7 @@ import uuid
 from services.health_prober.service import HealthProberService
 from shared.bus import StreamReceiver
 from shared.config import KvlaneConfig
+from shared.runner import announce_ready
 from shared.service_context import service_context
 
 
@@ -19,6 +20,7 @@ async def main(config: KvlaneConfig, stop: asyncio.Event) -> None:
         service = HealthProberService(config.health, ctx.bus, ctx.view, streams, ctx.redis)
         try:
             await service.start()
+            announce_ready(prober_id=prober_id)
             await stop.wait()
         finally:
             await service.stop()

@@ -62,12 +62,14 @@ class Dispatcher:
         streams: StreamReceiver,
         settings: IngressSettings,
         is_live: Callable[[str], bool],
+        max_queue_wait_s: float,
         norms: StreamSpeedNorms | None = None,
     ) -> None:
         self._bus = bus
         self._streams = streams
         self._settings = settings
         self._is_live = is_live
+        self._max_queue_wait_s = max_queue_wait_s
         self._norms = norms or StreamSpeedNorms(settings.slow_stream_factor)
 
     async def run(self, request_id: str, prepared: PreparedRequest) -> AsyncIterator[TokenChunk | StreamEnd]:
@@ -137,16 +139,22 @@ class Dispatcher:
             priority=prepared.priority,
             prefix_token_ids=prepared.prompt_token_ids[: self._settings.forward_prefix_tokens],
         )
-        # The balancer may hold the request in its central queue until a slot
-        # frees, at most until the deadline; route_timeout_s on top lets its
-        # own answer (a 503 with Retry-After) arrive before we give up.
-        timeout = self._settings.route_timeout_s + max(0.0, deadline - time.time())
-        try:
-            reply = await self._bus.request(subjects.ROUTE, route, RouteReply, timeout)
-        except NoResponders as exc:
-            raise ApiError(503, "no balancer is running", code="balancer_unavailable", retry_after_s=1.0) from exc
-        except BusError as exc:
-            raise ApiError(503, f"routing failed: {exc}", code="balancer_unavailable", retry_after_s=1.0) from exc
+        # The balancer may hold the request in its central queue, at most
+        # `max_queue_wait_s` (then it answers 503 itself). No answer by then
+        # means the balancer went away holding it: ask again, once.
+        timeout = self._settings.route_timeout_s + min(self._max_queue_wait_s, max(0.0, deadline - time.time()))
+        for attempt in (1, 2):
+            try:
+                reply = await self._bus.request(subjects.ROUTE, route, RouteReply, timeout)
+                break
+            except NoResponders as exc:
+                raise ApiError(503, "no balancer is running", code="balancer_unavailable", retry_after_s=1.0) from exc
+            except RequestTimeout as exc:
+                if attempt == 2:
+                    raise ApiError(503, f"routing failed: {exc}", code="balancer_unavailable", retry_after_s=1.0) from exc
+                log.warning("route_unanswered", request_id=request_id, timeout_s=round(timeout, 1))
+            except BusError as exc:
+                raise ApiError(503, f"routing failed: {exc}", code="balancer_unavailable", retry_after_s=1.0) from exc
         if isinstance(reply, ErrorReply):
             raise ApiError.from_reply(reply)
         return reply

@@ -18,6 +18,7 @@ from services.ingress.metrics import IngressMetrics
 from services.ingress.readiness import Dependency, Readiness
 from shared.bus import StreamReceiver
 from shared.config import KvlaneConfig
+from shared.runner import announce_ready
 from shared.service_context import service_context
 
 log = structlog.get_logger("kvlane.ingress")
@@ -32,7 +33,9 @@ async def main(config: KvlaneConfig, stop: asyncio.Event) -> None:
         bus, view = ctx.bus, ctx.view
         streams = StreamReceiver(bus, ingress_id)
         await streams.start()
-        dispatcher = Dispatcher(bus, streams, settings, lambda worker_id: view.is_live(worker_id, time.monotonic()))
+        dispatcher = Dispatcher(
+            bus, streams, settings, lambda worker_id: view.is_live(worker_id, time.monotonic()), config.balancer.queue.max_wait_s
+        )
         dependencies = [Dependency("balancer", subjects.BALANCER_STATUS, BalancerStatusRequest(model="-"), BalancerStatusReply)]
         if config.balancer.allocate_kv:
             dependencies.append(Dependency("cache-manager", subjects.CACHE_REQUEST, LookupRequest([]), CacheReply))
@@ -41,7 +44,7 @@ async def main(config: KvlaneConfig, stop: asyncio.Event) -> None:
         try:
             await runner.setup()
             await web.TCPSite(runner, settings.host, settings.port).start()
-            log.info("ingress_listening", host=settings.host, port=settings.port, ingress_id=ingress_id)
+            announce_ready(host=settings.host, port=settings.port, ingress_id=ingress_id)
             await stop.wait()
         finally:
             # Stops accepting connections, then waits for in-flight responses.

@@ -37,6 +37,7 @@ from contracts.cache import LeaseProgress, RenewLeases
 from services.worker.engines.base import Engine, EngineRequest, RequestRejected
 from shared.bus import Bus
 from shared.config import ClusterSettings
+from shared.runner import announce_ready
 from shared.state import ClusterState
 
 log = structlog.get_logger("kvlane.worker")
@@ -75,7 +76,7 @@ class WorkerService:
             asyncio.create_task(self._kv_events_loop()),
             asyncio.create_task(self._lease_renew_loop()),
         ]
-        self._log.info("worker_registered", model=self.registration.model, inbox=self.registration.inbox)
+        announce_ready(model=self.registration.model, inbox=self.registration.inbox)
 
     async def drain(self, timeout_s: float) -> None:
         """Stop taking requests, let in-flight ones finish, then leave the cluster."""

@@ -14,7 +14,7 @@ import pytest
 from contracts import subjects
 from contracts.balancer import BalancerStatus, BalancerStatusReply, BalancerStatusRequest
 from kvlane.fleet import Fleet, with_overrides
-from tests.integration.balancer_helpers import wait_balancers_ready
+from kvlane.launcher import wait_services_ready
 from tests.integration.conftest import MODEL, _stop, launch
 
 pytestmark = pytest.mark.integration
@@ -30,7 +30,7 @@ def one_slot_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
         return with_overrides(config, **{"balancer.slots": {"max_per_chain": 1}, "balancer.queue": {"max_wait_s": QUEUE_WAIT_S}})
 
     fleet = launch(tmp_path_factory.mktemp("one-slot"), workers=1, tune=tune, speed=0.1)
-    wait_balancers_ready(fleet.balancers)
+    wait_services_ready(fleet.balancers)
     yield fleet
     _stop(fleet)
 

@@ -15,9 +15,8 @@ import redis.asyncio as redis
 from contracts import subjects
 from contracts.messages import Heartbeat
 from kvlane.fleet import with_overrides
-from kvlane.launcher import free_port
+from kvlane.launcher import free_port, wait_services_ready
 from shared.config import to_env
-from tests.integration.balancer_helpers import wait_balancers_ready
 from tests.integration.conftest import MODEL, _stop, launch
 
 pytestmark = pytest.mark.integration
@@ -41,7 +40,7 @@ async def test_three_replicas_never_oversubscribe_a_chain(tmp_path: Path) -> Non
         for index, port in enumerate(ports, start=1):
             env = to_env(fleet.config) | {"KVLANE__BALANCER__METRICS_PORT": str(port)}
             fleet.balancers.append(fleet.launcher.start_service("balancer", env, name=f"balancer-{index}"))
-        wait_balancers_ready(fleet.balancers)
+        wait_services_ready(fleet.balancers)
         client = redis.Redis.from_url(fleet.config.redis.url)
         worst_reserved: dict[str, int] = {}
         worst_running: dict[str, int] = {}

@@ -24,7 +24,7 @@ from contracts import subjects
 from kvlane.fleet import Fleet
 from services.worker.sim.tokens import prompt_digest, stream_key, token_at
 from shared.tokenizer import OUTPUT_FIRST, OUTPUT_WORDS, SimTokenizer
-from shared.config import to_env
+from kvlane.launcher import wait_services_ready
 from tests.integration.conftest import FAST_HEARTBEATS, MODEL, launch
 from tests.integration.finished_log import watch_finished
 
@@ -229,9 +229,7 @@ async def test_slow_node_is_marked_and_avoided_then_comes_back(tmp_path: Path) -
 async def test_sigterm_each_service_in_turn_loses_nothing(tmp_path: Path) -> None:
     fleet = launch(tmp_path, workers=3)
     try:
-        fleet.balancers.append(fleet.launcher.start_service("balancer", to_env(fleet.config), name="balancer-2"))
-        fleet.add_cache_manager()
-        await asyncio.sleep(1.0)
+        wait_services_ready([fleet.add_balancer(), fleet.add_cache_manager()])
         result, stop = LoadResult(), asyncio.Event()
         load = asyncio.create_task(steady_load(fleet, stop, result, concurrency=4, max_tokens=60))
         await asyncio.sleep(1.0)

@@ -175,3 +175,12 @@ def test_jffc_shares_load_between_nodes_whose_measured_speeds_differ_by_noise() 
     picks = [r.place(request(f"r{i}"), heartbeats).chain.worker_id for i in range(6)]  # type: ignore[union-attr]
     assert picks[:2] == ["fast", "fast"]  # the fastest chain first, until its 2 slots are taken
     assert Counter(picks[2:]) == {"a": 2, "b": 2}  # then a and b as equals, by load
+
+
+def test_jffc_lets_a_suspect_node_take_work_once_healthy_ones_are_busier() -> None:
+    # A suspect verdict (weight 0.3) on a busy fleet mostly means slow probes from load, not a slower node.
+    snap = snapshot(chain("suspect", health=0.3, used=1, running=1), chain("healthy", used=5, running=5))
+    assert choose("jffc", snap) == "suspect"  # load 1/0.3 = 3.3 < 5
+    assert choose("jffc", snapshot(chain("suspect", health=0.3, used=2, running=2), chain("healthy", used=5, running=5))) == "healthy"
+    # A node that is really faster is still taken first.
+    assert choose("jffc", snapshot(chain("fast", speed=3.0, used=5, running=5), chain("idle"))) == "fast"

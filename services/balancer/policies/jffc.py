@@ -17,11 +17,15 @@ from services.balancer.speed import StepModel
 
 
 class Jffc:
-    """The fastest chain (speed x health) with a free slot; equal speeds go to the less loaded.
+    """The fastest chain with a free slot; equal speeds go to the less loaded (load per unit of health).
 
-    Speeds come tiered (`trackers.speed_tiers`): identical nodes measure a
-    little differently, and ranking on that noise would fill one of them
-    before the next instead of sharing the load.
+    Speeds come tiered (`trackers.speed_tiers`): identical nodes measure
+    differently, and ranking on that noise would fill one of them before the
+    next instead of sharing the load. A health verdict below 1 scales the
+    node's load instead of its speed: a node that answered probes slowly
+    because it is busy is not a slower kind of node, and ranking it below
+    every healthy one would push still more load onto those until their
+    probes slow down too. Speed itself is what the node measurably does.
     """
 
     name = "jffc"
@@ -33,7 +37,7 @@ class Jffc:
         free = snapshot.free()
         if not free:
             return None
-        return self._rotation.best(free, lambda c: (-c.node.speed * c.node.health_weight, c.load))
+        return self._rotation.best(free, lambda c: (-c.node.speed, c.load, -c.node.health_weight))
 
 
 class JffcPerRequest:

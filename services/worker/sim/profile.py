@@ -13,14 +13,16 @@
 The GPU profiles below are derived, not measured: a roofline with
 efficiency factors, written out as code so each number can be traced to a
 public figure (``/work/shared/design/REFERENCE-NUMBERS.md``). A profile
-fitted on a real engine can be built directly with ``StepTimeProfile``.
+fitted on a real engine (``kvlane calibrate``) is loaded by naming its JSON
+file: ``get_profile("file:loadtest/results/calibrated-profile.json")``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from pathlib import Path
 from types import MappingProxyType
-from typing import NamedTuple
+from typing import Annotated, Any, NamedTuple
 
 import msgspec
 
@@ -121,10 +123,56 @@ NAMED_PROFILES: Mapping[str, StepTimeProfile] = MappingProxyType(
 )
 
 
+FILE_PREFIX = "file:"
+
+
+class ProfileFileError(KeyError):
+    """A ``file:`` profile that cannot be read; a KeyError, as for unknown names, so callers catch one type."""
+
+    def __str__(self) -> str:  # KeyError would repr-quote the message
+        return str(self.args[0])
+
+
+_Seconds = Annotated[float, msgspec.Meta(ge=0.0)]
+
+
+class _ProfileFile(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What ``kvlane calibrate`` writes: the coefficients, strictly typed, plus free-form metadata."""
+
+    name: str
+    # A negative coefficient would make some steps take negative time.
+    a: _Seconds
+    b: _Seconds
+    c: _Seconds
+    d: _Seconds = 0.0
+    # Listed (as optional) so that the strict decode accepts them; the sim ignores them.
+    fitted_on: dict[str, Any] | None = None
+    fit_error: dict[str, Any] | None = None
+
+
+def load_profile_file(path: str | Path) -> StepTimeProfile:
+    """A StepTimeProfile from a calibrated-profile JSON file; ProfileFileError saying why not."""
+    try:
+        raw = Path(path).expanduser().read_bytes()
+    except OSError as exc:
+        raise ProfileFileError(f"step-time profile file {str(path)!r}: cannot read it ({exc.strerror})") from None
+    try:
+        spec = msgspec.json.decode(raw, type=_ProfileFile)
+    except msgspec.DecodeError as exc:  # also ValidationError: a missing or mistyped field
+        raise ProfileFileError(f"step-time profile file {str(path)!r} is not a valid profile: {exc}") from None
+    return StepTimeProfile(name=spec.name, a=spec.a, b=spec.b, c=spec.c, d=spec.d)
+
+
 def get_profile(name: str) -> StepTimeProfile:
-    """The named profile; KeyError naming the known profiles otherwise."""
+    """The named profile, or ``file:<path>`` read from a calibrated-profile JSON file.
+
+    KeyError naming the known profiles for an unknown name; ProfileFileError
+    (a KeyError) for a file that is missing or not a valid profile.
+    """
+    if name.startswith(FILE_PREFIX):
+        return load_profile_file(name[len(FILE_PREFIX) :])
     try:
         return NAMED_PROFILES[name]
     except KeyError:
         known = ", ".join(sorted(NAMED_PROFILES))
-        raise KeyError(f"unknown step-time profile {name!r}; known profiles: {known}") from None
+        raise KeyError(f"unknown step-time profile {name!r}; known profiles: {known} (or file:<path>)") from None
