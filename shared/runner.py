@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import signal
 import sys
 from collections.abc import Awaitable, Callable
@@ -29,7 +30,8 @@ READY_EVENT = "service_ready"
 
 
 def announce_ready(**fields: object) -> None:
-    structlog.get_logger("kvlane.runner").info(READY_EVENT, **fields)
+    """Say on stderr that the service serves, whatever the log level (launchers wait for this line)."""
+    print(json.dumps({"event": READY_EVENT, **fields}, default=str), file=sys.stderr, flush=True)
 
 
 def run_service(name: str, main: ServiceMain, argv: list[str] | None = None) -> None:

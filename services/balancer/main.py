@@ -45,7 +45,8 @@ def fallback_step_model(profile_name: str) -> StepModel:
 
 
 def build_router(settings: BalancerSettings, model: StepModel) -> Router:
-    builder = SnapshotBuilder(settings, SpeedTracker(model, settings.speed.smoothing, settings.speed.equal_within), QueueGrowth(settings.speed.smoothing))
+    speed = SpeedTracker(model, settings.speed.smoothing, settings.speed.equal_within)
+    builder = SnapshotBuilder(settings, speed, QueueGrowth(settings.speed.smoothing))
     return Router(
         make_policy(settings.policy, settings, model),
         builder,

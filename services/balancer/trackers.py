@@ -70,6 +70,7 @@ class SpeedTracker:
             self._was_busy.add(worker_id)
         else:
             self._was_busy.discard(worker_id)
+            self._relax_idle(worker_id)
         if not busy_throughout or stats.running == 0 or stats.decode_tokens_per_s <= 0:
             return
         steps_per_s = stats.decode_tokens_per_s / stats.running
@@ -82,6 +83,20 @@ class SpeedTracker:
         factor = predicted_busy
         previous = self._factor.get(worker_id)
         self._factor[worker_id] = factor if previous is None else previous + self._smoothing * (factor - previous)
+        self._tiers = None
+
+    def _relax_idle(self, worker_id: str) -> None:
+        """An idle node's estimate drifts back toward the fleet's median.
+
+        Speed is measured only while a node works; a node once measured slow
+        (a passing fault) would otherwise stay ranked last for ever, get no
+        work, and never be measured again.
+        """
+        previous = self._factor.get(worker_id)
+        if previous is None or len(self._factor) < 2:
+            return
+        median = self._tiered()[1]
+        self._factor[worker_id] = previous + self._smoothing * (median - previous)
         self._tiers = None
 
     def measured(self, worker_id: str) -> float | None:

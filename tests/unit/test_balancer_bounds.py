@@ -177,3 +177,25 @@ def test_recommendation_balances_capacity_against_per_slot_slowdown() -> None:
     assert recommend_slots([], rate_at, 1.0) is None
     assert recommend_slots([("a", 4)], rate_at, 0.0) is None
     assert candidate_caps(10)[:8] == [1, 2, 3, 4, 5, 6, 7, 8] and candidate_caps(10)[-1] == 10
+
+
+def test_an_idle_node_measured_slow_drifts_back_to_the_fleet_median() -> None:
+    from contracts.messages import EngineStats, Heartbeat, WorkerRegistration
+    from services.balancer.speed import StepModel
+    from services.balancer.trackers import SpeedTracker
+
+    tracker = SpeedTracker(StepModel(a=0.002, b=2e-5, c=2e-4), smoothing=0.5)
+
+    def beat(worker: str, t: float, running: int, decode: float) -> Heartbeat:
+        registration = WorkerRegistration(worker, "aggregated", "m", "sim", f"inbox.{worker}", 16, 4096, "sim", 0.0)
+        return Heartbeat(registration, EngineStats(running=running, decode_tokens_per_s=decode, kv_blocks_total=100), t, int(t))
+
+    for t in range(1, 4):
+        tracker.observe(beat("fast", t, 8, 8 * 400.0))
+        tracker.observe(beat("other", t, 8, 8 * 400.0))
+        tracker.observe(beat("slow", t, 8, 8 * 20.0))
+    slow_before = tracker.measured("slow")
+    assert slow_before < tracker.measured("fast") / 5
+    for t in range(4, 14):
+        tracker.observe(beat("slow", t, 0, 0.0))
+    assert tracker.measured("slow") > 0.9 * tracker.measured("fast")
