@@ -178,7 +178,12 @@ class BalancerService:
             self.router.table.set_global_used(chain.chain_id, used)
         if self._allocator is not None:
             allocation = await self._allocator.allocate(placement.request, chain.worker_id)
-            if isinstance(allocation, ErrorReply):
+            if isinstance(allocation, ErrorReply) and allocation.code == "state_unavailable":
+                # Redis is down: the ledger cannot be consulted, so, as with
+                # slots, availability wins; the engine's own KV admission
+                # still bounds the node, and leases resume with Redis.
+                log.warning("kv_allocation_skipped_redis_down", request_id=placement.request_id)
+            elif isinstance(allocation, ErrorReply):
                 await self._release(placement.request_id)
                 if allocation.code == "cache_manager_unavailable":
                     return allocation
