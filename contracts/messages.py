@@ -72,6 +72,7 @@ class SamplingParams(Struct, forbid_unknown_fields=True):
     stop: list[str] = []
     presence_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0
     frequency_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0
+    ignore_eos: bool = False
 
 
 class GenerateRequest(Struct, tag="generate", tag_field="type"):

@@ -59,6 +59,8 @@ class _SamplingFields(Struct, forbid_unknown_fields=True, kw_only=True):
     # the balancer's central queue and lets the cache-manager preempt
     # lower-value running requests when KV memory is full.
     priority: Annotated[int, Meta(ge=0, le=9)] = 0
+    # vLLM extension: keep generating past the end-of-sequence token.
+    ignore_eos: bool = False
 
 
 class ChatCompletionRequest(_SamplingFields, kw_only=True):

@@ -84,6 +84,7 @@ def prepare(
         stop=stop,
         presence_penalty=request.presence_penalty or 0.0,
         frequency_penalty=request.frequency_penalty or 0.0,
+        ignore_eos=request.ignore_eos,
     )
     return PreparedRequest(
         model=request.model,

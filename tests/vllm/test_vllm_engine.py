@@ -209,8 +209,9 @@ def test_client_disconnect_aborts_the_engine_request(vllm_fleet: Fleet, client: 
     async def scenario() -> tuple[list[RequestFinished], int, int]:
         finished: list[RequestFinished] = []
         nc = await _collect(vllm_fleet.config.nats.url, subjects.REQUEST_FINISHED, msgspec.msgpack.Decoder(RequestFinished), finished)
+        # ignore_eos: the random tiny model must not end the story before the client hangs up.
         body = {"model": MODEL, "prompt": "Tell me a very long story", "max_tokens": 1000, "stream": True,
-                "temperature": 1.0, "seed": 1}
+                "temperature": 1.0, "seed": 1, "ignore_eos": True}
         async with aiohttp.ClientSession() as session:
             response = await session.post(f"{vllm_fleet.base_url}/v1/completions", json=body)
             request_id = response.headers["X-Request-Id"]

@@ -117,6 +117,7 @@ def to_vllm_sampling(sampling: SamplingParams) -> VllmSamplingParams:
         stop=list(sampling.stop) or None,
         presence_penalty=sampling.presence_penalty,
         frequency_penalty=sampling.frequency_penalty,
+        ignore_eos=sampling.ignore_eos,
         output_kind=RequestOutputKind.DELTA,
     )
 
