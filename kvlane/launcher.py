@@ -69,6 +69,16 @@ def find_redis_server() -> str:
     )
 
 
+def servers_available() -> bool:
+    """Whether both server binaries can be found (tests that need them skip otherwise)."""
+    try:
+        find_nats_server()
+        find_redis_server()
+    except LaunchError:
+        return False
+    return True
+
+
 class Process:
     def __init__(self, name: str, popen: subprocess.Popen, log_path: Path) -> None:
         self.name = name

@@ -9,22 +9,13 @@ import json
 
 import pytest
 
-from kvlane.launcher import LaunchError, find_nats_server, find_redis_server
+from kvlane.launcher import servers_available
 from loadtest.bench import main
 
 pytestmark = pytest.mark.integration
 
 
-def _servers_available() -> bool:
-    try:
-        find_nats_server()
-        find_redis_server()
-    except LaunchError:
-        return False
-    return True
-
-
-@pytest.mark.skipif(not _servers_available(), reason="needs nats-server and redis-server")
+@pytest.mark.skipif(not servers_available(), reason="needs nats-server and redis-server")
 @pytest.mark.timeout(120)
 def test_bench_compares_two_policies_and_writes_results(tmp_path) -> None:
     pytest.importorskip("matplotlib")
@@ -70,7 +61,7 @@ def test_bench_rejects_contradictory_load_options(tmp_path) -> None:
     assert main(["--policies", "round_robin", "--out", str(tmp_path), "--quiet"]) == 2  # no rate, no concurrency
 
 
-@pytest.mark.skipif(not _servers_available(), reason="needs nats-server and redis-server")
+@pytest.mark.skipif(not servers_available(), reason="needs nats-server and redis-server")
 @pytest.mark.timeout(90)
 def test_bench_multi_turn_feeds_answers_back_and_hits_the_prefix_cache(tmp_path) -> None:
     out = tmp_path / "out"

@@ -11,26 +11,17 @@ import math
 
 import pytest
 
-from kvlane.launcher import LaunchError, find_nats_server, find_redis_server
+from kvlane.launcher import servers_available
 from loadtest.overhead import BenchOptions, run_benchmark
 
 pytestmark = pytest.mark.integration
-
-
-def _servers_available() -> bool:
-    try:
-        find_nats_server()
-        find_redis_server()
-    except LaunchError:
-        return False
-    return True
 
 
 def _positive(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
 
 
-@pytest.mark.skipif(not _servers_available(), reason="needs nats-server and redis-server")
+@pytest.mark.skipif(not servers_available(), reason="needs nats-server and redis-server")
 @pytest.mark.timeout(180)
 def test_overhead_benchmark_writes_complete_results(tmp_path):
     out = tmp_path / "results" / "overhead.json"
