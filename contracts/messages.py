@@ -50,11 +50,20 @@ class RouteRequest(Struct, tag="route", tag_field="type"):
 
 
 class RouteDecision(Struct, tag="decision", tag_field="type"):
+    """Where one request runs: `worker_id` generates its tokens.
+
+    When `prefill_worker_id` is set the chain has two nodes: ingress sends a
+    `PrefillRequest` to `prefill_inbox`, and that node hands the KV cache to
+    `worker_id` (a decode node). Empty: `worker_id` runs the whole request.
+    """
+
     request_id: RequestId
     worker_id: WorkerId
     inbox: str
     policy: str
     cached_blocks: NonNegativeInt = 0
+    prefill_worker_id: str = ""
+    prefill_inbox: str = ""
 
 
 RouteReply = RouteDecision | ErrorReply
@@ -75,6 +84,27 @@ class SamplingParams(Struct, forbid_unknown_fields=True):
     ignore_eos: bool = False
 
 
+class KvRef(Struct, frozen=True):
+    """Where a prompt's KV cache waits to be pulled: a reference, never the bytes.
+
+    The source node holds the blocks until the puller releases them or
+    `expires_at` passes. For vLLM the fields are its NixlConnector's
+    `kv_transfer_params`; `engine_extras` carries the keys of that dict
+    kvlane does not name, passed back to the engine untouched.
+    """
+
+    source_worker_id: WorkerId
+    engine_id: str
+    request_id: str
+    num_tokens: NonNegativeInt  # prompt tokens whose KV the source holds
+    expires_at: float
+    block_ids: list[list[int]] = []
+    host: str = ""
+    port: Annotated[int, Meta(ge=0, le=65535)] = 0
+    kv_bytes: NonNegativeInt = 0
+    engine_extras: dict[str, str | int | float | bool | None] = {}
+
+
 class GenerateRequest(Struct, tag="generate", tag_field="type"):
     """Run one request and stream its frames to `stream_to`.
 
@@ -93,6 +123,29 @@ class GenerateRequest(Struct, tag="generate", tag_field="type"):
     # worker died, or resumption after preemption): generation continues
     # after them, and they count toward `sampling.max_tokens` and usage.
     resume_token_ids: list[int] = []
+    # Set on a decode node's request: pull the prompt's KV from here first.
+    kv_ref: KvRef | None = None
+
+
+class PrefillRequest(Struct, tag="prefill", tag_field="type"):
+    """Run the prompt on a prefill node, then hand it to the decode node.
+
+    The prefill node answers with `GenerateAccepted`, runs the prompt, and
+    sends the decode node a `GenerateRequest` carrying a `KvRef` and the
+    same `stream_to`; it publishes a `Handoff` frame there once the decode
+    node accepted (or an `ErrorReply` if that failed). Tokens flow from the
+    decode node straight to `stream_to`.
+    """
+
+    request_id: RequestId
+    model: str
+    prompt_token_ids: Annotated[list[int], Meta(min_length=1)]
+    sampling: SamplingParams
+    stream_to: str
+    deadline: float
+    decode_worker_id: WorkerId
+    decode_inbox: str
+    resume_token_ids: list[int] = []
 
 
 class AbortRequest(Struct, tag="abort", tag_field="type"):
@@ -100,7 +153,7 @@ class AbortRequest(Struct, tag="abort", tag_field="type"):
     reason: str = "client_disconnected"
 
 
-WorkerRequest = GenerateRequest | AbortRequest
+WorkerRequest = GenerateRequest | PrefillRequest | AbortRequest
 
 
 class GenerateAccepted(Struct, tag="accepted", tag_field="type"):
@@ -140,7 +193,44 @@ class StreamEnd(Struct, tag="end", tag_field="type"):
     worker_id: WorkerId
 
 
-StreamFrame = TokenChunk | StreamEnd | ErrorReply
+class Handoff(Struct, tag="handoff", tag_field="type"):
+    """The prefill node passed the request to `decode_worker_id` (not a numbered frame)."""
+
+    request_id: RequestId
+    prefill_worker_id: WorkerId
+    decode_worker_id: WorkerId
+    kv_tokens: NonNegativeInt
+
+
+StreamFrame = TokenChunk | StreamEnd | Handoff | ErrorReply
+
+
+# --- KV hand-off between a prefill and a decode node (`subjects.worker_kv`) ---------
+
+
+class KvPull(Struct, tag="kv_pull", tag_field="type"):
+    """A decode node asks the source to keep `request_id`'s blocks for its transfer."""
+
+    request_id: RequestId
+    puller_id: WorkerId
+
+
+class KvPullGranted(Struct, tag="kv_granted", tag_field="type"):
+    request_id: RequestId
+    num_tokens: NonNegativeInt
+    kv_bytes: NonNegativeInt
+
+
+KvPullReply = KvPullGranted | ErrorReply
+
+
+class KvRelease(Struct, tag="kv_release", tag_field="type"):
+    """The puller has the KV (or gave up): the source may free the blocks."""
+
+    request_id: RequestId
+
+
+KvMessage = KvPull | KvRelease
 
 
 class RequestFinished(Struct, tag="finished", tag_field="type"):
@@ -183,6 +273,12 @@ class EngineStats(Struct):
     decode_tokens_per_s: float = 0.0
     # None means "not known" (no GPU, or no reading): never report 0 for that.
     gpu_utilization: float | None = None
+    # KV hand-off since the worker started: pulls done here, their bytes,
+    # pulls that failed, and blocks held here for a decode node to pull.
+    kv_pulls: NonNegativeInt = 0
+    kv_pull_bytes: NonNegativeInt = 0
+    kv_pull_failures: NonNegativeInt = 0
+    kv_held_blocks: NonNegativeInt = 0
 
 
 class Heartbeat(Struct, tag="heartbeat", tag_field="type"):

@@ -59,6 +59,11 @@ def worker_inbox(worker_id: str) -> str:
     return f"{PREFIX}.worker.{worker_id}.generate"
 
 
+def worker_kv(worker_id: str) -> str:
+    """Where a prefill node takes KV pull and release messages from decode nodes."""
+    return f"{PREFIX}.worker.{worker_id}.kv"
+
+
 def stream_inbox(owner_id: str) -> str:
     """Wildcard subject on which one process receives all of its streamed replies."""
     return f"{PREFIX}.stream.{owner_id}.*"

@@ -28,10 +28,16 @@ def _up(args: argparse.Namespace, console: Console) -> int:
     )
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="kvlane-"))
     launcher = Launcher(log_dir)
-    console.print(f"[bold]kvlane up[/]: {args.workers} {args.engine} worker(s), logs in {log_dir}")
+    if args.mode == "disaggregated":
+        workers, prefill, decode = 0, args.prefill_workers, args.decode_workers
+        shape = f"{prefill} prefill + {decode} decode {args.engine} worker(s)"
+    else:
+        workers, prefill, decode = args.workers, 0, 0
+        shape = f"{workers} {args.engine} worker(s)"
+    console.print(f"[bold]kvlane up[/]: {shape}, logs in {log_dir}")
     try:
         ready_timeout = args.ready_timeout or (VLLM_READY_TIMEOUT_S if args.engine == "vllm" else 60.0)
-        fleet = start_fleet(launcher, config, args.workers, ready_timeout=ready_timeout)
+        fleet = start_fleet(launcher, config, workers, ready_timeout=ready_timeout, prefill_workers=prefill, decode_workers=decode)
     except (LaunchError, ValueError) as exc:
         console.print(f"[red]failed to start:[/] {exc}")
         return 1
@@ -117,7 +123,11 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     up = commands.add_parser("up", help="start NATS, Redis (unless reachable), balancer, workers and ingress")
     up.add_argument("--engine", choices=["sim", "vllm"], default="sim")
-    up.add_argument("--workers", type=int, default=2)
+    up.add_argument("--mode", choices=["aggregated", "disaggregated"], default="aggregated",
+                    help="aggregated: each worker runs whole requests; disaggregated: prefill and decode pools")
+    up.add_argument("--workers", type=int, default=2, help="aggregated workers (aggregated mode)")
+    up.add_argument("--prefill-workers", type=int, default=1, help="prefill workers (disaggregated mode)")
+    up.add_argument("--decode-workers", type=int, default=1, help="decode workers (disaggregated mode)")
     up.add_argument("--port", type=int, default=8000)
     up.add_argument("--host", default="127.0.0.1")
     up.add_argument("--config", help="TOML configuration file")
@@ -156,9 +166,10 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(calibrate_main(argv[1:]))
     args = build_parser().parse_args(argv)
     console = Console(stderr=False)
-    if getattr(args, "workers", 1) < 1:
-        console.print("[red]--workers must be at least 1[/]")
-        sys.exit(2)
+    for flag in ("workers", "prefill_workers", "decode_workers"):
+        if getattr(args, flag, 1) < 1:
+            console.print(f"[red]--{flag.replace('_', '-')} must be at least 1[/]")
+            sys.exit(2)
     try:
         sys.exit(args.handler(args, console))
     except ConfigError as exc:

@@ -8,6 +8,7 @@ from urllib.parse import urlparse
 
 import msgspec
 
+from contracts.messages import WorkerRole
 from kvlane.launcher import Launcher, Process, url_reachable, wait_ready, wait_services_ready
 from shared.config import KvlaneConfig, to_env
 
@@ -24,9 +25,11 @@ class Fleet:
     workers: list[Process] = field(default_factory=list)
     ingress: Process | None = None
 
-    def add_worker(self, worker_id: str) -> Process:
+    def add_worker(self, worker_id: str, role: WorkerRole = "aggregated") -> Process:
+        """Start one worker; a prefill or decode worker runs as its own service."""
         env = to_env(self.config) | {"KVLANE__WORKER__WORKER_ID": f'"{worker_id}"'}
-        process = self.launcher.start_service("worker", env, name=f"worker-{worker_id}")
+        service = "worker" if role == "aggregated" else f"{role}_worker"
+        process = self.launcher.start_service(service, env, name=f"worker-{worker_id}")
         self.workers.append(process)
         return process
 
@@ -70,8 +73,16 @@ def ensure_servers(launcher: Launcher, config: KvlaneConfig) -> list[Process]:
 
 
 def start_fleet(
-    launcher: Launcher, config: KvlaneConfig, workers: int, ready_timeout: float = 60.0, health_prober: bool = True
+    launcher: Launcher,
+    config: KvlaneConfig,
+    workers: int,
+    ready_timeout: float = 60.0,
+    health_prober: bool = True,
+    prefill_workers: int = 0,
+    decode_workers: int = 0,
 ) -> Fleet:
+    """Servers, routing, then `workers` aggregated workers (w0, w1...), prefill
+    workers (p0...) and decode workers (d0...), then ingress; returns once all serve."""
     host = "127.0.0.1" if config.ingress.host in ("0.0.0.0", "") else config.ingress.host
     fleet = Fleet(launcher, config, f"http://{host}:{config.ingress.port}")
     try:
@@ -84,10 +95,11 @@ def start_fleet(
             fleet.health_probers.append(launcher.start_service("health_prober", env, name="health-prober"))
         # Routing must be up before the first request can arrive.
         wait_services_ready([*fleet.balancers, *fleet.cache_managers], ready_timeout)
-        for index in range(workers):
-            fleet.add_worker(f"w{index}")
+        for prefix, role, count in (("w", "aggregated", workers), ("p", "prefill", prefill_workers), ("d", "decode", decode_workers)):
+            for index in range(count):
+                fleet.add_worker(f"{prefix}{index}", role)
         fleet.ingress = launcher.start_service("ingress", env)
-        wait_ready(fleet.base_url, ready_timeout, fleet.services(), min_workers=workers)
+        wait_ready(fleet.base_url, ready_timeout, fleet.services(), min_workers=workers + prefill_workers + decode_workers)
     except BaseException:
         fleet.stop()
         raise

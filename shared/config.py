@@ -144,8 +144,6 @@ class SpeedSettings(_Section):
     # identical nodes measure differently (prefill/decode mix, idle moments),
     # and ranking on that noise piles requests onto a few of them. 0 = off.
     equal_within: Annotated[float, Meta(ge=0.0)] = 0.5
-    # Seconds per prompt token moved from prefill to decode node (0 on one-node chains).
-    kv_transfer_s_per_token: Annotated[float, Meta(ge=0.0)] = 0.0
 
 
 class PrefixAffinitySettings(_Section):
@@ -164,6 +162,13 @@ class ScoreSettings(_Section):
     fit_weight: float = 0.2
     # Go to the node holding the request's cache while its utilisation is below this.
     fast_forward_utilisation: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.65
+
+
+class DisaggregationSettings(_Section):
+    # Conditional disaggregation: a request whose uncached prompt part on
+    # the chosen decode node is shorter than this is prefilled there, not
+    # sent through a prefill node (the hand-off would cost more than it saves).
+    min_remote_prefill_tokens: Annotated[int, Meta(ge=0)] = 256
 
 
 class BalancerSettings(_Section):
@@ -186,6 +191,7 @@ class BalancerSettings(_Section):
     prefix_affinity: PrefixAffinitySettings = msgspec.field(default_factory=PrefixAffinitySettings)
     kv_cost: KvCostSettings = msgspec.field(default_factory=KvCostSettings)
     score: ScoreSettings = msgspec.field(default_factory=ScoreSettings)
+    disaggregation: DisaggregationSettings = msgspec.field(default_factory=DisaggregationSettings)
 
 
 class CacheManagerSettings(_Section):
@@ -236,6 +242,8 @@ class SimSettings(_Section):
     max_batched_tokens: PositiveInt = 2048
     max_model_len: PositiveInt = 4096
     seed: int = 0
+    # The link KV travels over from a prefill node (services/worker/sim/links.py).
+    kv_link: str = "rdma-400g"
 
 
 class VllmSettings(_Section):
@@ -255,6 +263,11 @@ class VllmSettings(_Section):
     kv_cache_gib: Annotated[float, Meta(ge=0)] = 0.0
     enable_prefix_caching: bool = True
     tensor_parallel_size: PositiveInt = 1
+    # Where a prefill or decode worker's engine serves its NIXL metadata (the
+    # handshake before a KV pull): an address the other role's workers reach,
+    # and a port of its own per engine; 0 picks a free port at start.
+    nixl_side_channel_host: str = "127.0.0.1"
+    nixl_side_channel_port: Annotated[int, Meta(ge=0, le=65535)] = 0
     # Any other vllm.AsyncEngineArgs fields, passed through unchanged.
     extra_engine_args: dict[str, Any] = {}
 
@@ -263,8 +276,18 @@ class WorkerSettings(_Section):
     worker_id: str = ""
     model: str = "kvlane-sim"
     engine: Literal["sim", "vllm"] = "sim"
-    role: Literal["aggregated"] = "aggregated"
+    role: Literal["aggregated", "prefill", "decode"] = "aggregated"
     drain_timeout_s: PositiveFloat = 30.0
+    # A prefill node holds a prompt's KV this long for its decode node to pull
+    # it; blocks nobody pulled (the decode node died) are freed then.
+    kv_hold_timeout_s: PositiveFloat = 30.0
+    # How long a prefill node waits for its decode node to accept the hand-off.
+    handoff_timeout_s: PositiveFloat = 5.0
+    # Pulls of one KV reference before a decode node prefills the prompt itself.
+    kv_pull_attempts: PositiveInt = 2
+    # A live source answers a pull in milliseconds; one that died just now
+    # may leave the request unanswered rather than refused.
+    kv_pull_timeout_s: PositiveFloat = 1.0
     sim: SimSettings = msgspec.field(default_factory=SimSettings)
     vllm: VllmSettings = msgspec.field(default_factory=VllmSettings)
 

@@ -54,6 +54,7 @@ def build_router(settings: BalancerSettings, model: StepModel) -> Router:
         SlotTable(),
         CentralQueue(settings.queue.max_length),
         settings.queue,
+        settings.disaggregation,
     )
 
 

@@ -19,8 +19,9 @@ from contracts.messages import ErrorReply, Heartbeat, RouteRequest
 from services.balancer.central_queue import CentralQueue, QueuedRequest
 from services.balancer.policies import RoutingPolicy
 from services.balancer.slot_table import SlotTable
-from services.balancer.snapshot import ChainState, SnapshotBuilder
-from shared.config import QueueSettings
+from services.balancer.disaggregation import choose_prefill
+from services.balancer.snapshot import GENERATING_ROLES, ChainState, SnapshotBuilder
+from shared.config import DisaggregationSettings, QueueSettings
 from shared.prefix_index import PrefixIndex
 
 HeartbeatsFor = Callable[[str], Sequence[Heartbeat]]
@@ -29,6 +30,8 @@ HeartbeatsFor = Callable[[str], Sequence[Heartbeat]]
 class Placement(Struct, frozen=True):
     request: RouteRequest
     chain: ChainState
+    # The prefill node of a two-node chain; None when `chain` runs the prompt.
+    prefill: ChainState | None = None
 
     @property
     def request_id(self) -> str:
@@ -48,6 +51,7 @@ class Router:
         table: SlotTable,
         queue: CentralQueue,
         queue_settings: QueueSettings,
+        disaggregation: DisaggregationSettings | None = None,
     ) -> None:
         self.policy = policy
         self.builder = builder
@@ -55,6 +59,7 @@ class Router:
         self.table = table
         self.queue = queue
         self._queue_settings = queue_settings
+        self._disaggregation = disaggregation or DisaggregationSettings()
 
     def place(self, request: RouteRequest, heartbeats: Sequence[Heartbeat]) -> Placement | None:
         """Choose a chain with a free slot and reserve it locally; None when the policy finds none."""
@@ -65,8 +70,13 @@ class Router:
             return None
         if chain.free_slots <= 0 or not self.table.reserve(request.request_id, chain.chain_id, chain.node.slots_total, request.deadline):
             raise RuntimeError(f"policy {self.policy.name} chose full chain {chain.chain_id}")
-        self.builder.note_sent(chain, request)
-        return Placement(request, chain)
+        prefill = None
+        if chain.node.role == "decode":
+            candidates = self.builder.prefill_candidates(request, heartbeats, cached)
+            prefill = choose_prefill(chain, request.prompt_tokens, candidates,
+                                     self._disaggregation.min_remote_prefill_tokens, self.builder.seconds_per_prompt_token)
+        self.builder.note_sent(prefill or chain, request)
+        return Placement(request, chain, prefill)
 
     def admit(self, request: RouteRequest, heartbeats: Sequence[Heartbeat], now: float) -> Placement | Queued | ErrorReply:
         # A re-route of the same request (ingress could not hand it to the
@@ -113,7 +123,7 @@ class Router:
         """The global store refused the placement: note the chain as `chain_used` full and requeue `entry`."""
         self.table.release(placement.request_id)
         self.table.set_global_used(placement.chain.chain_id, chain_used)
-        self.builder.note_undone(placement.chain, placement.request)
+        self.builder.note_undone(placement.prefill or placement.chain, placement.request)
         if entry is not None:
             self.queue.restore(entry)
 
@@ -123,7 +133,7 @@ class Router:
     def _any_free(self, request: RouteRequest, heartbeats: Sequence[Heartbeat]) -> bool:
         # Cheaper than a snapshot: most drains find every chain full.
         for heartbeat in heartbeats:
-            if heartbeat.registration.role != "aggregated":
+            if heartbeat.registration.role not in GENERATING_ROLES:
                 continue
             facts = self.builder.facts(heartbeat)
             if facts.health_weight > 0 and self.table.used(facts.chain_id) < facts.slots_total:

@@ -192,7 +192,11 @@ class BalancerService:
                 self.router.undo(placement, chain.node.slots_total, entry)
                 return None
         log.debug("routed", request_id=placement.request_id, worker_id=chain.worker_id, slots_used=used, cached_blocks=chain.cached_blocks)
-        return RouteDecision(placement.request_id, chain.worker_id, chain.node.inbox, self.router.policy.name, chain.cached_blocks)
+        prefill = placement.prefill
+        return RouteDecision(
+            placement.request_id, chain.worker_id, chain.node.inbox, self.router.policy.name, chain.cached_blocks,
+            prefill_worker_id=prefill.worker_id if prefill else "", prefill_inbox=prefill.node.inbox if prefill else "",
+        )
 
     async def _wait(self, entry: QueuedRequest) -> RouteReply:
         future: asyncio.Future[RouteReply] = asyncio.get_running_loop().create_future()

@@ -5,8 +5,9 @@ learnt about it (speed factor, queue growth, health weight, slot count); it
 is rebuilt only when a newer heartbeat or verdict arrives. `ChainState`
 adds, per decision, the chain's used slots, the request's cached prefix
 blocks there, and the prefill work this balancer has sent there that the
-node has probably not done yet. Only aggregated workers form chains today; disaggregated
-pools will pair nodes with `chains.pair_chains` into two-node chains.
+node has probably not done yet. Aggregated and decode nodes are the chains
+a policy chooses among (their slots bound what runs); prefill nodes are
+offered separately, as `prefill_candidates`, to complete a decode node's chain.
 """
 
 from __future__ import annotations
@@ -27,8 +28,13 @@ from shared.config import BalancerSettings
 _REQUEST_SIZE_SMOOTHING = 0.02
 
 
+# Roles whose nodes generate tokens, and so hold slots.
+GENERATING_ROLES = frozenset({"aggregated", "decode"})
+
+
 class NodeFacts(Struct, frozen=True):
     worker_id: str
+    role: str
     chain_id: str
     inbox: str
     block_size: int
@@ -135,8 +141,13 @@ class SnapshotBuilder:
         self._growth.observe(worker_id, heartbeat.sent_at, heartbeat.stats.waiting)
         self._backlog.observe(worker_id, heartbeat.sent_at, heartbeat.stats.waiting, self._drain_per_s(worker_id), self.clock())
 
+    @property
+    def seconds_per_prompt_token(self) -> float:
+        """Prefill cost of one token on a node of speed 1."""
+        return self._speed.model.b
+
     def note_sent(self, chain: ChainState, request: RouteRequest) -> None:
-        """`request` was placed on `chain`: its uncached prompt joins the node's prefill backlog."""
+        """`request`'s prompt is prefilled on `chain`'s node: its uncached part joins that node's backlog."""
         worker_id = chain.worker_id
         self._backlog.add(worker_id, chain.uncached_tokens(request.prompt_tokens), self._drain_per_s(worker_id), self.clock())
         if self._slots.learn_request_size:
@@ -182,6 +193,7 @@ class SnapshotBuilder:
         growth = self._growth.rate(worker_id)
         facts = NodeFacts(
             worker_id=worker_id,
+            role=registration.role,
             chain_id=chain_id_of(heartbeat),
             inbox=registration.inbox,
             block_size=registration.block_size,
@@ -220,18 +232,35 @@ class SnapshotBuilder:
         slots_used: Callable[[str], int],
         cached_blocks: Mapping[str, int],
     ) -> ClusterSnapshot:
-        """Chains that may take `request`: aggregated, not excluded, health weight above 0."""
+        """Chains that may take `request`: aggregated or decode nodes, not excluded, health weight above 0."""
+        chains = self._states(request, heartbeats, GENERATING_ROLES, slots_used, cached_blocks)
+        return ClusterSnapshot(tuple(chains), len(request.block_hashes))
+
+    def prefill_candidates(
+        self, request: RouteRequest, heartbeats: Iterable[Heartbeat], cached_blocks: Mapping[str, int]
+    ) -> list[ChainState]:
+        """Prefill nodes that may run `request`'s prompt (they hold no slots)."""
+        return self._states(request, heartbeats, frozenset({"prefill"}), lambda _: 0, cached_blocks)
+
+    def _states(
+        self,
+        request: RouteRequest,
+        heartbeats: Iterable[Heartbeat],
+        roles: frozenset[str],
+        slots_used: Callable[[str], int],
+        cached_blocks: Mapping[str, int],
+    ) -> list[ChainState]:
         excluded = set(request.exclude_workers)
         now = self.clock()
-        chains = []
+        states = []
         for heartbeat in heartbeats:
             registration = heartbeat.registration
-            if registration.role != "aggregated" or registration.worker_id in excluded:
+            if registration.role not in roles or registration.worker_id in excluded:
                 continue
             facts = self.facts(heartbeat)
             if facts.health_weight <= 0:
                 continue
             backlog_tokens = self._backlog.tokens(facts.worker_id, self._drain_per_s(facts.worker_id), now)
             backlog_s = backlog_tokens * self._speed.model.b / facts.speed if facts.speed > 0 else 0.0
-            chains.append(ChainState(facts, slots_used(facts.chain_id), cached_blocks.get(facts.worker_id, 0), backlog_s))
-        return ClusterSnapshot(tuple(chains), len(request.block_hashes))
+            states.append(ChainState(facts, slots_used(facts.chain_id), cached_blocks.get(facts.worker_id, 0), backlog_s))
+        return states

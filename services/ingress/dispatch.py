@@ -9,6 +9,12 @@ request resumes on another worker (or the same one, after a preemption)
 with the tokens already relayed as `resume_token_ids`: the client's stream
 goes on with no duplicated and no missing token, and its frames keep one
 sequence. At most `migration_attempts` resumptions; then an explicit error.
+
+A two-node chain (the decision names a prefill node) starts with a
+`PrefillRequest` to the prefill node, which hands the request to the decode
+node and says so with a `Handoff` frame; tokens come from the decode node.
+Until the hand-off both nodes are watched, then only the decode node; a
+failure is charged to the node that caused it, which the next route excludes.
 """
 
 from __future__ import annotations
@@ -26,6 +32,8 @@ from contracts.messages import (
     AbortRequest,
     ErrorReply,
     GenerateRequest,
+    Handoff,
+    PrefillRequest,
     RouteDecision,
     RouteReply,
     RouteRequest,
@@ -45,14 +53,18 @@ _RETRYABLE_WORKER_CODES = {"draining"}
 
 
 class StreamInterrupted(Exception):
-    """The stream from one worker broke off; `feedback` says whose fault it was."""
+    """The stream broke off; `culprit` is the node at fault (excluded next time) and `feedback` what it did."""
 
-    def __init__(self, reason: str, feedback: FeedbackKind | None, exclude: bool = True, preempted: bool = False) -> None:
+    def __init__(self, reason: str, feedback: FeedbackKind | None, culprit: str = "", preempted: bool = False) -> None:
         super().__init__(reason)
         self.reason = reason
         self.feedback = feedback
-        self.exclude = exclude
+        self.culprit = culprit
         self.preempted = preempted
+
+
+def _inboxes(decision: RouteDecision) -> list[str]:
+    return [decision.inbox, *([decision.prefill_inbox] if decision.prefill_inbox else [])]
 
 
 class Dispatcher:
@@ -82,8 +94,9 @@ class Dispatcher:
             decision = await self._route(request_id, prepared, deadline, excluded, len(produced))
             with self._streams.open(f"{request_id}-{handovers}") as stream:
                 handovers += 1
-                if not await self._hand_over(request_id, prepared, decision, stream, deadline, produced):
-                    excluded.append(decision.worker_id)
+                refused_by = await self._hand_over(request_id, prepared, decision, stream, deadline, produced)
+                if refused_by:
+                    excluded.append(refused_by)
                     refused += 1
                     if refused >= self._settings.dispatch_attempts:
                         raise ApiError(
@@ -115,15 +128,16 @@ class Dispatcher:
                         ) from exc
                     else:
                         migrations += 1
-                    if exc.exclude:
-                        excluded.append(decision.worker_id)
-                    log.warning("stream_resumed", request_id=request_id, worker_id=decision.worker_id,
+                    if exc.culprit:
+                        excluded.append(exc.culprit)
+                    log.warning("stream_resumed", request_id=request_id, worker_id=exc.culprit or decision.worker_id,
                                 reason=exc.reason, tokens_so_far=len(produced))
                 finally:
                     if not ended:
-                        # The client left or the request failed: free the worker's slot.
-                        with contextlib.suppress(Exception):
-                            await self._bus.publish(decision.inbox, AbortRequest(request_id=request_id))
+                        # The client left or the request failed: free the workers' slots.
+                        for inbox in _inboxes(decision):
+                            with contextlib.suppress(Exception):
+                                await self._bus.publish(inbox, AbortRequest(request_id=request_id))
 
     async def _route(
         self, request_id: str, prepared: PreparedRequest, deadline: float, excluded: list[str], produced: int
@@ -162,9 +176,9 @@ class Dispatcher:
     async def _hand_over(
         self, request_id: str, prepared: PreparedRequest, decision: RouteDecision, stream: ReplyStream,
         deadline: float, produced: list[int],
-    ) -> bool:
-        """True once the worker accepted; False if it is gone or draining (route again)."""
-        generate = GenerateRequest(
+    ) -> str:
+        """"" once the chain's first node accepted; else that node's id, when it is gone or draining (route again)."""
+        common = dict(
             request_id=request_id,
             model=prepared.model,
             prompt_token_ids=prepared.prompt_token_ids,
@@ -173,60 +187,78 @@ class Dispatcher:
             deadline=deadline,
             resume_token_ids=list(produced),
         )
+        if decision.prefill_inbox:
+            first, inbox = decision.prefill_worker_id, decision.prefill_inbox
+            request: GenerateRequest | PrefillRequest = PrefillRequest(
+                **common, decode_worker_id=decision.worker_id, decode_inbox=decision.inbox
+            )
+        else:
+            first, inbox = decision.worker_id, decision.inbox
+            request = GenerateRequest(**common)
         try:
-            reply = await self._bus.request(decision.inbox, generate, WorkerReply, self._settings.accept_timeout_s)
+            reply = await self._bus.request(inbox, request, WorkerReply, self._settings.accept_timeout_s)
         except (NoResponders, RequestTimeout) as exc:
-            log.warning("worker_unreachable", request_id=request_id, worker_id=decision.worker_id, error=str(exc))
-            await self._report(decision.worker_id, "timeout", request_id, str(exc))
-            return False
+            log.warning("worker_unreachable", request_id=request_id, worker_id=first, error=str(exc))
+            await self._report(first, "timeout", request_id, str(exc))
+            return first
         except BusError as exc:
             raise ApiError(502, f"bad reply from worker: {exc}", code="bad_gateway") from exc
         if isinstance(reply, ErrorReply):
             if reply.code in _RETRYABLE_WORKER_CODES:
-                return False
+                return first
             raise ApiError.from_reply(reply)
-        return True
+        return ""
 
     async def _relay(self, request_id: str, decision: RouteDecision, stream: ReplyStream) -> AsyncIterator[TokenChunk | StreamEnd]:
-        """Frames of one worker's stream; raises `StreamInterrupted` when it breaks off."""
+        """Frames of one chain's stream; raises `StreamInterrupted` when it breaks off."""
         expected_seq = 0
         last_frame_at = time.monotonic()
         first_token_at: float | None = None
         tokens = 0
         check_every = self._settings.liveness_check_s
+        decode = decision.worker_id
+        # The prefill node answers for the request until it hands it over.
+        prefill = decision.prefill_worker_id
         while True:
             try:
                 frame = await stream.next(check_every)
             except RequestTimeout:
                 now = time.monotonic()
                 silent_for = now - last_frame_at
-                if not self._is_live(decision.worker_id):
-                    raise StreamInterrupted(f"worker {decision.worker_id} is gone", "timeout") from None
+                for worker_id in (prefill, decode):
+                    if worker_id and not self._is_live(worker_id):
+                        raise StreamInterrupted(f"worker {worker_id} is gone", "timeout", worker_id) from None
                 reconnected_at = self._bus.reconnected_at
                 if reconnected_at is not None and last_frame_at < reconnected_at and now - reconnected_at > self._settings.reconnect_grace_s:
                     # Frames published while NATS was down are gone; resume rather than wait for the stall timeout.
-                    raise StreamInterrupted("NATS reconnected and the stream went quiet", None, exclude=False) from None
+                    raise StreamInterrupted("NATS reconnected and the stream went quiet", None) from None
                 if silent_for >= self._settings.stall_timeout_s:
-                    raise StreamInterrupted(f"worker {decision.worker_id} stalled for {silent_for:.1f}s", "timeout") from None
+                    stalled = prefill or decode
+                    raise StreamInterrupted(f"worker {stalled} stalled for {silent_for:.1f}s", "timeout", stalled) from None
                 continue
             last_frame_at = time.monotonic()
+            # Before the hand-off, errors come from the prefill node (about itself, or about its decode node).
+            source = decode if not prefill or (isinstance(frame, ErrorReply) and frame.code == "decode_unavailable") else prefill
             match frame:
+                case Handoff():
+                    prefill = ""
                 case ErrorReply(code="preempted"):
-                    raise StreamInterrupted("preempted to make room", None, exclude=False, preempted=True)
+                    raise StreamInterrupted("preempted to make room", None, preempted=True)
                 case ErrorReply(status=status) if status >= 500:
-                    raise StreamInterrupted(f"worker {decision.worker_id} failed: {frame.message}", "error")
+                    raise StreamInterrupted(f"worker {source} failed: {frame.message}", "error", source)
                 case ErrorReply():
                     raise ApiError.from_reply(frame)
                 case TokenChunk() | StreamEnd():
+                    prefill = ""
                     if frame.seq != expected_seq:
-                        raise StreamInterrupted(f"stream from {decision.worker_id} lost frames", "error")
+                        raise StreamInterrupted(f"stream from {decode} lost frames", "error", decode)
                     expected_seq += 1
                     if isinstance(frame, TokenChunk):
                         tokens += len(frame.token_ids)
                         first_token_at = first_token_at or last_frame_at
                     yield frame
                     if isinstance(frame, StreamEnd):
-                        await self._judge_speed(decision.worker_id, request_id, first_token_at, last_frame_at, tokens)
+                        await self._judge_speed(decode, request_id, first_token_at, last_frame_at, tokens)
                         return
 
     async def _judge_speed(self, worker_id: str, request_id: str, first: float | None, last: float, tokens: int) -> None:
@@ -236,12 +268,13 @@ class Dispatcher:
             await self._report(worker_id, "slow", request_id, "inter-token latency far above this node's norm")
 
     async def _abandon(self, request_id: str, decision: RouteDecision, interruption: StreamInterrupted) -> None:
-        # Free the slot the old attempt may still hold (a stalled worker that
+        # Free the slots the old attempt may still hold (a stalled worker that
         # wakes up, for instance), and tell the health-prober what happened.
-        with contextlib.suppress(Exception):
-            await self._bus.publish(decision.inbox, AbortRequest(request_id=request_id, reason="migrated"))
+        for inbox in _inboxes(decision):
+            with contextlib.suppress(Exception):
+                await self._bus.publish(inbox, AbortRequest(request_id=request_id, reason="migrated"))
         if interruption.feedback is not None:
-            await self._report(decision.worker_id, interruption.feedback, request_id, interruption.reason)
+            await self._report(interruption.culprit or decision.worker_id, interruption.feedback, request_id, interruption.reason)
 
     async def _report(self, worker_id: str, kind: FeedbackKind, request_id: str, detail: str) -> None:
         with contextlib.suppress(Exception):

@@ -11,16 +11,18 @@ import time
 import uuid
 from typing import NoReturn
 
+import msgspec
 import structlog
 
 from contracts import subjects
-from contracts.messages import WorkerRegistration
+from contracts.messages import WorkerRegistration, WorkerRole
 from services.worker.amx import request_amx_permission
 from services.worker.engines.base import Engine, EngineConfigError, EngineFacts
 from services.worker.engines.sim import SimEngine
 from services.worker.service import WorkerService
 from shared.bus import Bus
 from shared.config import KvlaneConfig, WorkerSettings
+from shared.runner import ServiceMain
 from shared.state import ClusterState, connect_redis
 from shared.telemetry import Telemetry
 from shared.tokenizer import SimTokenizer
@@ -43,13 +45,26 @@ def build_engine(settings: WorkerSettings) -> tuple[Engine, EngineFacts]:
         return build_vllm_engine(settings)
     tokenizer = SimTokenizer()
     facts = EngineFacts(settings.model, settings.sim.block_size, settings.sim.max_model_len, tokenizer.name)
-    return SimEngine(settings.sim, tokenizer), facts
+    try:
+        return SimEngine(settings.sim, tokenizer), facts
+    except KeyError as exc:  # an unknown profile or link names the known ones
+        raise EngineConfigError(str(exc.args[0])) from None
 
 
 def _fail(message: str) -> NoReturn:
     # One line that names the problem, and exit 2 as for any configuration error.
     print(f"kvlane worker: {message}", file=sys.stderr, flush=True)
     raise SystemExit(2)
+
+
+def main_for_role(role: WorkerRole) -> ServiceMain:
+    """`main` for a worker that always runs as `role` (the prefill-worker and decode-worker services)."""
+
+    async def main_with_role(config: KvlaneConfig, stop: asyncio.Event) -> None:
+        worker = msgspec.structs.replace(config.worker, role=role)
+        await main(msgspec.structs.replace(config, worker=worker), stop)
+
+    return main_with_role
 
 
 async def main(config: KvlaneConfig, stop: asyncio.Event) -> None:
@@ -78,7 +93,8 @@ async def main(config: KvlaneConfig, stop: asyncio.Event) -> None:
     telemetry = Telemetry(config.tracing, "worker")
     redis_client = connect_redis(config.redis)
     bus = await Bus.connect(config.nats, f"kvlane-worker-{worker_id}", telemetry)
-    service = WorkerService(registration, engine, bus, ClusterState(redis_client, config.cluster.heartbeat_ttl_s), config.cluster)
+    state = ClusterState(redis_client, config.cluster.heartbeat_ttl_s)
+    service = WorkerService(registration, engine, bus, state, config.cluster, settings)
     try:
         try:
             await service.start()

@@ -3,7 +3,13 @@
 Requests arrive on the worker's own inbox subject. Each is answered at once
 with `GenerateAccepted` (or an `ErrorReply`), then its frames are published
 to the caller's stream subject. Every request ends with exactly one final
-frame (`StreamEnd` or `ErrorReply`) and one `RequestFinished` event.
+frame (`StreamEnd` or `ErrorReply`) and one `RequestFinished` event, from
+the node that ended it.
+
+Disaggregated chains: a prefill node takes `PrefillRequest`s, runs the
+prompt, holds the KV and hands the request to the decode node (a
+`GenerateRequest` with a `KvRef`); from then on the decode node owns it. A
+decode node pulls the KV (`kv_pull_attempts` tries), else prefills itself.
 """
 
 from __future__ import annotations
@@ -11,7 +17,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import AsyncIterator
 
+import msgspec
 import structlog
 from nats.aio.msg import Msg
 from redis.exceptions import RedisError
@@ -22,7 +30,10 @@ from contracts.messages import (
     ErrorReply,
     GenerateAccepted,
     GenerateRequest,
+    Handoff,
     Heartbeat,
+    KvRef,
+    PrefillRequest,
     KvEvents,
     RequestFinished,
     StreamEnd,
@@ -31,12 +42,14 @@ from contracts.messages import (
     Usage,
     WorkerLeft,
     WorkerRegistration,
+    WorkerReply,
     WorkerRequest,
 )
 from contracts.cache import LeaseProgress, RenewLeases
-from services.worker.engines.base import Engine, EngineRequest, RequestRejected
-from shared.bus import Bus
-from shared.config import ClusterSettings
+from services.worker.engines.base import Engine, EngineOutput, EngineRequest, KvPullFailed, RequestRejected
+from services.worker.handoff import KvHolds, KvPuller
+from shared.bus import Bus, BusError
+from shared.config import ClusterSettings, WorkerSettings
 from shared.runner import announce_ready
 from shared.state import ClusterState
 
@@ -51,12 +64,17 @@ class WorkerService:
         bus: Bus,
         state: ClusterState,
         cluster: ClusterSettings,
+        settings: WorkerSettings,
     ) -> None:
         self.registration = registration
         self._engine = engine
         self._bus = bus
         self._state = state
         self._cluster = cluster
+        self._settings = settings
+        self._holds = KvHolds(bus, registration.worker_id, engine.release_kv)
+        self._puller = KvPuller(bus, registration.worker_id, settings.kv_pull_timeout_s)
+        self._kv_pull_failures = 0
         self._running: dict[str, asyncio.Task] = {}
         # Tokens generated so far per running request (lease renewals carry it).
         self._generated: dict[str, int] = {}
@@ -69,6 +87,8 @@ class WorkerService:
 
     async def start(self) -> None:
         await self._engine.start()
+        if self.registration.role == "prefill":
+            await self._holds.start()
         await self._bus.subscribe(self.registration.inbox, WorkerRequest, self._on_request)
         await self._send_heartbeat()
         self._background = [
@@ -99,6 +119,7 @@ class WorkerService:
         with contextlib.suppress(RedisError, OSError):
             await self._state.remove_node(worker_id)
         await self._bus.flush()
+        self._holds.release_all()
         await self._engine.shutdown()
 
     @property
@@ -109,7 +130,7 @@ class WorkerService:
 
     async def _on_request(self, message: WorkerRequest, msg: Msg) -> GenerateAccepted | ErrorReply | None:
         match message:
-            case GenerateRequest():
+            case GenerateRequest() | PrefillRequest():
                 return self._accept(message)
             case AbortRequest(request_id=request_id):
                 task = self._running.get(request_id)
@@ -119,7 +140,7 @@ class WorkerService:
                     task.cancel()
                 return None
 
-    def _accept(self, request: GenerateRequest) -> GenerateAccepted | ErrorReply:
+    def _accept(self, request: GenerateRequest | PrefillRequest) -> GenerateAccepted | ErrorReply:
         reply = self._admit(request)
         if isinstance(reply, ErrorReply) and reply.code not in ("draining", "duplicate_request"):
             # A refusal ends the request: the balancer and the cache-manager free
@@ -128,7 +149,9 @@ class WorkerService:
             self._bus.spawn(self._publish_finished(request, "error", 0, 0, 0.0))
         return reply
 
-    def _admit(self, request: GenerateRequest) -> GenerateAccepted | ErrorReply:
+    def _admit(self, request: GenerateRequest | PrefillRequest) -> GenerateAccepted | ErrorReply:
+        if isinstance(request, PrefillRequest) and self.registration.role != "prefill":
+            return ErrorReply(code="not_a_prefill_node", message=f"worker {self.registration.worker_id} is {self.registration.role}", status=503)
         if self._draining:
             return ErrorReply(code="draining", message="worker is draining", status=503, retry_after_s=0)
         if request.model != self.registration.model:
@@ -137,12 +160,14 @@ class WorkerService:
             return ErrorReply(code="duplicate_request", message=f"request {request.request_id} is already running", status=409)
         if request.deadline <= time.time():
             return ErrorReply(code="deadline_exceeded", message="deadline passed before the worker got the request", status=504)
-        engine_request = EngineRequest(request.request_id, request.prompt_token_ids, request.sampling, request.resume_token_ids)
+        kv_ref = request.kv_ref if isinstance(request, GenerateRequest) else None
+        engine_request = EngineRequest(request.request_id, request.prompt_token_ids, request.sampling, request.resume_token_ids, kv_ref)
         try:
             self._engine.check(engine_request)
         except RequestRejected as exc:
             return ErrorReply(code="invalid_request", message=str(exc), status=400)
-        task = asyncio.create_task(self._run(request, engine_request))
+        run = self._run if isinstance(request, GenerateRequest) else self._run_prefill
+        task = asyncio.create_task(run(request, engine_request))  # type: ignore[arg-type]
         self._running[request.request_id] = task
         task.add_done_callback(lambda _: self._running.pop(request.request_id, None))
         return GenerateAccepted(request_id=request.request_id, worker_id=self.registration.worker_id)
@@ -156,7 +181,7 @@ class WorkerService:
         publish = self._bus.publish
         try:
             async with asyncio.timeout(request.deadline - time.time()):
-                async for output in self._engine.generate(engine_request):
+                async for output in self._outputs(engine_request):
                     if first_token_at is None:
                         first_token_at = time.monotonic()
                     completion_tokens += len(output.token_ids)
@@ -192,7 +217,97 @@ class WorkerService:
             self._abort_reasons.pop(request.request_id, None)
             await self._publish_finished(request, outcome, completion_tokens, cached_tokens, time.monotonic() - started)
 
-    async def _publish_finished(self, request: GenerateRequest, outcome: str, completion_tokens: int,
+    async def _outputs(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
+        """The engine's outputs; with a `kv_ref`, pulled KV first, else (pull failed) a local prefill."""
+        ref = request.kv_ref
+        if ref is None:
+            async for output in self._engine.generate(request):
+                yield output
+            return
+        released = False
+        try:
+            for attempt in range(1, self._settings.kv_pull_attempts + 1):
+                produced = False
+                try:
+                    await self._puller.pull(ref)
+                    async for output in self._engine.generate(request):
+                        if not produced:
+                            produced = released = True
+                            # The KV is here now: the source may free it.
+                            self._bus.spawn(self._puller.release(ref))
+                        yield output
+                    return
+                except KvPullFailed as exc:
+                    if produced:
+                        raise
+                    self._kv_pull_failures += 1
+                    self._log.warning("kv_pull_failed", request_id=request.request_id, attempt=attempt, error=str(exc))
+            async for output in self._engine.generate(msgspec.structs.replace(request, kv_ref=None)):
+                yield output
+        finally:
+            if not released:
+                self._bus.spawn(self._puller.release(ref))
+
+    async def _run_prefill(self, request: PrefillRequest, engine_request: EngineRequest) -> None:
+        """Prefill, hand over to the decode node; a failure before that ends the request here."""
+        started = time.monotonic()
+        handed_off = False
+        outcome = "error"
+        error: ErrorReply | None = None
+        try:
+            async with asyncio.timeout(request.deadline - time.time()):
+                ref = await self._engine.prefill(engine_request, self.registration.worker_id, self._settings.kv_hold_timeout_s)
+                self._holds.hold(ref)
+                error = await self._hand_to_decode(request, ref)
+            if error is None:
+                handed_off = True
+                handoff = Handoff(request.request_id, self.registration.worker_id, request.decode_worker_id, ref.num_tokens)
+                with contextlib.suppress(Exception):
+                    await self._bus.publish(request.stream_to, handoff)
+        except TimeoutError:
+            error = ErrorReply(code="deadline_exceeded", message="request deadline passed", status=504)
+        except RequestRejected as exc:
+            error = ErrorReply(code="invalid_request", message=str(exc), status=400)
+        except asyncio.CancelledError:
+            outcome = "abort"
+            reason = self._abort_reasons.get(request.request_id, "aborted")
+            error = ErrorReply(code=reason, message=f"request {reason}", status=503 if reason == "preempted" else 499)
+        except Exception as exc:
+            self._log.exception("prefill_failed", request_id=request.request_id)
+            error = ErrorReply(code="engine_error", message=f"{type(exc).__name__}: {exc}", status=500)
+        finally:
+            self._abort_reasons.pop(request.request_id, None)
+            if not handed_off:
+                self._holds.release(request.request_id)
+                if error is not None:
+                    with contextlib.suppress(Exception):
+                        await self._bus.publish(request.stream_to, error)
+                await self._publish_finished(request, outcome, 0, 0, time.monotonic() - started)
+
+    async def _hand_to_decode(self, request: PrefillRequest, ref: KvRef) -> ErrorReply | None:
+        """Give the request to its decode node; the error to end it with if that fails."""
+        generate = GenerateRequest(
+            request_id=request.request_id,
+            model=request.model,
+            prompt_token_ids=request.prompt_token_ids,
+            sampling=request.sampling,
+            stream_to=request.stream_to,
+            deadline=request.deadline,
+            resume_token_ids=request.resume_token_ids,
+            kv_ref=ref,
+        )
+        decode = request.decode_worker_id
+        try:
+            reply = await self._bus.request(request.decode_inbox, generate, WorkerReply, self._settings.handoff_timeout_s)
+        except BusError as exc:
+            return ErrorReply(code="decode_unavailable", message=f"decode node {decode} unreachable: {exc}", status=503)
+        if isinstance(reply, ErrorReply):
+            if reply.status >= 500:
+                return ErrorReply(code="decode_unavailable", message=f"decode node {decode} refused: {reply.message}", status=503)
+            return reply
+        return None
+
+    async def _publish_finished(self, request: GenerateRequest | PrefillRequest, outcome: str, completion_tokens: int,
                                 cached_tokens: int, duration_s: float) -> None:
         finished = RequestFinished(
             request_id=request.request_id,
@@ -246,9 +361,12 @@ class WorkerService:
 
     async def _send_heartbeat(self) -> None:
         self._heartbeat_seq += 1
+        stats = self._engine.stats()
+        if self._kv_pull_failures:
+            stats = msgspec.structs.replace(stats, kv_pull_failures=stats.kv_pull_failures + self._kv_pull_failures)
         heartbeat = Heartbeat(
             registration=self.registration,
-            stats=self._engine.stats(),
+            stats=stats,
             sent_at=time.time(),
             seq=self._heartbeat_seq,
             draining=self._draining,

@@ -39,7 +39,14 @@ def fleet_config(nats_port: int, redis_port: int, **sim: object) -> KvlaneConfig
     )
 
 
-def launch(log_dir: Path, workers: int = 2, tune: Callable[[KvlaneConfig], KvlaneConfig] | None = None, **sim: object) -> Fleet:
+def launch(
+    log_dir: Path,
+    workers: int = 2,
+    tune: Callable[[KvlaneConfig], KvlaneConfig] | None = None,
+    prefill_workers: int = 0,
+    decode_workers: int = 0,
+    **sim: object,
+) -> Fleet:
     """A fleet on its own NATS and Redis; `tune` may adjust the config first."""
     launcher = Launcher(log_dir)
     nats_port, redis_port = free_port(), free_port()
@@ -47,7 +54,8 @@ def launch(log_dir: Path, workers: int = 2, tune: Callable[[KvlaneConfig], Kvlan
         launcher.start_nats(nats_port)
         launcher.start_redis(redis_port)
         config = fleet_config(nats_port, redis_port, **sim)
-        return start_fleet(launcher, tune(config) if tune else config, workers)
+        return start_fleet(launcher, tune(config) if tune else config, workers,
+                           prefill_workers=prefill_workers, decode_workers=decode_workers)
     except BaseException:
         launcher.stop_all()
         raise

@@ -30,9 +30,10 @@ def heartbeat(
     decode_tps: float = 0.0,
     prefill_tps: float = 0.0,
     started_at: float = 0.0,
+    role: str = "aggregated",
 ) -> Heartbeat:
     registration = WorkerRegistration(
-        worker_id=worker_id, role="aggregated", model=model, engine="sim", inbox=f"inbox.{worker_id}", block_size=16,
+        worker_id=worker_id, role=role, model=model, engine="sim", inbox=f"inbox.{worker_id}", block_size=16,  # type: ignore[arg-type]
         max_model_len=4096, tokenizer="sim", started_at=started_at,
     )
     stats = EngineStats(
@@ -54,9 +55,10 @@ def node(
     kv_total: int = 1000,
     growth: float = 0.0,
     gpu: float | None = None,
+    role: str = "aggregated",
 ) -> NodeFacts:
     return NodeFacts(
-        worker_id=worker_id, chain_id=f"{worker_id}@0", inbox=f"inbox.{worker_id}", block_size=16, running=running,
+        worker_id=worker_id, role=role, chain_id=f"{worker_id}@0", inbox=f"inbox.{worker_id}", block_size=16, running=running,
         waiting=waiting, kv_blocks_total=kv_total, kv_blocks_used=kv_used, gpu_utilization=gpu, slots_total=slots,
         speed=speed, speed_measured=True, health_weight=health, queue_growth_per_s=growth / 2.0, growth_penalty=growth,
         sent_at=NOW_WALL,

@@ -7,7 +7,7 @@ from typing import Protocol
 
 from msgspec import Struct
 
-from contracts.messages import EngineStats, FinishReason, SamplingParams
+from contracts.messages import EngineStats, FinishReason, KvRef, SamplingParams
 
 
 class EngineRequest(Struct, frozen=True):
@@ -16,6 +16,8 @@ class EngineRequest(Struct, frozen=True):
     sampling: SamplingParams
     # Output already produced elsewhere; generation continues after it.
     resume_token_ids: list[int] = []
+    # The prompt's KV waits on a prefill node: pull it instead of prefilling.
+    kv_ref: KvRef | None = None
 
 
 class EngineOutput(Struct):
@@ -52,6 +54,10 @@ def net_kv_delta(events: Iterable[tuple[bool, int]], cleared: bool = False) -> K
 
 class RequestRejected(ValueError):
     """The engine can never run this request (too long, bad token ids...)."""
+
+
+class KvPullFailed(RuntimeError):
+    """The KV named by a request's `kv_ref` could not be pulled; nothing was generated."""
 
 
 class EngineConfigError(ValueError):
@@ -98,9 +104,21 @@ class Engine(Protocol):
     def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
         """Run `request`; yields outputs until one carries a finish reason.
 
-        Closing the iterator early (client gone, deadline) aborts the
+        With `request.kv_ref` set the engine first pulls the prompt's KV from
+        the source node; a pull that fails raises `KvPullFailed` before any
+        output. Closing the iterator early (client gone, deadline) aborts the
         request inside the engine and frees its KV blocks.
         """
+
+    async def prefill(self, request: EngineRequest, source_worker_id: str, hold_s: float) -> KvRef:
+        """Run the prompt (plus `resume_token_ids`) and hold its KV for a decode node to pull.
+
+        The blocks stay held until `release_kv`, or for `hold_s` at most.
+        Cancelling the call aborts the prefill and frees what it held.
+        """
+
+    def release_kv(self, request_id: str) -> None:
+        """Free the KV held for `request_id` (idempotent; unknown ids are ignored)."""
 
     def drain_kv_events(self) -> KvCacheDelta:
         """Prefix-cache changes since the previous call, as kvlane block hashes."""

@@ -3,6 +3,12 @@
 One task runs the scheduler: it takes a step, sleeps the step's simulated
 duration (divided by `speed`), then hands each emitted token to its
 request's queue, as a GPU would deliver a step's tokens when it ends.
+
+Disaggregation: `prefill` runs the prompt and keeps its blocks until
+`release_kv` or the hold time ends. A request with a `kv_ref` waits the
+transfer time of its KV bytes over the configured link, then finds its
+prompt in the prefix cache. Whether the source still holds the KV is the
+worker's check (a pull over NATS) before it calls `generate`.
 """
 
 from __future__ import annotations
@@ -13,7 +19,7 @@ from collections.abc import AsyncIterator, Callable
 
 import structlog
 
-from contracts.messages import EngineStats
+from contracts.messages import EngineStats, KvRef
 from services.worker.engines.base import (
     EngineOutput,
     EngineRequest,
@@ -23,6 +29,7 @@ from services.worker.engines.base import (
     net_kv_delta,
 )
 from services.worker.sim import SimRequest, SimScheduler, StepOutcome, get_profile
+from services.worker.sim.links import get_link
 from shared.config import SimSettings
 from shared.tokenizer import SimTokenizer
 
@@ -36,12 +43,14 @@ class SimEngine:
         self._settings = settings
         self._tokenizer = tokenizer
         self._clock = clock
+        self._profile = get_profile(settings.profile)
+        self._link = get_link(settings.kv_link)
         self._scheduler = SimScheduler(
             num_blocks=settings.num_blocks,
             block_size=settings.block_size,
             max_num_seqs=settings.max_num_seqs,
             max_batched_tokens=settings.max_batched_tokens,
-            profile=get_profile(settings.profile),
+            profile=self._profile,
             output_token_range=tokenizer.output_token_range,
             record_kv_events=True,
         )
@@ -51,6 +60,9 @@ class SimEngine:
         self._prefill_tokens = 0
         self._decode_tokens = 0
         self._rate_since = clock()
+        self._hold_timers: dict[str, asyncio.TimerHandle] = {}
+        self._kv_pulls = 0
+        self._kv_pull_bytes = 0
 
     async def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="sim-engine")
@@ -63,19 +75,64 @@ class SimEngine:
     def check(self, request: EngineRequest) -> None:
         check_fits(request, self._settings.max_model_len, self._tokenizer.vocab_size)
 
-    async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
+    async def prefill(self, request: EngineRequest, source_worker_id: str, hold_s: float) -> KvRef:
         self.check(request)
-        sampling = request.sampling
-        seed = self._settings.seed if sampling.seed is None else sampling.seed
-        queue: asyncio.Queue = asyncio.Queue()
+        request_id = request.request_id
+        self.release_kv(request_id)  # a retry of a request this node prefilled before
+        # One token past what is known: the step that samples it has computed all the KV.
+        known = len(request.resume_token_ids)
+        queue = self._add(request, max_tokens=known + 1, hold_kv=True)
+        finished = False
+        try:
+            while not finished:
+                _, finished, _ = await queue.get()
+        finally:
+            self._queues.pop(request_id, None)
+            if not finished:
+                self._scheduler.abort(request_id)
+        self._hold_timers[request_id] = asyncio.get_running_loop().call_later(hold_s, self.release_kv, request_id)
+        num_tokens = len(request.prompt_token_ids) + known
+        return KvRef(
+            source_worker_id=source_worker_id,
+            engine_id=source_worker_id,
+            request_id=request_id,
+            num_tokens=num_tokens,
+            expires_at=time.time() + hold_s,
+            kv_bytes=num_tokens * self._profile.kv_bytes_per_token,
+        )
+
+    def release_kv(self, request_id: str) -> None:
+        timer = self._hold_timers.pop(request_id, None)
+        if timer is not None:
+            timer.cancel()
+        if self._scheduler.release_held(request_id):
+            self._wake.set()  # freed blocks may admit a waiting request
+
+    async def _pull(self, ref: KvRef, token_ids: list[int]) -> None:
+        await asyncio.sleep(self._link.transfer_seconds(ref.kv_bytes) / self._settings.speed)
+        self._scheduler.import_prefix(token_ids[: ref.num_tokens])
+        self._kv_pulls += 1
+        self._kv_pull_bytes += ref.kv_bytes
+
+    def _add(self, request: EngineRequest, max_tokens: int, hold_kv: bool = False) -> asyncio.Queue:
+        seed = self._settings.seed if request.sampling.seed is None else request.sampling.seed
         try:
             self._scheduler.add(
-                SimRequest(request.request_id, request.prompt_token_ids, sampling.max_tokens, seed, request.resume_token_ids)
+                SimRequest(request.request_id, request.prompt_token_ids, max_tokens, seed, request.resume_token_ids, hold_kv)
             )
         except ValueError as exc:
             raise RequestRejected(str(exc)) from exc
+        queue: asyncio.Queue = asyncio.Queue()
         self._queues[request.request_id] = queue
         self._wake.set()
+        return queue
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
+        self.check(request)
+        sampling = request.sampling
+        if request.kv_ref is not None:
+            await self._pull(request.kv_ref, request.prompt_token_ids + request.resume_token_ids)
+        queue = self._add(request, sampling.max_tokens)
         stop = StopMatcher(sampling.stop)
         engine_finished = stopped = False
         try:
@@ -112,6 +169,9 @@ class SimEngine:
             prefill_tokens_per_s=prefill_rate,
             decode_tokens_per_s=decode_rate,
             gpu_utilization=None,
+            kv_pulls=self._kv_pulls,
+            kv_pull_bytes=self._kv_pull_bytes,
+            kv_held_blocks=s.blocks_held,
         )
 
     async def _run(self) -> None:

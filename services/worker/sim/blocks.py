@@ -122,6 +122,9 @@ class BlockPool:
             count += 1
         return count
 
+    def blocks_held_by(self, seq_id: str) -> int:
+        return len(self._sequences[seq_id].block_ids)
+
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 

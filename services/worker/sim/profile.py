@@ -26,6 +26,8 @@ from typing import Annotated, Any, NamedTuple
 
 import msgspec
 
+from services.worker.sim.links import kv_bytes_per_token
+
 
 class StepTimeProfile(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Coefficients of the linear step-time model (seconds)."""
@@ -35,6 +37,8 @@ class StepTimeProfile(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     b: float  # seconds per prefill token
     c: float  # seconds per decoding sequence
     d: float = 0.0  # seconds per KV token attended (sum of context lengths)
+    # KV cache bytes per token of the modelled model (for hand-off transfers).
+    kv_bytes_per_token: int = 0
 
     def step_seconds(self, prefill_tokens: int, decode_seqs: int, kv_tokens: int) -> float:
         """Simulated duration of a step; 0 for a step that runs no tokens."""
@@ -75,7 +79,7 @@ def _roofline_profile(name: str, model: _Model, gpu: _Gpu, gpus: int) -> StepTim
     """
     bandwidth = gpus * gpu.hbm_bytes_per_s * _HBM_EFFICIENCY
     flops_per_token = 2.0 * model.params
-    kv_bytes_per_token = 2 * model.layers * model.kv_heads * model.head_dim * _BF16_BYTES
+    kv_bytes = kv_bytes_per_token(model.layers, model.kv_heads, model.head_dim, _BF16_BYTES)
     return StepTimeProfile(
         name=name,
         a=model.params * _BF16_BYTES / bandwidth,
@@ -86,7 +90,8 @@ def _roofline_profile(name: str, model: _Model, gpu: _Gpu, gpus: int) -> StepTim
         # for Llama-2-7B, 35.2 us for Llama-2-70B) equal 2 * params / peak
         # for 6.7B on one GPU and 69B on four, within 3%.
         c=flops_per_token / (gpus * gpu.bf16_flops),
-        d=kv_bytes_per_token / bandwidth,
+        d=kv_bytes / bandwidth,
+        kv_bytes_per_token=kv_bytes,
     )
 
 
@@ -105,7 +110,10 @@ NAMED_PROFILES: Mapping[str, StepTimeProfile] = MappingProxyType(
         # No simulated GPU time at all: measures the control plane alone.
         "zero": StepTimeProfile(name="zero", a=0.0, b=0.0, c=0.0, d=0.0),
         # A tiny random-weight model on this project's 2-core CPU machines.
-        "tiny-cpu": StepTimeProfile(name="tiny-cpu", a=2e-3, b=2e-5, c=2e-4, d=0.0),
+        # kvlane's tiny model: 2 layers, 1 KV head of 64, float32.
+        "tiny-cpu": StepTimeProfile(
+            name="tiny-cpu", a=2e-3, b=2e-5, c=2e-4, d=0.0, kv_bytes_per_token=kv_bytes_per_token(2, 1, 64, 4)
+        ),
         # a 10.0 ms, b 93 us, c 51 us, d 82 ns.
         "a100-80g-llama3-8b": _roofline_profile("a100-80g-llama3-8b", _LLAMA3_8B, _A100_80G, gpus=1),
         # a 6.0 ms, b 29 us, c 16 us, d 49 ns.
@@ -145,6 +153,7 @@ class _ProfileFile(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     b: _Seconds
     c: _Seconds
     d: _Seconds = 0.0
+    kv_bytes_per_token: Annotated[int, msgspec.Meta(ge=0)] = 0
     # Listed (as optional) so that the strict decode accepts them; the sim ignores them.
     fitted_on: dict[str, Any] | None = None
     fit_error: dict[str, Any] | None = None
@@ -160,7 +169,7 @@ def load_profile_file(path: str | Path) -> StepTimeProfile:
         spec = msgspec.json.decode(raw, type=_ProfileFile)
     except msgspec.DecodeError as exc:  # also ValidationError: a missing or mistyped field
         raise ProfileFileError(f"step-time profile file {str(path)!r} is not a valid profile: {exc}") from None
-    return StepTimeProfile(name=spec.name, a=spec.a, b=spec.b, c=spec.c, d=spec.d)
+    return StepTimeProfile(name=spec.name, a=spec.a, b=spec.b, c=spec.c, d=spec.d, kv_bytes_per_token=spec.kv_bytes_per_token)
 
 
 def get_profile(name: str) -> StepTimeProfile:

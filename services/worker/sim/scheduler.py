@@ -48,6 +48,9 @@ class SimRequest(msgspec.Struct, frozen=True):
     # node): generation continues at position len(resume_output), with the
     # same tokens an uninterrupted run would produce. Counts toward max_tokens.
     resume_output: list[int] = []
+    # Keep the KV blocks when the request finishes (a prefill node holds them
+    # for a decode node to pull) until `release_held`.
+    hold_kv: bool = False
 
 
 class FinishedInfo(msgspec.Struct, frozen=True):
@@ -87,6 +90,7 @@ class SchedulerStats(msgspec.Struct):
     prefix_hit_tokens: int
     preemptions: int
     steps: int
+    blocks_held: int = 0
 
 
 class _Sequence:
@@ -167,6 +171,9 @@ class SimScheduler:
         self._prefix_hit_tokens = 0
         self._preemptions = 0
         self._steps = 0
+        # Finished requests whose blocks stay allocated: request id -> block count.
+        self._held: dict[str, int] = {}
+        self._imports = 0
 
     # --- requests ----------------------------------------------------------------
 
@@ -183,7 +190,7 @@ class SimScheduler:
                 f"request {request.request_id!r}: prompt ({len(prompt)} tokens) + max_tokens "
                 f"({request.max_tokens}) exceeds the KV capacity of {capacity} tokens"
             )
-        if request.request_id in self._live:
+        if request.request_id in self._live or request.request_id in self._held:
             raise ValueError(f"request {request.request_id!r} is already queued or running")
         if len(request.resume_output) >= request.max_tokens:
             raise ValueError(
@@ -212,6 +219,37 @@ class SimScheduler:
             self._waiting.remove(seq)
         return True
 
+    def release_held(self, request_id: str) -> bool:
+        """Free the blocks a finished `hold_kv` request kept; False if none are held."""
+        if self._held.pop(request_id, None) is None:
+            return False
+        self._pool.free(request_id)
+        return True
+
+    @property
+    def held_blocks(self) -> int:
+        return sum(self._held.values())
+
+    def import_prefix(self, token_ids: list[int]) -> int:
+        """Enter the full blocks of `token_ids` into the prefix cache as if computed here.
+
+        This is KV that arrived from another node: the next request with
+        this prefix hits it. Returns the tokens now cached (0 when the pool
+        has no room; the request then computes its prompt itself).
+        """
+        full = len(token_ids) // self._block_size * self._block_size
+        if full == 0:
+            return 0
+        self._imports += 1
+        seq_id = f"\x00import-{self._imports}"
+        # One more token than the blocks: `allocate` never counts the last token as a hit.
+        tokens = list(token_ids[:full]) + [0]
+        if self._pool.allocate(seq_id, tokens) is None:
+            return 0
+        self._pool.mark_computed(seq_id, full)
+        self._pool.free(seq_id)
+        return full
+
     def has_work(self) -> bool:
         return bool(self._running or self._waiting)
 
@@ -234,6 +272,7 @@ class SimScheduler:
             waiting=len(self._waiting),
             blocks_total=pool.num_blocks,
             blocks_used=pool.num_used,
+            blocks_held=self.held_blocks,
             blocks_cached=pool.num_cached,
             prefix_query_tokens=self._prefix_query_tokens,
             prefix_hit_tokens=self._prefix_hit_tokens,
@@ -381,7 +420,10 @@ class SimScheduler:
         return len(output) == seq.request.max_tokens
 
     def _finish(self, seq: _Sequence, outcome: StepOutcome) -> None:
-        self._pool.free(seq.request_id)
+        if seq.request.hold_kv:
+            self._held[seq.request_id] = self._pool.blocks_held_by(seq.request_id)
+        else:
+            self._pool.free(seq.request_id)
         seq.is_running = False
         del self._live[seq.request_id]
         outcome.finished.append(seq.request_id)

@@ -1,0 +1,4 @@
+from services.worker.main import main_for_role
+from shared.runner import run_service
+
+run_service("decode_worker", main_for_role("decode"))

@@ -1,0 +1,124 @@
+"""Disaggregation's pure parts: KV links and sizes, the sim engine's held and
+imported KV, and the balancer's choice of a prefill node."""
+
+from __future__ import annotations
+
+import math
+
+import msgspec
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from contracts.messages import GenerateRequest, KvRef, SamplingParams, WorkerRequest
+from services.balancer.disaggregation import choose_prefill, prefill_finish_s
+from services.worker.sim import SimRequest, get_profile
+from services.worker.sim.links import NAMED_LINKS, get_link, kv_bytes_per_token
+from tests.unit.balancer_fixtures import NOW_WALL, chain, heartbeat, request, router
+from tests.unit.test_sim_scheduler import make_scheduler, run_all
+
+# --- links and KV sizes -----------------------------------------------------------
+
+
+def test_kv_bytes_per_token_follows_the_model_shape() -> None:
+    # Llama-3-8B: 32 layers, 8 KV heads of 128, bf16 = 128 KiB per token (REFERENCE-NUMBERS.md).
+    assert kv_bytes_per_token(32, 8, 128, 2) == 128 * 1024
+    assert get_profile("h100-80g-llama3-8b").kv_bytes_per_token == 128 * 1024
+    assert get_profile("a100-80g-llama3-70b-tp4").kv_bytes_per_token == 320 * 1024
+    assert get_profile("tiny-cpu").kv_bytes_per_token == 1024
+
+
+def test_links_are_ordered_by_speed_and_a_transfer_costs_latency_plus_bytes() -> None:
+    order = ["nvlink", "pcie5", "rdma-400g", "ethernet-100g", "ethernet-25g"]
+    times = [get_link(name).transfer_seconds(1 << 30) for name in order]
+    assert times == sorted(times)
+    # 1,000 tokens of Llama-3-8B KV (131 MB) over 100 GbE: about 10.5 ms.
+    assert get_link("ethernet-100g").transfer_seconds(1000 * 128 * 1024) == pytest.approx(0.0105, rel=0.01)
+    assert all(link.transfer_seconds(0) == 0.0 for link in NAMED_LINKS.values())
+    with pytest.raises(KeyError, match="known links"):
+        get_link("carrier-pigeon")
+
+
+def test_a_generate_request_carries_its_kv_ref_over_the_wire() -> None:
+    ref = KvRef(source_worker_id="p0", engine_id="e", request_id="r", num_tokens=64, expires_at=NOW_WALL,
+                block_ids=[[1, 2]], host="127.0.0.1", port=5600, kv_bytes=65536, engine_extras={"tp_size": 1})
+    message = GenerateRequest("r", "m", [1, 2], SamplingParams(max_tokens=4), "s", NOW_WALL, kv_ref=ref)
+    decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(message), type=WorkerRequest)
+    assert decoded == message
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.msgpack.decode(msgspec.msgpack.encode(msgspec.structs.replace(ref, port=70000)), type=KvRef)
+
+
+# --- the sim engine's held and imported KV ------------------------------------------
+
+
+def test_a_held_request_keeps_its_blocks_until_released() -> None:
+    scheduler = make_scheduler()
+    scheduler.add(SimRequest("p", list(range(1, 18)), max_tokens=1, hold_kv=True))
+    run_all(scheduler)
+    held = scheduler.held_blocks
+    assert held == math.ceil(18 / 4)  # 17 prompt tokens + the sampled one
+    assert scheduler.stats().blocks_used == held
+    with pytest.raises(ValueError, match="already"):
+        scheduler.add(SimRequest("p", [1, 2, 3], max_tokens=1))
+    assert scheduler.release_held("p") and not scheduler.release_held("p")
+    assert scheduler.stats().blocks_used == 0 and scheduler.held_blocks == 0
+
+
+@given(prompt_len=st.integers(1, 60))
+def test_imported_kv_is_a_prefix_cache_hit(prompt_len: int) -> None:
+    scheduler = make_scheduler()
+    prompt = list(range(100, 100 + prompt_len))
+    imported = scheduler.import_prefix(prompt)
+    assert imported == prompt_len // 4 * 4
+    assert scheduler.stats().blocks_used == 0  # imported blocks are cached, not in use
+    scheduler.add(SimRequest("d", prompt, max_tokens=2))
+    run_all(scheduler)
+    # Like vLLM, the last prompt token is always computed: a full-block prompt hits one block less.
+    assert scheduler.stats().prefix_hit_tokens == min(imported, (prompt_len - 1) // 4 * 4)
+
+
+def test_import_into_a_full_pool_imports_nothing() -> None:
+    scheduler = make_scheduler(num_blocks=4)
+    scheduler.add(SimRequest("busy", list(range(1, 14)), max_tokens=1, hold_kv=True))
+    run_all(scheduler)
+    assert scheduler.import_prefix(list(range(500, 520))) == 0
+
+
+# --- choosing the prefill node ---------------------------------------------------------
+
+
+def test_only_decode_chains_get_a_prefill_node_and_only_for_long_uncached_prompts() -> None:
+    decode = chain("d0", role="decode")
+    prefill = [chain("p0", role="prefill")]
+    assert choose_prefill(chain("w0"), 1000, prefill, 256, 1e-4) is None
+    assert choose_prefill(decode, 1000, [], 256, 1e-4) is None
+    assert choose_prefill(decode, 200, prefill, 256, 1e-4) is None
+    assert choose_prefill(decode, 300, prefill, 256, 1e-4).worker_id == "p0"
+    # 40 of 48 blocks cached on the decode node: 128 tokens to prefill there, below the threshold.
+    assert choose_prefill(chain("d0", role="decode", cached=40), 768, prefill, 256, 1e-4) is None
+
+
+def test_the_prefill_node_that_finishes_first_wins() -> None:
+    decode = chain("d0", role="decode")
+    slow = chain("p0", role="prefill", speed=0.5)
+    cached = chain("p1", role="prefill", cached=40)  # holds 640 of the 700 tokens
+    assert choose_prefill(decode, 700, [slow, cached], 256, 1e-4).worker_id == "p1"
+    assert prefill_finish_s(slow, 700, 1e-4) == pytest.approx(0.14)
+    fast = chain("p2", role="prefill", speed=2.0)
+    assert choose_prefill(decode, 700, [slow, fast], 256, 1e-4).worker_id == "p2"
+
+
+def test_the_router_completes_a_decode_chain_and_degrades_to_local_prefill() -> None:
+    r = router()
+    heartbeats = [heartbeat("d0", role="decode"), heartbeat("p0", role="prefill"), heartbeat("p1", role="prefill")]
+    placement = r.place(request("r1", prompt=1024, blocks=64), heartbeats)
+    assert placement.chain.worker_id == "d0" and placement.prefill is not None
+    first = placement.prefill.worker_id
+    # The first prompt is now the chosen node's backlog: the next goes to the other one.
+    second = r.place(request("r2", prompt=1024, blocks=64), heartbeats)
+    assert {first, second.prefill.worker_id} == {"p0", "p1"}
+    # Prefill nodes never generate, and with every prefill node excluded the decode node prefills.
+    alone = r.place(request("r3", prompt=1024, blocks=64, exclude=["p0", "p1"]), heartbeats)
+    assert alone.chain.worker_id == "d0" and alone.prefill is None
+    assert r.place(request("r4", prompt=1024), [heartbeat("p0", role="prefill")]) is None
