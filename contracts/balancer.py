@@ -27,6 +27,8 @@ class ChainStatus(Struct):
     queue_growth_per_s: float
     # Typical requests per second one slot completes at full occupancy.
     rate_per_slot: float
+    # A prefill node is listed too, but only aggregated and decode nodes hold slots.
+    role: str = "aggregated"
 
 
 class QueueClass(Struct):

@@ -52,12 +52,12 @@ def _seconds(value: float | None) -> str:
 
 def render_status(status: BalancerStatus, console: Console) -> None:
     nodes = Table(title=f"kvlane nodes (policy {status.policy}, slots in {status.slot_store})")
-    for column in ("worker", "running", "waiting", "slots", "kv used", "speed", "health", "queue growth", "req/s per slot"):
+    for column in ("worker", "role", "running", "waiting", "slots", "kv used", "speed", "health", "queue growth", "req/s per slot"):
         nodes.add_column(column, justify="left" if column == "worker" else "right")
     for chain in status.chains:
         speed = f"{chain.speed:.2f}x" + ("" if chain.speed_measured else " (assumed)")
         nodes.add_row(
-            chain.worker_id, str(chain.running), str(chain.waiting), f"{chain.slots_used}/{chain.slots_total}",
+            chain.worker_id, chain.role, str(chain.running), str(chain.waiting), f"{chain.slots_used}/{chain.slots_total}",
             f"{chain.kv_usage:.0%}", speed, f"{chain.health_weight:.2f}", f"{chain.queue_growth_per_s:+.2f}/s",
             f"{chain.rate_per_slot:.2f}",
         )

@@ -9,7 +9,7 @@ from contracts.balancer import BalancerStatus, ChainStatus, QueueClass
 from contracts.messages import Heartbeat
 from services.balancer.bounds import ChainRate, recommend_slots, response_bounds
 from services.balancer.router import Router
-from services.balancer.snapshot import NodeFacts
+from services.balancer.snapshot import GENERATING_ROLES, NodeFacts
 from services.balancer.speed import StepModel
 from shared.config import SlotSettings
 
@@ -54,7 +54,7 @@ def build_status(
     chains: list[ChainStatus] = []
     facts_by_chain: dict[str, NodeFacts] = {}
     for heartbeat in heartbeats:
-        if heartbeat.registration.role != "aggregated" or (model and heartbeat.registration.model != model):
+        if model and heartbeat.registration.model != model:
             continue
         facts = router.builder.facts(heartbeat)
         facts_by_chain[facts.chain_id] = facts
@@ -64,10 +64,11 @@ def build_status(
                 chain_id=facts.chain_id,
                 worker_id=facts.worker_id,
                 model=heartbeat.registration.model,
+                role=facts.role,
                 running=facts.running,
                 waiting=facts.waiting,
                 slots_used=used,
-                slots_total=facts.slots_total,
+                slots_total=facts.slots_total if facts.role in GENERATING_ROLES else 0,
                 kv_usage=facts.kv_blocks_used / facts.kv_blocks_total if facts.kv_blocks_total else 0.0,
                 speed=facts.speed,
                 speed_measured=facts.speed_measured,
@@ -77,6 +78,8 @@ def build_status(
             )
         )
     chains.sort(key=lambda c: c.worker_id)
+    # Prefill nodes are listed but hold no slots: the bounds are over the chains that generate.
+    generating = [c for c in chains if c.role in GENERATING_ROLES and c.health_weight > 0]
     status = BalancerStatus(
         balancer_id=balancer_id,
         policy=router.policy.name,
@@ -89,14 +92,12 @@ def build_status(
         reservations_held=len(router.table),
         fast_forwards=fast_forwards,
     )
-    if not chains or arrival_rate <= 0:
+    if not generating or arrival_rate <= 0:
         return status
-    bounds = response_bounds(
-        [ChainRate(c.chain_id, c.slots_total, c.rate_per_slot) for c in chains if c.health_weight > 0], arrival_rate
-    )
+    bounds = response_bounds([ChainRate(c.chain_id, c.slots_total, c.rate_per_slot) for c in generating], arrival_rate)
     status.bound_lower_s, status.bound_upper_s = _finite(bounds.lower_s), _finite(bounds.upper_s)
     recommendation = recommend_slots(
-        [(c.chain_id, c.slots_total) for c in chains if c.health_weight > 0],
+        [(c.chain_id, c.slots_total) for c in generating],
         lambda chain_id, slots: rates.rate(facts_by_chain[chain_id], slots),
         arrival_rate,
     )
