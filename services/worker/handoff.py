@@ -44,13 +44,17 @@ class KvHolds:
     async def start(self) -> None:
         await self._bus.subscribe(subjects.worker_kv(self._worker_id), KvMessage, self._on_message)
 
-    def hold(self, ref: KvRef) -> None:
-        """Remember `ref` (the engine holds its blocks already) until released or expired."""
-        previous = self._held.pop(ref.request_id, None)
+    def hold(self, request_id: str, ref: KvRef) -> None:
+        """Remember `ref` (the engine holds its blocks already) until released or expired.
+
+        Keyed by kvlane's request id: an engine may name the request its own
+        way in `ref.request_id` (vLLM adds a suffix).
+        """
+        previous = self._held.pop(request_id, None)
         if previous is not None:
             previous[1].cancel()
-        timer = asyncio.get_running_loop().call_later(max(0.0, ref.expires_at - self._clock()), self._expire, ref.request_id)
-        self._held[ref.request_id] = (ref, timer)
+        timer = asyncio.get_running_loop().call_later(max(0.0, ref.expires_at - self._clock()), self._expire, request_id)
+        self._held[request_id] = (ref, timer)
 
     def release(self, request_id: str) -> None:
         entry = self._held.pop(request_id, None)
@@ -91,18 +95,18 @@ class KvPuller:
         self._worker_id = worker_id
         self._timeout_s = timeout_s
 
-    async def pull(self, ref: KvRef) -> None:
-        """Raise `KvPullFailed` unless the source still holds `ref` for us."""
+    async def pull(self, request_id: str, ref: KvRef) -> None:
+        """Raise `KvPullFailed` unless the source still holds `request_id`'s KV for us."""
         if ref.expires_at <= time.time():
-            raise KvPullFailed(f"KV of {ref.request_id} on {ref.source_worker_id} expired")
+            raise KvPullFailed(f"KV of {request_id} on {ref.source_worker_id} expired")
         subject = subjects.worker_kv(ref.source_worker_id)
         try:
-            reply = await self._bus.request(subject, KvPull(ref.request_id, self._worker_id), KvPullReply, self._timeout_s)
+            reply = await self._bus.request(subject, KvPull(request_id, self._worker_id), KvPullReply, self._timeout_s)
         except BusError as exc:
             raise KvPullFailed(f"source {ref.source_worker_id} unreachable: {exc}") from exc
         if isinstance(reply, ErrorReply):
             raise KvPullFailed(f"source {ref.source_worker_id}: {reply.message}")
 
-    async def release(self, ref: KvRef) -> None:
+    async def release(self, request_id: str, ref: KvRef) -> None:
         with contextlib.suppress(Exception):
-            await self._bus.publish(subjects.worker_kv(ref.source_worker_id), KvRelease(ref.request_id), traced=False)
+            await self._bus.publish(subjects.worker_kv(ref.source_worker_id), KvRelease(request_id), traced=False)

@@ -229,12 +229,12 @@ class WorkerService:
             for attempt in range(1, self._settings.kv_pull_attempts + 1):
                 produced = False
                 try:
-                    await self._puller.pull(ref)
+                    await self._puller.pull(request.request_id, ref)
                     async for output in self._engine.generate(request):
                         if not produced:
                             produced = released = True
                             # The KV is here now: the source may free it.
-                            self._bus.spawn(self._puller.release(ref))
+                            self._bus.spawn(self._puller.release(request.request_id, ref))
                         yield output
                     return
                 except KvPullFailed as exc:
@@ -246,7 +246,7 @@ class WorkerService:
                 yield output
         finally:
             if not released:
-                self._bus.spawn(self._puller.release(ref))
+                self._bus.spawn(self._puller.release(request.request_id, ref))
 
     async def _run_prefill(self, request: PrefillRequest, engine_request: EngineRequest) -> None:
         """Prefill, hand over to the decode node; a failure before that ends the request here."""
@@ -257,7 +257,7 @@ class WorkerService:
         try:
             async with asyncio.timeout(request.deadline - time.time()):
                 ref = await self._engine.prefill(engine_request, self.registration.worker_id, self._settings.kv_hold_timeout_s)
-                self._holds.hold(ref)
+                self._holds.hold(request.request_id, ref)
                 error = await self._hand_to_decode(request, ref)
             if error is None:
                 handed_off = True

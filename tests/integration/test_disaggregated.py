@@ -26,7 +26,15 @@ import pytest
 import redis.asyncio as redis
 
 from contracts import subjects
-from contracts.messages import EngineStats, GenerateRequest, Handoff, PrefillRequest, StreamFrame, WorkerRequest
+from contracts.messages import (
+    EngineStats,
+    GenerateRequest,
+    Handoff,
+    PrefillRequest,
+    StreamFrame,
+    TokenChunk,
+    WorkerRequest,
+)
 from kvlane.fleet import Fleet, with_overrides
 from shared.state import ClusterState
 from tests.integration.conftest import MODEL, launch
@@ -206,7 +214,7 @@ async def test_decode_node_killed_mid_stream_resumes_on_another_decode_node(tmp_
             def on(subject: str, message: object) -> None:
                 if isinstance(message, Handoff):
                     killed.append(message.decode_worker_id)
-                elif type(message).__name__ == "TokenChunk" and killed:
+                elif isinstance(message, TokenChunk) and killed:
                     tokens_seen[0] += 1
                     if tokens_seen[0] == 5:
                         process(fleet, killed[0]).signal(signal.SIGKILL)
@@ -215,6 +223,8 @@ async def test_decode_node_killed_mid_stream_resumes_on_another_decode_node(tmp_
             text = await complete(fleet, LONG, seed=4, max_tokens=40)
         assert tokens_seen[0] >= 5, "the decode node was not killed mid-stream"
         assert text == expected_text(LONG, 4, 40), "the resumed stream has a gap or a duplicate"
+        # The resumed run goes through the prefill node again, to the surviving decode node.
+        assert [h.decode_worker_id for h in watch.seen if isinstance(h, Handoff)][1:] == [{"d0": "d1", "d1": "d0"}[killed[0]]]
         resumed = [m for m in watch.seen if isinstance(m, GenerateRequest | PrefillRequest) and m.resume_token_ids]
         assert resumed, "the request was not resumed"
     finally:

@@ -11,6 +11,10 @@
   process's event loop for every engine-core step); KV events through a
   ZMQ SUB socket that this process binds and vLLM's publisher connects to,
   so no event is published before anyone listens.
+* Prefill/decode disaggregation rides on vLLM's NixlConnector: a prefill
+  engine runs the prompt with `max_tokens=1` and holds its KV, whose
+  `kv_transfer_params` become a `KvRef`; a decode engine gets that dict back
+  and pulls the KV before decoding (see vllm_nixl.py, vllm_kv_ref.py).
 
 Named `vllm_engine` so that it never shadows the `vllm` package.
 """
@@ -22,12 +26,13 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 
 import msgspec
 import structlog
 import zmq
 from vllm import SamplingParams as VllmSamplingParams
+from vllm.config import KVTransferConfig
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.exceptions import VLLMClientError
@@ -36,23 +41,34 @@ from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.metrics.loggers import StatLoggerBase
 
-from contracts.messages import EngineStats, FinishReason, SamplingParams
+from contracts.messages import EngineStats, FinishReason, KvRef, SamplingParams
 from services.worker.engines.base import (
     EngineConfigError,
     EngineOutput,
     EngineRequest,
     KvCacheDelta,
+    KvPullFailed,
     RequestRejected,
     check_fits,
     net_kv_delta,
 )
 from services.worker.engines.kv_rehash import KvEventRehasher
+from services.worker.engines.vllm_kv_ref import (
+    REMOTE_CACHED_TOKENS,
+    kv_ref_from_params,
+    params_from_kv_ref,
+    producer_request_params,
+)
 from services.worker.engines.vllm_preflight import ResolvedEngine
 from shared.config import VllmSettings
 
 log = structlog.get_logger("kvlane.worker.vllm")
 
 KV_EVENTS_TOPIC = "kv-events"
+# vLLM starts a producer's lease when the prefill finishes, a little before
+# this process sees the output: a reference expires this much earlier than
+# the blocks, so that nobody pulls blocks already freed and reused.
+KV_EXPIRY_MARGIN_S = 1.0
 
 
 class StepCounters:
@@ -63,6 +79,7 @@ class StepCounters:
         self.running = self.waiting = 0
         self.kv_usage = 0.0
         self.prefix_queries = self.prefix_hits = self.preemptions = 0
+        self.kv_pulls = self.kv_pull_bytes = 0
         self._prefill_tokens = self._decode_tokens = 0
         self._rate_since = clock()
 
@@ -75,10 +92,18 @@ class StepCounters:
             if prefix is not None:  # per-step increments, not totals
                 self.prefix_queries += prefix.queries
                 self.prefix_hits += prefix.hits
+            if scheduler_stats.kv_connector_stats:
+                self.on_kv_transfers(scheduler_stats.kv_connector_stats)
         if iteration_stats is not None:
             self._prefill_tokens += iteration_stats.prompt_token_stats.computed
             self._decode_tokens += iteration_stats.num_generation_tokens
             self.preemptions += iteration_stats.num_preempted_reqs
+
+    def on_kv_transfers(self, transfers: Mapping) -> None:
+        """NixlConnector's transfer stats since its previous report: one entry per finished pull."""
+        moved = transfers.get("bytes_transferred") or ()
+        self.kv_pulls += len(moved)
+        self.kv_pull_bytes += int(sum(moved))
 
     def take_rates(self) -> tuple[float, float]:
         """Prefill and decode tokens per second since the previous call."""
@@ -218,10 +243,25 @@ class KvEventSubscriber:
 
 
 class VllmEngine:
-    def __init__(self, settings: VllmSettings, resolved: ResolvedEngine, served_model_name: str) -> None:
+    def __init__(
+        self,
+        settings: VllmSettings,
+        resolved: ResolvedEngine,
+        served_model_name: str,
+        role: str = "aggregated",
+        kv_hold_s: float = 30.0,
+        kv_transfer: Mapping | None = None,
+        env: Mapping[str, str] | None = None,
+    ) -> None:
         self._settings = settings
         self._resolved = resolved
         self._served_model_name = served_model_name
+        self._role = role
+        self._kv_hold_s = kv_hold_s
+        # vLLM's kv_transfer_config (vllm_nixl.py); None for an aggregated worker.
+        self._kv_transfer = dict(kv_transfer) if kv_transfer else None
+        # Variables the engine core must inherit (NIXL side channel, CPU reservation).
+        self._env = dict(env or {})
         self._counters = StepCounters()
         self._rehasher = KvEventRehasher(resolved.block_size)
         self._kv_events: KvEventSubscriber | None = None
@@ -249,13 +289,19 @@ class VllmEngine:
         )
         if self._resolved.kv_cache_bytes is not None:
             args["kv_cache_memory_bytes"] = self._resolved.kv_cache_bytes
+        if self._kv_transfer is not None:
+            args["kv_transfer_config"] = self._kv_transfer
         args.update(settings.extra_engine_args)
+        if isinstance(args.get("kv_transfer_config"), dict):
+            args["kv_transfer_config"] = KVTransferConfig(**args["kv_transfer_config"])
         return AsyncEngineArgs(**args)
 
     async def start(self) -> None:
         # vLLM's CPU platform lets this legacy variable override
         # kv_cache_memory_bytes; preflight already folded it into the size.
         os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
+        # One engine per worker process: its engine core reads these at start.
+        os.environ.update(self._env)
         self._kv_events = KvEventSubscriber(self._rehasher)
         try:
             args = self.engine_args(self._kv_events.endpoint)
@@ -264,8 +310,13 @@ class VllmEngine:
             # vLLM has logged the details; the worker stops with one line naming the cause.
             raise EngineConfigError(f"vLLM engine failed to start: {_root_cause(exc)}") from exc
         self._kv_blocks_total = self._engine.vllm_config.cache_config.num_gpu_blocks or 0
-        log.info("vllm_engine_started", model=self._served_model_name, kv_blocks=self._kv_blocks_total,
-                 block_size=self._resolved.block_size, max_model_len=self._resolved.max_model_len)
+        log.info("vllm_engine_started", model=self._served_model_name, role=self._role, kv_blocks=self._kv_blocks_total,
+                 block_size=self._resolved.block_size, max_model_len=self._resolved.max_model_len,
+                 nixl_side_channel=self._side_channel())
+
+    def _side_channel(self) -> str | None:
+        host, port = self._env.get("VLLM_NIXL_SIDE_CHANNEL_HOST"), self._env.get("VLLM_NIXL_SIDE_CHANNEL_PORT")
+        return f"{host}:{port}" if host and port else None
 
     async def shutdown(self) -> None:
         if self._engine is not None:
@@ -278,25 +329,90 @@ class VllmEngine:
     def check(self, request: EngineRequest) -> None:
         check_fits(request, self._resolved.max_model_len, self._resolved.shape.vocab_size)
 
-    async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
-        self.check(request)
+    def _running(self) -> AsyncLLM:
         if self._engine is None:
             raise RuntimeError("the vLLM engine is not running")
+        return self._engine
+
+    async def prefill(self, request: EngineRequest, source_worker_id: str, hold_s: float) -> KvRef:
+        self.check(request)
+        engine = self._running()
+        if self._role != "prefill":
+            raise RuntimeError(f"prefill() needs worker.role 'prefill', not {self._role!r}: only a KV producer holds KV")
+        prompt = list(request.prompt_token_ids) + list(request.resume_token_ids)
+        # One greedy token: the prompt's KV is what counts; the token is
+        # dropped, and the decode node samples the first one itself.
+        params = VllmSamplingParams(max_tokens=1, temperature=0.0, detokenize=False,
+                                    output_kind=RequestOutputKind.FINAL_ONLY,
+                                    extra_args={"kv_transfer_params": producer_request_params()})
+        final = None
+        outputs = engine.generate(TokensPrompt(prompt_token_ids=prompt), params, request.request_id)
+        async with contextlib.aclosing(outputs):  # cancelled: aborts, and vLLM frees the blocks
+            try:
+                async for output in outputs:
+                    final = output
+            except (VLLMClientError, ValueError) as exc:
+                raise RequestRejected(str(exc)) from exc
+        reason = final.outputs[0].finish_reason if final is not None and final.outputs else None
+        if final is None or reason not in ("stop", "length") or not final.kv_transfer_params:
+            raise RuntimeError(f"vLLM prefill of {request.request_id} ended with {reason!r} and no KV to hand over")
+        transfer = dict(final.kv_transfer_params)
+        transfer[REMOTE_CACHED_TOKENS] = final.num_cached_tokens or 0
+        # vLLM's lease is fixed when the engine starts: a longer hold_s cannot extend it.
+        hold = min(hold_s, self._kv_hold_s) - KV_EXPIRY_MARGIN_S
+        return kv_ref_from_params(
+            transfer,
+            source_worker_id=source_worker_id,
+            prompt_tokens=len(prompt),
+            kv_bytes_per_token=self._resolved.shape.kv_bytes_per_token(self._settings.dtype),
+            block_size=self._resolved.block_size,
+            expires_at=time.time() + max(hold, 0.0),
+        )
+
+    def release_kv(self, request_id: str) -> None:
+        # Nothing to do, and nothing vLLM would let us do: its NixlConnector
+        # frees a producer's blocks itself once the consumer has read them
+        # (the consumer notifies it), and otherwise when the lease
+        # (kv_lease_duration = worker.kv_hold_timeout_s) runs out. AsyncLLM
+        # has no call that frees a finished request's held blocks early.
+        pass
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
+        self.check(request)
+        engine = self._running()
+        # A reference is used only where there is a consumer to pull it; any
+        # other engine simply prefills the prompt itself.
+        kv_ref = request.kv_ref if self._role == "decode" else None
+        if kv_ref is not None and kv_ref.expires_at <= time.time():
+            # Its blocks may be freed and reused by now: a pull would read someone else's KV.
+            raise KvPullFailed(f"KV reference for {request.request_id} expired before the pull")
         # A resumed request replays what it already produced as prompt and
         # generates the rest (greedy decoding continues exactly).
         resumed = list(request.resume_token_ids)
-        sampling = msgspec.structs.replace(request.sampling, max_tokens=request.sampling.max_tokens - len(resumed))
-        outputs = self._engine.generate(
+        sampling = to_vllm_sampling(
+            msgspec.structs.replace(request.sampling, max_tokens=request.sampling.max_tokens - len(resumed))
+        )
+        if kv_ref is not None:
+            sampling.extra_args = {"kv_transfer_params": params_from_kv_ref(kv_ref)}
+        outputs = engine.generate(
             TokensPrompt(prompt_token_ids=list(request.prompt_token_ids) + resumed),
-            to_vllm_sampling(sampling),
+            sampling,
             request.request_id,
         )
+        produced = False
         # aclosing: an early close (client gone, deadline) closes vLLM's
         # generator, whose GeneratorExit handler aborts the request.
         async with contextlib.aclosing(outputs):
             try:
                 async for output in outputs:
                     completion = output.outputs[0]
+                    if kv_ref is not None and not produced and completion.finish_reason == "error":
+                        # kv_load_failure_policy "fail": vLLM ends the request
+                        # with an error and no token when the pull fails.
+                        log.warning("kv_pull_failed", request_id=request.request_id, source=kv_ref.source_worker_id,
+                                    engine_id=kv_ref.engine_id, side_channel=f"{kv_ref.host}:{kv_ref.port}")
+                        raise KvPullFailed(f"pulling the KV of {request.request_id} from {kv_ref.source_worker_id} failed")
+                    produced = True
                     yield EngineOutput(
                         token_ids=list(completion.token_ids),
                         text=completion.text,
@@ -331,4 +447,12 @@ class VllmEngine:
             prefill_tokens_per_s=prefill_rate,
             decode_tokens_per_s=decode_rate,
             gpu_utilization=self._gpu.utilization(),
+            kv_pulls=counters.kv_pulls,
+            kv_pull_bytes=counters.kv_pull_bytes,
+            # Counted by the worker service, which sees every KvPullFailed
+            # (this engine's and its own check with the source) and adds them.
+            kv_pull_failures=0,
+            # vLLM reports no count of the blocks a producer holds for
+            # consumers (they are freed inside its connector): not known.
+            kv_held_blocks=0,
         )

@@ -125,3 +125,12 @@ def preflight(settings: VllmSettings, on_cpu: bool, env: Mapping[str, str]) -> R
                 f"raise kv_cache_gib to at least {needed * settings.block_size * per_token / GIB:.3g} or lower max_model_len"
             )
     return ResolvedEngine(shape=shape, max_model_len=max_model_len, block_size=settings.block_size, kv_cache_bytes=cache_bytes)
+
+
+def check_kv_transfer(role: str, nixl_installed: bool) -> None:
+    """A prefill or decode worker moves KV with NIXL: fail at once when it is missing, not at the first pull."""
+    if role in ("prefill", "decode") and not nixl_installed:
+        raise EngineConfigError(
+            f"worker.role is {role!r}, which moves KV between workers with NIXL, but the nixl package is not installed: "
+            "pip install --no-deps nixl==1.5.1 nixl-cu12==1.5.1"
+        )

@@ -11,7 +11,8 @@ import os
 from importlib import metadata
 
 from services.worker.engines.base import EngineConfigError, EngineFacts
-from services.worker.engines.vllm_preflight import preflight
+from services.worker.engines.vllm_nixl import engine_env, kv_transfer_config, nixl_installed
+from services.worker.engines.vllm_preflight import check_kv_transfer, preflight
 from shared.config import WorkerSettings
 from shared.tokenizer import HF_PREFIX
 
@@ -32,6 +33,8 @@ def installed_vllm_build() -> str:
 def build_vllm_engine(settings: WorkerSettings):
     on_cpu = installed_vllm_build() == "cpu"
     resolved = preflight(settings.vllm, on_cpu=on_cpu, env=os.environ)
+    check_kv_transfer(settings.role, nixl_installed())
+    env = engine_env(settings.vllm, settings.role, on_cpu, os.environ, os.cpu_count() or 1)
     served = settings.vllm.served_model_name or settings.model
     from services.worker.engines.vllm_engine import VllmEngine  # imports vllm: seconds
 
@@ -41,4 +44,6 @@ def build_vllm_engine(settings: WorkerSettings):
         max_model_len=resolved.max_model_len,
         tokenizer=HF_PREFIX + str(resolved.shape.directory),
     )
-    return VllmEngine(settings.vllm, resolved, served), facts
+    engine = VllmEngine(settings.vllm, resolved, served, role=settings.role, kv_hold_s=settings.kv_hold_timeout_s,
+                        kv_transfer=kv_transfer_config(settings.role, settings.kv_hold_timeout_s, on_cpu), env=env)
+    return engine, facts

