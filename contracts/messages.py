@@ -105,13 +105,8 @@ class KvRef(Struct, frozen=True):
     engine_extras: dict[str, str | int | float | bool | None] = {}
 
 
-class GenerateRequest(Struct, tag="generate", tag_field="type"):
-    """Run one request and stream its frames to `stream_to`.
-
-    The worker answers the NATS request with `GenerateAccepted` (or an
-    `ErrorReply`) at once, then publishes `TokenChunk` frames and ends the
-    stream with `StreamEnd` or `ErrorReply`.
-    """
+class RequestToRun(Struct):
+    """What every node that runs part of a request gets: the prompt, the sampling, where to stream."""
 
     request_id: RequestId
     model: str
@@ -123,11 +118,21 @@ class GenerateRequest(Struct, tag="generate", tag_field="type"):
     # worker died, or resumption after preemption): generation continues
     # after them, and they count toward `sampling.max_tokens` and usage.
     resume_token_ids: list[int] = []
+
+
+class GenerateRequest(RequestToRun, tag="generate", tag_field="type"):
+    """Run one request and stream its frames to `stream_to`.
+
+    The worker answers the NATS request with `GenerateAccepted` (or an
+    `ErrorReply`) at once, then publishes `TokenChunk` frames and ends the
+    stream with `StreamEnd` or `ErrorReply`.
+    """
+
     # Set on a decode node's request: pull the prompt's KV from here first.
     kv_ref: KvRef | None = None
 
 
-class PrefillRequest(Struct, tag="prefill", tag_field="type"):
+class PrefillRequest(RequestToRun, tag="prefill", tag_field="type", kw_only=True):
     """Run the prompt on a prefill node, then hand it to the decode node.
 
     The prefill node answers with `GenerateAccepted`, runs the prompt, and
@@ -137,15 +142,8 @@ class PrefillRequest(Struct, tag="prefill", tag_field="type"):
     decode node straight to `stream_to`.
     """
 
-    request_id: RequestId
-    model: str
-    prompt_token_ids: Annotated[list[int], Meta(min_length=1)]
-    sampling: SamplingParams
-    stream_to: str
-    deadline: float
     decode_worker_id: WorkerId
     decode_inbox: str
-    resume_token_ids: list[int] = []
 
 
 class AbortRequest(Struct, tag="abort", tag_field="type"):

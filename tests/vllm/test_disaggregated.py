@@ -11,10 +11,6 @@ than two engines at once on a 2-core machine.
 from __future__ import annotations
 
 import asyncio
-import json
-import os
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,15 +23,13 @@ import redis
 
 from contracts import subjects
 from contracts.messages import EngineStats, Handoff, Heartbeat, StreamFrame
-from kvlane.fleet import Fleet, start_fleet, with_overrides
-from kvlane.launcher import Launcher, free_port
-from tests.vllm.conftest import BLOCK_SIZE, ENGINE_ENV, MODEL, reference_engine_args, vllm_fleet_config
+from kvlane.fleet import Fleet, with_overrides
+from tests.vllm.conftest import BLOCK_SIZE, MODEL, reference_engine_args, run_json_module, running_fleet, vllm_fleet_config
 
 pytestmark = [pytest.mark.vllm, pytest.mark.integration]
 
 pytest.importorskip("nixl", reason="prefill/decode needs NIXL: pip install --no-deps nixl==1.5.1 nixl-cu12==1.5.1")
 
-REPO = Path(__file__).resolve().parents[2]
 MIN_REMOTE_PREFILL_TOKENS = 32
 MAX_TOKENS = 24
 # Longer than the threshold, and no two share a first block, so each is
@@ -47,42 +41,19 @@ SHORT_PROMPT = [5, 17, 29, 41, 53, 65, 77, 89]
 @pytest.fixture(scope="module")
 def reference(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     """vLLM's offline engine on every prompt, run to completion before the fleet starts."""
-    directory = tmp_path_factory.mktemp("pd-reference")
-    request = directory / "request.json"
-    request.write_text(json.dumps({"engine_args": reference_engine_args(tiny_model), "prompts": [*LONG_PROMPTS, SHORT_PROMPT],
-                                   "max_tokens": MAX_TOKENS}))
-    stdout, stderr = directory / "stdout.txt", directory / "stderr.txt"
-    with request.open() as stdin, stdout.open("w") as out, stderr.open("w") as err:
-        process = subprocess.Popen([sys.executable, "-m", "tests.vllm.offline_reference"], stdin=stdin, stdout=out,
-                                   stderr=err, cwd=REPO, start_new_session=True)
-        try:
-            returncode = process.wait(timeout=240)
-        finally:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
-    lines = [line for line in stdout.read_text().splitlines() if line.startswith("REFERENCE ")]
-    assert returncode == 0 and lines, stderr.read_text()[-3000:]
-    return json.loads(lines[0].removeprefix("REFERENCE "))
+    spec = {"engine_args": reference_engine_args(tiny_model), "prompts": [*LONG_PROMPTS, SHORT_PROMPT], "max_tokens": MAX_TOKENS}
+    return run_json_module("tests.vllm.offline_reference", spec, tmp_path_factory.mktemp("pd-reference"), "REFERENCE ", 240)
 
 
 @pytest.fixture(scope="module")
 def pd_fleet(reference: list[dict], tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Iterator[Fleet]:
-    launcher = Launcher(tmp_path_factory.mktemp("vllm-pd-fleet"), base_env={**os.environ, **ENGINE_ENV})
-    nats_port, redis_port = free_port(), free_port()
-    config = with_overrides(vllm_fleet_config(nats_port, redis_port, tiny_model),
-                            **{"balancer.disaggregation": {"min_remote_prefill_tokens": MIN_REMOTE_PREFILL_TOKENS}})
-    try:
-        launcher.start_nats(nats_port)
-        launcher.start_redis(redis_port)
-        fleet = start_fleet(launcher, config, workers=0, prefill_workers=1, decode_workers=1, ready_timeout=300)
-    except BaseException:
-        launcher.stop_all()
-        raise
-    yield fleet
-    crashed = [p for p in fleet.services() if not p.alive() and p.popen.returncode not in (0, -9)]
-    fleet.stop()
-    assert not crashed, "\n".join(f"{p.name} exited {p.popen.returncode}:\n{p.log_tail()}" for p in crashed)
+    def config_for(nats_port: int, redis_port: int):
+        return with_overrides(vllm_fleet_config(nats_port, redis_port, tiny_model),
+                              **{"balancer.disaggregation": {"min_remote_prefill_tokens": MIN_REMOTE_PREFILL_TOKENS}})
+
+    with running_fleet(tmp_path_factory.mktemp("vllm-pd-fleet"), config_for, workers=0, prefill_workers=1,
+                       decode_workers=1) as fleet:
+        yield fleet
 
 
 def stats_of(fleet: Fleet, worker_id: str) -> EngineStats:

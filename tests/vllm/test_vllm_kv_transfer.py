@@ -9,24 +9,20 @@ token, and a pull from a producer that is gone must fail fast with
 
 from __future__ import annotations
 
-import json
 import math
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import msgspec
 import pytest
 
 from kvlane.launcher import free_port
-from tests.vllm.conftest import BLOCK_SIZE, ENGINE_ENV, vllm_settings
+from tests.vllm.conftest import BLOCK_SIZE, ENGINE_ENV, run_json_module, vllm_settings
 
 pytestmark = pytest.mark.vllm
 
 pytest.importorskip("nixl", reason="prefill/decode needs NIXL: pip install --no-deps nixl==1.5.1 nixl-cu12==1.5.1")
 
-REPO = Path(__file__).resolve().parents[2]
 # Two prompts: 70 tokens (3 blocks, the last partly filled) and 224 (7 full blocks).
 PROMPTS = [[11 + (i * 37) % 900 for i in range(70)], [100 + (i * 7) % 800 for i in range(224)]]
 MAX_TOKENS = 16
@@ -38,20 +34,7 @@ def pair(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
     directory = tmp_path_factory.mktemp("pd-pair")
     spec = {"vllm": msgspec.to_builtins(vllm_settings(tiny_model)), "prompts": PROMPTS, "max_tokens": MAX_TOKENS,
             "dead_port": free_port(), "idle_before_decode_s": 1.0}
-    (directory / "request.json").write_text(json.dumps(spec))
-    stdout, stderr = directory / "stdout.txt", directory / "stderr.txt"
-    with (directory / "request.json").open() as stdin, stdout.open("w") as out, stderr.open("w") as err:
-        process = subprocess.Popen([sys.executable, "-m", "tests.vllm.pd_pair"], stdin=stdin, stdout=out, stderr=err,
-                                   cwd=REPO, env={**os.environ, **ENGINE_ENV}, start_new_session=True)
-        try:
-            returncode = process.wait(timeout=280)
-        finally:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
-    lines = [line for line in stdout.read_text().splitlines() if line.startswith("RESULT ")]
-    assert returncode == 0 and lines, (stdout.read_text()[-3000:], stderr.read_text()[-3000:])
-    return json.loads(lines[0].removeprefix("RESULT "))
+    return run_json_module("tests.vllm.pd_pair", spec, directory, "RESULT ", 280, env={**os.environ, **ENGINE_ENV})
 
 
 def test_disaggregated_output_equals_aggregated(pair: dict) -> None:
