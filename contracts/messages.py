@@ -102,6 +102,9 @@ class KvRef(Struct, frozen=True):
     host: str = ""
     port: Annotated[int, Meta(ge=0, le=65535)] = 0
     kv_bytes: NonNegativeInt = 0
+    # Prompt tokens the source found in its own prefix cache: what the
+    # client's usage reports as cached (pulled tokens were computed, not hit).
+    cached_tokens: NonNegativeInt = 0
     engine_extras: dict[str, str | int | float | bool | None] = {}
 
 

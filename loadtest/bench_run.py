@@ -2,9 +2,9 @@
 
 Every run gets its own nats-server and redis-server on free ports, one
 balancer with `balancer.policy` set, N sim workers sharing one profile,
-speed and seed, and one ingress; nothing carries over between runs (no warm
-prefix cache, no learnt node speeds), so policies are compared on equal
-terms.
+speed and seed (aggregated, or prefill and decode pools), and one ingress;
+nothing carries over between runs (no warm prefix cache, no learnt node
+speeds), so policies and layouts are compared on equal terms.
 """
 
 from __future__ import annotations
@@ -12,11 +12,12 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import msgspec
+import redis.asyncio as redis
 
 from kvlane.fleet import Fleet, start_fleet, with_overrides
 from kvlane.launcher import Launcher, free_port
@@ -25,6 +26,7 @@ from loadtest.driver import DriveLimits, WorkloadDriver
 from loadtest.events import FinishedEvents
 from loadtest.metrics import Slo, summarize
 from loadtest.workloads import WorkloadSpec, sessions
+from shared.state import ClusterState
 from shared.config import (
     IngressSettings,
     KvlaneConfig,
@@ -46,7 +48,7 @@ class PolicyRejected(ValueError):
 
 @dataclass(frozen=True)
 class FleetSpec:
-    workers: int = 4
+    workers: int = 4  # aggregated workers: w0, w1...
     profile: str = "h100-80g-llama3-8b"
     speed: float = 1.0
     seed: int = 0
@@ -54,6 +56,16 @@ class FleetSpec:
     num_blocks: int | None = None  # None: the sim default, raised to hold a max-length request
     block_size: int = 16
     ready_timeout_s: float = 90.0
+    # Prefill/decode disaggregation: prefill workers p0... and decode workers d0..., besides the aggregated ones.
+    prefill_workers: int = 0
+    decode_workers: int = 0
+    # Further config fields, applied last: {"worker.sim": {"kv_link": "pcie5"}, "balancer.disaggregation": {...}}.
+    overrides: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def worker_ids(self) -> list[str]:
+        """The ids start_fleet gives the workers."""
+        return [f"{prefix}{index}" for prefix, count in
+                (("w", self.workers), ("p", self.prefill_workers), ("d", self.decode_workers)) for index in range(count)]
 
     def sim_settings(self) -> dict[str, Any]:
         sim: dict[str, Any] = {"profile": self.profile, "speed": self.speed, "seed": self.seed,
@@ -88,9 +100,15 @@ def fleet_config(fleet: FleetSpec, policy: str, request_timeout_s: float) -> Kvl
         worker=WorkerSettings(drain_timeout_s=10.0),
     )
     try:
-        return with_overrides(base, **{"balancer": {"policy": policy}, "worker.sim": fleet.sim_settings()})
+        config = with_overrides(base, **{"balancer": {"policy": policy}, "worker.sim": fleet.sim_settings()})
     except (msgspec.ValidationError, KeyError, TypeError) as exc:
         raise PolicyRejected(f"policy {policy!r} rejected by the current config: {exc}") from exc
+    if not fleet.overrides:
+        return config
+    try:
+        return with_overrides(config, **fleet.overrides)
+    except (msgspec.ValidationError, KeyError, TypeError, AttributeError) as exc:
+        raise ValueError(f"config overrides {fleet.overrides} rejected: {exc}") from exc
 
 
 def run_once(spec: RunSpec, on_record: Callable[[RequestRecord], None]) -> dict[str, Any]:
@@ -100,20 +118,23 @@ def run_once(spec: RunSpec, on_record: Callable[[RequestRecord], None]) -> dict[
     fleet: Fleet | None = None
     started = time.monotonic()
     try:
-        fleet = start_fleet(launcher, config, spec.fleet.workers, ready_timeout=spec.fleet.ready_timeout_s)
+        fleet = start_fleet(launcher, config, spec.fleet.workers, ready_timeout=spec.fleet.ready_timeout_s,
+                            prefill_workers=spec.fleet.prefill_workers, decode_workers=spec.fleet.decode_workers)
         startup_s = time.monotonic() - started
-        records, runs = _run_async(_measure(fleet, spec, on_record))
+        records, runs, kv_pulls = _run_async(_measure(fleet, spec, on_record))
         dead = [f"{p.name} (exit {p.popen.returncode})" for p in fleet.services() if not p.alive()]
     finally:
         if fleet is not None:
             fleet.stop()
         launcher.stop_all()
-    worker_ids = [f"w{index}" for index in range(spec.fleet.workers)]  # start_fleet's names
+    worker_ids = spec.fleet.worker_ids()
     return {
         "policy": spec.policy,
         "fleet_startup_s": startup_s,
         "processes_died": dead,
         "summary": summarize(records, spec.slo, runs, worker_ids),
+        # KV pulls the decode nodes made during the workload: requests prefilled on a prefill node.
+        "kv_pulls": kv_pulls,
         "records": [r.to_json() for r in records],
         "log_dir": str(spec.log_dir),
     }
@@ -124,12 +145,25 @@ async def _measure(fleet: Fleet, spec: RunSpec, on_record: Callable[[RequestReco
     async with FinishedEvents(fleet.config.nats.url) as events:
         async with StreamingClient(fleet.base_url, model, spec.request_timeout_s, time.perf_counter()) as warmup:
             await _wait_until_served(warmup, timeout_s=30.0)
+        pulls_before = await _kv_pulls(fleet)
         # A fresh clock: the run starts at 0 after warm-up, whatever it took.
         async with StreamingClient(fleet.base_url, model, spec.request_timeout_s, time.perf_counter()) as client:
             records = await WorkloadDriver(client, spec.limits, on_record).run(sessions(spec.workload))
         await asyncio.sleep(_EVENTS_SETTLE_S)
         runs = dict(events.runs)
-    return records, runs
+        # Heartbeats carry the counters: wait for one sent after the last request.
+        await asyncio.sleep(fleet.config.cluster.heartbeat_interval_s)
+        kv_pulls = await _kv_pulls(fleet) - pulls_before
+    return records, runs, kv_pulls
+
+
+async def _kv_pulls(fleet: Fleet) -> int:
+    client = redis.Redis.from_url(fleet.config.redis.url)
+    try:
+        live = await ClusterState(client, fleet.config.cluster.heartbeat_ttl_s).live_heartbeats()
+    finally:
+        await client.aclose()
+    return sum(item.heartbeat.stats.kv_pulls for item in live)
 
 
 async def _wait_until_served(client: StreamingClient, timeout_s: float) -> None:

@@ -42,4 +42,6 @@ def choose_prefill(
         return None
     if chain.uncached_tokens(prompt_tokens) < min_remote_prefill_tokens:
         return None
-    return min(candidates, key=lambda c: (prefill_finish_s(c, prompt_tokens, seconds_per_token), c.worker_id))
+    # Idle nodes all finish "now": the one with less in hand wins, not the first by name.
+    return min(candidates, key=lambda c: (prefill_finish_s(c, prompt_tokens, seconds_per_token),
+                                          c.node.running + c.node.waiting, c.worker_id))

@@ -10,10 +10,16 @@ threshold: one lucky probe does not flip a sick node back.
 The baseline is an exponential average of good probe latencies, learnt
 only while the node is healthy, so a slowly degrading node cannot drag its
 own baseline up with it.
+
+Busy is not sick: a probe that was slow or timed out while the node
+reported requests waiting measured the node's queue (a prefill node under
+load always has one), so it counts neither way. A probe the node refused
+or never accepted still counts as bad.
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
 
 from contracts.health import FeedbackKind, HealthState, HealthVerdict
@@ -41,14 +47,23 @@ class NodeHealth:
         limit = max(self._settings.slow_factor * self.baseline, self.baseline + self._settings.slow_floor_s)
         return latency > limit
 
-    def observe_probe(self, latency: float | None, now: float) -> None:
-        """`latency` of a completed one-token probe, or None when it failed or timed out."""
-        self.last_latency = latency
-        bad = latency is None or self._is_slow(latency)
-        if bad:
+    def observe_probe(self, latency: float | None, now: float, queued: bool = False) -> None:
+        """`latency` of a one-token probe: seconds, `math.inf` if it timed out, None if it failed.
+
+        `queued`: the node's last heartbeat showed requests waiting.
+        """
+        timed_out = latency is not None and math.isinf(latency)
+        waited = timed_out or (latency is not None and self._is_slow(latency))
+        if queued and waited:
+            return
+        self.last_latency = None if timed_out else latency
+        if latency is None or waited:
             self._bad_streak += 1
             self._good_streak = 0
-            why = "probe failed" if latency is None else f"probe took {latency * 1000:.0f} ms (baseline {self.baseline * 1000:.0f} ms)"
+            if latency is None or timed_out:
+                why = "probe failed" if latency is None else "probe timed out"
+            else:
+                why = f"probe took {latency * 1000:.0f} ms (baseline {self.baseline * 1000:.0f} ms)"
         else:
             self._good_streak += 1
             self._bad_streak = 0

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import math
 import time
 from collections.abc import Callable
 
@@ -23,7 +24,7 @@ from contracts import subjects
 from contracts.health import NodeFeedback
 from contracts.messages import ErrorReply, GenerateRequest, Heartbeat, SamplingParams, StreamEnd, WorkerReply
 from services.health_prober.health import NodeHealth
-from shared.bus import Bus, BusError, StreamReceiver, is_final
+from shared.bus import Bus, BusError, RequestTimeout, StreamReceiver, is_final
 from shared.cluster import ClusterView
 from shared.config import HealthSettings
 
@@ -91,13 +92,13 @@ class HealthProberService:
         for hb, latency in zip(live, latencies, strict=True):
             node = self._node(hb.registration.worker_id)
             before = node.state
-            node.observe_probe(latency, now)
+            node.observe_probe(latency, now, queued=hb.stats.waiting > 0)
             if node.state != before:
                 log.warning("health_changed", worker_id=node.worker_id, state=node.state, was=before, reason=node.reason)
             await self._publish(node)
 
     async def probe(self, heartbeat: Heartbeat) -> float | None:
-        """Seconds to a complete one-token answer, or None if it failed or timed out."""
+        """Seconds to a complete one-token answer; `math.inf` if it timed out, None if it failed."""
         registration = heartbeat.registration
         request_id = f"probe-{registration.worker_id}-{next(self._counter)}"[:64]
         timeout = self._settings.probe_timeout_s
@@ -120,6 +121,8 @@ class HealthProberService:
                     frame = await stream.next(max(remaining, 0.001))
                     if is_final(frame):
                         return self._clock() - started if isinstance(frame, StreamEnd) else None
+            except RequestTimeout:
+                return math.inf
             except BusError:
                 return None
 

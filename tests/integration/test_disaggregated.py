@@ -143,6 +143,10 @@ async def test_long_prompts_go_through_the_prefill_node_and_match_aggregated_out
     # 161+ tokens of the tiny model's 1 KiB per token moved by reference.
     assert after.kv_pull_bytes - before.kv_pull_bytes >= 3 * 160 * 1024
     assert after.kv_pull_failures == 0
+    # Unique prompts: nothing was a cache hit anywhere, however the KV travelled.
+    client = openai.AsyncOpenAI(base_url=f"{pd_fleet.base_url}/v1", api_key="unused", max_retries=0)
+    response = await client.completions.create(model=MODEL, prompt=f"number 9 {LONG}", max_tokens=4)
+    assert response.usage.prompt_tokens_details.cached_tokens == 0
     # The decode node released what it pulled: nothing stays held on the prefill node.
     assert (await fresh_stats(pd_fleet, "p0")).kv_held_blocks == 0
 

@@ -122,3 +122,9 @@ def test_the_router_completes_a_decode_chain_and_degrades_to_local_prefill() -> 
     alone = r.place(request("r3", prompt=1024, blocks=64, exclude=["p0", "p1"]), heartbeats)
     assert alone.chain.worker_id == "d0" and alone.prefill is None
     assert r.place(request("r4", prompt=1024), [heartbeat("p0", role="prefill")]) is None
+
+
+def test_among_idle_prefill_nodes_the_one_with_less_in_hand_wins() -> None:
+    decode = chain("d0", role="decode")
+    busy, quiet = chain("p0", role="prefill", running=2), chain("p1", role="prefill")
+    assert choose_prefill(decode, 700, [busy, quiet], 256, 1e-4).worker_id == "p1"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -37,6 +39,21 @@ def test_far_slower_than_its_own_baseline_counts_as_bad() -> None:
     node.observe_probe(0.5, 11)
     node.observe_probe(0.5, 12)
     assert node.state == "suspect" and "baseline" in node.reason
+
+
+def test_busy_is_not_sick_a_probe_that_waited_behind_queued_requests_counts_neither_way() -> None:
+    node = healthy_node()
+    for t in range(10, 20):
+        node.observe_probe(0.5 if t % 2 else math.inf, t, queued=True)
+    assert node.state == "healthy"
+    # A refused probe is bad however busy the node is; so are slow probes and timeouts with nothing queued.
+    node.observe_probe(None, 20, queued=True)
+    node.observe_probe(None, 21, queued=True)
+    assert node.state == "suspect" and node.reason == "probe failed"
+    node = healthy_node()
+    node.observe_probe(math.inf, 10)
+    node.observe_probe(0.5, 11)
+    assert node.state == "suspect"
 
 
 def test_recovery_needs_several_good_probes_in_a_row() -> None:

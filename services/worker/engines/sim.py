@@ -83,9 +83,10 @@ class SimEngine:
         known = len(request.resume_token_ids)
         queue = self._add(request, max_tokens=known + 1, hold_kv=True)
         finished = False
+        cached_tokens = 0
         try:
             while not finished:
-                _, finished, _ = await queue.get()
+                _, finished, cached_tokens = await queue.get()
         finally:
             self._queues.pop(request_id, None)
             if not finished:
@@ -99,6 +100,7 @@ class SimEngine:
             num_tokens=num_tokens,
             expires_at=time.time() + hold_s,
             kv_bytes=num_tokens * self._profile.kv_bytes_per_token,
+            cached_tokens=cached_tokens,
         )
 
     def release_kv(self, request_id: str) -> None:
@@ -142,6 +144,8 @@ class SimEngine:
                 if engine_finished and not stopped:
                     text += stop.flush()
                 reason = "stop" if stopped else ("length" if engine_finished else None)
+                if request.kv_ref is not None:  # pulled tokens were computed on the prefill node, not hit
+                    cached_tokens = request.kv_ref.cached_tokens
                 yield EngineOutput([token_id], text, reason, cached_tokens)
         finally:
             self._queues.pop(request.request_id, None)

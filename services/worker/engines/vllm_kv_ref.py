@@ -81,6 +81,7 @@ def kv_ref_from_params(
         host=params.get("remote_host") or "",
         port=int(params.get("remote_port") or 0),
         kv_bytes=held_tokens * kv_bytes_per_token,
+        cached_tokens=int(params.get(REMOTE_CACHED_TOKENS) or 0),
         engine_extras=extras,
     )
 
