@@ -97,7 +97,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from loadtest.bench import _jsonable
 from loadtest.bench_run import FleetSpec, RunSpec, fleet_config, run_once
 from loadtest.client import RequestRecord
-from loadtest.disagg_report import print_report, write_json, write_plot
+from loadtest.bench_report import write_json
+from loadtest.disagg_report import print_report, write_plot
 from loadtest.driver import DriveLimits
 from loadtest.machine import machine_info
 from loadtest.metrics import Slo, distribution_ms, summarize

@@ -14,7 +14,6 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from loadtest.bench_report import write_json  # noqa: F401 - one results.json format for both benches
 
 
 def _fmt(value: float | None, digits: int = 0) -> str:
