@@ -54,10 +54,10 @@ swept rates (None when even the lowest rate misses it).
 **Run length.** A request lives ~3.5 simulated seconds (256 tokens at
 10-14 ms), so the decode batches, and with them TPOT, take a few seconds to
 reach their steady state. `--duration` 10 s of arrivals per run spans about
-three lifetimes; with 5 s most requests met a system still filling up, and
-the aggregated layout kept 100% attainment at 25 req/s where 10 s gave it
-77% at 24 req/s (docs/benchmarks.md). Four rates x four layouts at speed 0.25
-take ~17 minutes here.
+three lifetimes; an offline replay of the same arrivals through the pure
+`SimScheduler` put the aggregated layout at 100% attainment over 125
+requests at 25 req/s but 52% over 250 (docs/benchmarks.md). Four rates x
+four layouts at speed 0.25 take ~17 minutes here.
 
 **Other settings.** KV cache: `--num-blocks` 24576 blocks of 16 tokens per
 node (48 GiB of Llama-3-8B KV, roughly what an 80 GB H100 keeps after 16 GB
