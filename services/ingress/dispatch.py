@@ -177,7 +177,7 @@ class Dispatcher:
         self, request_id: str, prepared: PreparedRequest, decision: RouteDecision, stream: ReplyStream,
         deadline: float, produced: list[int],
     ) -> str:
-        """"" once the chain's first node accepted; else that node's id, when it is gone or draining (route again)."""
+        """Who refused: empty once the chain's first node accepted, else that node's id (gone or draining: route again)."""
         common = dict(
             request_id=request_id,
             model=prepared.model,
