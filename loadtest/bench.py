@@ -29,10 +29,9 @@ from collections.abc import Callable
 from typing import Any
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from loadtest.bench_report import print_report, rate_label, write_json, write_plots
-from loadtest.bench_run import FleetSpec, PolicyRejected, RunSpec, fleet_config, run_once
+from loadtest.bench_run import FleetSpec, PlannedRun, PolicyRejected, RunSpec, fleet_config, run_each
 from loadtest.driver import DriveLimits
 from loadtest.metrics import Slo
 from loadtest.overhead import machine_info
@@ -169,22 +168,12 @@ def _rate_of(spec: RunSpec) -> float | None:
 
 def run_all(runs: list[RunSpec], console: Console, quiet: bool,
             after_each: Callable[[list[dict[str, Any]]], None] = lambda done: None) -> list[dict[str, Any]]:
-    results: list[dict[str, Any]] = []
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with Progress(*columns, console=console, disable=quiet, transient=False) as progress:
-        for spec in runs:
-            label = f"{spec.policy:<17} {rate_label(_rate_of(spec), spec.limits.concurrency)}"
-            task = progress.add_task(label, total=spec.workload.max_requests)
-            header = {"policy": spec.policy, "rate": _rate_of(spec), "concurrency": spec.limits.concurrency}
-            try:
-                run = run_once(spec, lambda record: progress.advance(task))
-                results.append(header | run)
-                progress.update(task, total=run["summary"]["requests"], completed=run["summary"]["requests"])
-            except Exception as exc:  # noqa: BLE001 - one broken policy must not stop the comparison
-                results.append(header | {"error": f"{type(exc).__name__}: {exc}"[:2000], "log_dir": str(spec.log_dir)})
-                progress.update(task, description=f"{label} [red]failed[/]")
-            after_each(results)
-    return results
+    planned = [
+        PlannedRun(f"{spec.policy:<17} {rate_label(_rate_of(spec), spec.limits.concurrency)}",
+                   {"policy": spec.policy, "rate": _rate_of(spec), "concurrency": spec.limits.concurrency}, spec)
+        for spec in runs
+    ]
+    return run_each(planned, console, quiet, after_each)
 
 
 def _terminate(signum: int, frame: object) -> None:

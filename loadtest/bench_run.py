@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 import redis.asyncio as redis
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from kvlane.fleet import Fleet, start_fleet, with_overrides
 from kvlane.launcher import Launcher, free_port
@@ -109,6 +111,40 @@ def fleet_config(fleet: FleetSpec, policy: str, request_timeout_s: float) -> Kvl
         return with_overrides(config, **fleet.overrides)
     except (msgspec.ValidationError, KeyError, TypeError, AttributeError) as exc:
         raise ValueError(f"config overrides {fleet.overrides} rejected: {exc}") from exc
+
+
+class PlannedRun(NamedTuple):
+    label: str  # progress line
+    header: dict[str, Any]  # what identifies the run in the results
+    spec: RunSpec
+
+
+def run_each(
+    planned: Sequence[PlannedRun],
+    console: Console,
+    quiet: bool,
+    after_each: Callable[[list[dict[str, Any]]], None] = lambda done: None,
+    derive: Callable[[PlannedRun, dict[str, Any]], dict[str, Any]] = lambda item, run: run,
+) -> list[dict[str, Any]]:
+    """`run_once` for each planned run, with a progress bar; `derive` adds figures to a run's result.
+
+    A run that fails is recorded with its error and the sweep goes on:
+    one broken policy or layout must not cost the others.
+    """
+    results: list[dict[str, Any]] = []
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=console, disable=quiet, transient=False) as progress:
+        for item in planned:
+            task = progress.add_task(item.label, total=item.spec.workload.max_requests)
+            try:
+                run = derive(item, run_once(item.spec, lambda record: progress.advance(task)))
+                results.append(item.header | run)
+                progress.update(task, total=run["summary"]["requests"], completed=run["summary"]["requests"])
+            except Exception as exc:  # noqa: BLE001 - see the docstring
+                results.append(item.header | {"error": f"{type(exc).__name__}: {exc}"[:2000], "log_dir": str(item.spec.log_dir)})
+                progress.update(task, description=f"{item.label} [red]failed[/]")
+            after_each(results)
+    return results
 
 
 def run_once(spec: RunSpec, on_record: Callable[[RequestRecord], None]) -> dict[str, Any]:

@@ -92,10 +92,9 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from loadtest.bench import _jsonable
-from loadtest.bench_run import FleetSpec, RunSpec, fleet_config, run_once
+from loadtest.bench_run import FleetSpec, PlannedRun, RunSpec, fleet_config, run_each
 from loadtest.client import RequestRecord
 from loadtest.bench_report import write_json
 from loadtest.disagg_report import print_report, write_plot
@@ -373,27 +372,21 @@ def _ratio(numerator: float | None, denominator: float | None) -> float | None:
 
 def run_all(the_plan: Plan, speed: float, console: Console, quiet: bool,
             after_each: Callable[[list[dict[str, Any]]], None] = lambda done: None) -> list[dict[str, Any]]:
-    results: list[dict[str, Any]] = []
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with Progress(*columns, console=console, disable=quiet, transient=False) as progress:
-        for layout, rate, spec in the_plan.runs:
-            label = f"{layout.name:<7} {rate:g} req/s (sim)"
-            task = progress.add_task(label, total=spec.workload.max_requests)
-            header = {"layout": layout.name, "aggregated_workers": layout.aggregated,
-                      "prefill_workers": layout.prefill, "decode_workers": layout.decode,
-                      "rate": rate, "rate_wall": rate * speed, "max_requests": spec.workload.max_requests}
-            try:
-                run = run_once(spec, lambda record: progress.advance(task))
-                records = _records(run["records"])
-                run["sim"] = sim_view(run["summary"], records, rate, speed, the_plan.slo_sim, the_plan.slo_scales,
-                                      run["kv_pulls"])
-                results.append(header | run)
-                progress.update(task, total=run["summary"]["requests"], completed=run["summary"]["requests"])
-            except Exception as exc:  # noqa: BLE001 - one broken run must not stop the sweep
-                results.append(header | {"error": f"{type(exc).__name__}: {exc}"[:2000], "log_dir": str(spec.log_dir)})
-                progress.update(task, description=f"{label} [red]failed[/]")
-            after_each(results)
-    return results
+    planned = [
+        PlannedRun(f"{layout.name:<7} {rate:g} req/s (sim)",
+                   {"layout": layout.name, "aggregated_workers": layout.aggregated,
+                    "prefill_workers": layout.prefill, "decode_workers": layout.decode,
+                    "rate": rate, "rate_wall": rate * speed, "max_requests": spec.workload.max_requests},
+                   spec)
+        for layout, rate, spec in the_plan.runs
+    ]
+
+    def with_sim_view(item: PlannedRun, run: dict[str, Any]) -> dict[str, Any]:
+        run["sim"] = sim_view(run["summary"], _records(run["records"]), item.header["rate"], speed, the_plan.slo_sim,
+                              the_plan.slo_scales, run["kv_pulls"])
+        return run
+
+    return run_each(planned, console, quiet, after_each, with_sim_view)
 
 
 def rederive(results: dict[str, Any]) -> dict[str, Any]:
