@@ -66,9 +66,6 @@ class KvHolds:
         for request_id in list(self._held):
             self.release(request_id)
 
-    def __len__(self) -> int:
-        return len(self._held)
-
     def _expire(self, request_id: str) -> None:
         if request_id in self._held:
             log.warning("kv_hold_expired", request_id=request_id)

@@ -113,7 +113,10 @@ class Engine(Protocol):
     async def prefill(self, request: EngineRequest, source_worker_id: str, hold_s: float) -> KvRef:
         """Run the prompt (plus `resume_token_ids`) and hold its KV for a decode node to pull.
 
-        The blocks stay held until `release_kv`, or for `hold_s` at most.
+        The blocks stay held until `release_kv`, which the worker calls when
+        the decode node is done with them or `hold_s` has passed (`KvHolds`);
+        the returned reference expires then. An engine may also bound the
+        hold itself (vLLM's lease).
         Cancelling the call aborts the prefill and frees what it held.
         """
 

@@ -5,7 +5,7 @@ duration (divided by `speed`), then hands each emitted token to its
 request's queue, as a GPU would deliver a step's tokens when it ends.
 
 Disaggregation: `prefill` runs the prompt and keeps its blocks until
-`release_kv` or the hold time ends. A request with a `kv_ref` waits the
+`release_kv` (the worker's `KvHolds` calls it on release or expiry). A request with a `kv_ref` waits the
 transfer time of its KV bytes over the configured link, then finds its
 prompt in the prefix cache. Whether the source still holds the KV is the
 worker's check (a pull over NATS) before it calls `generate`.
@@ -60,7 +60,6 @@ class SimEngine:
         self._prefill_tokens = 0
         self._decode_tokens = 0
         self._rate_since = clock()
-        self._hold_timers: dict[str, asyncio.TimerHandle] = {}
         self._kv_pulls = 0
         self._kv_pull_bytes = 0
 
@@ -91,7 +90,6 @@ class SimEngine:
             self._queues.pop(request_id, None)
             if not finished:
                 self._scheduler.abort(request_id)
-        self._hold_timers[request_id] = asyncio.get_running_loop().call_later(hold_s, self.release_kv, request_id)
         num_tokens = len(request.prompt_token_ids) + known
         return KvRef(
             source_worker_id=source_worker_id,
@@ -104,9 +102,6 @@ class SimEngine:
         )
 
     def release_kv(self, request_id: str) -> None:
-        timer = self._hold_timers.pop(request_id, None)
-        if timer is not None:
-            timer.cancel()
         if self._scheduler.release_held(request_id):
             self._wake.set()  # freed blocks may admit a waiting request
 
