@@ -74,6 +74,7 @@ class Bus:
                     connect_timeout=settings.connect_timeout_s,
                     reconnect_time_wait=settings.reconnect_wait_s,
                     max_reconnect_attempts=settings.max_reconnect_attempts,
+                    drain_timeout=settings.drain_timeout_s,
                     error_cb=_on_error,
                     disconnected_cb=bus._on_disconnected,
                     reconnected_cb=bus._on_reconnected,
@@ -166,7 +167,11 @@ class Bus:
 
         subscription = await self._nc.subscribe(subject, queue=queue, cb=callback)
         # Once subscribe returns, the server knows the interest: a request
-        # sent right after from another connection finds a responder.
+        # sent right after from another connection finds a responder. Twice,
+        # because nats-py writes a flush's PING straight to the socket, ahead
+        # of the queued SUB: the first PONG can come back before the server
+        # has seen the SUB, the second cannot.
+        await self._nc.flush()
         await self._nc.flush()
         return subscription
 

@@ -66,6 +66,22 @@ async def test_request_reply_and_handler_failure(nats_server) -> None:
     await server.close()
 
 
+async def test_a_subscription_is_live_once_subscribe_returns(nats_server) -> None:
+    """A request sent from another connection right after `subscribe` finds its responder, every time."""
+    _, port = nats_server
+    server, _ = await connect(port, "server")
+    client, _ = await connect(port, "client")
+
+    async def handle(request: RouteRequest, msg) -> RouteDecision:
+        return RouteDecision(request.request_id, "w0", "inbox", "test")
+
+    for attempt in range(300):
+        await server.subscribe(f"t.fresh.{attempt}", RouteRequest, handle)
+        assert isinstance(await client.request(f"t.fresh.{attempt}", route(), RouteReply, 2), RouteDecision), attempt
+    await server.close()
+    await client.close()
+
+
 async def test_streamed_reply_arrives_in_order_and_ends(nats_server) -> None:
     _, port = nats_server
     bus, _ = await connect(port, "both")
