@@ -108,6 +108,13 @@ class Process:
                 self.popen.wait(5)
         return self.popen.returncode
 
+    def wait_exit(self, timeout: float) -> int | None:
+        """The exit code, or None if the process still runs after `timeout`."""
+        try:
+            return self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
     def log_tail(self, lines: int = 40) -> str:
         try:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])

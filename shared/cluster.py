@@ -9,7 +9,6 @@ view after this process or NATS restarts.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Callable
 
@@ -21,6 +20,7 @@ from nats.aio.msg import Msg
 from contracts import subjects
 from contracts.messages import Heartbeat, WorkerLeft, WorkerRegistration
 from shared.bus import Bus
+from shared.periodic import Periodic
 from shared.state import ClusterState
 
 log = structlog.get_logger("kvlane.cluster")
@@ -86,20 +86,17 @@ class ClusterWatcher:
         self._bus = bus
         self._state = state
         self.view = view
-        self._resync_interval_s = resync_interval_s
         self._clock = clock
-        self._task: asyncio.Task | None = None
+        self._resync = Periodic("cluster-resync", resync_interval_s, self._resync_and_prune)
 
     async def start(self) -> None:
         await self._bus.subscribe(subjects.HEARTBEAT_ALL, Heartbeat, self._on_heartbeat, traced=False)
         await self._bus.subscribe(subjects.WORKER_LEFT, WorkerLeft, self._on_left)
         await self.resync()
-        self._task = asyncio.create_task(self._resync_loop())
+        self._resync.start()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        await self._resync.stop()
 
     async def _on_heartbeat(self, heartbeat: Heartbeat, msg: Msg) -> None:
         self.view.observe(heartbeat, self._clock())
@@ -118,8 +115,6 @@ class ClusterWatcher:
         for item in live:
             self.view.observe(item.heartbeat, now - item.age_s)
 
-    async def _resync_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self._resync_interval_s)
-            await self.resync()
-            self.view.prune(self._clock())
+    async def _resync_and_prune(self) -> None:
+        await self.resync()
+        self.view.prune(self._clock())

@@ -42,6 +42,10 @@ class NatsSettings(_Section):
     reconnect_wait_s: PositiveFloat = 0.5
     # -1: keep reconnecting for ever; a service outlives a NATS restart.
     max_reconnect_attempts: int = -1
+    # At shutdown, how long subscriptions may take to finish the messages they
+    # already hold before the connection closes anyway (nats-py's own is 30 s,
+    # as long as a typical orchestrator waits before SIGKILL).
+    drain_timeout_s: PositiveFloat = 10.0
 
 
 class RedisSettings(_Section):

@@ -52,7 +52,33 @@ def run_service(name: str, main: ServiceMain, argv: list[str] | None = None) -> 
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         log.info("service_starting")
-        await main(config, stop)
+        watchdog = asyncio.create_task(report_slow_shutdown(stop, log))
+        try:
+            await main(config, stop)
+        finally:
+            watchdog.cancel()
         log.info("service_stopped")
 
     uvloop.run(supervise())
+
+
+async def report_slow_shutdown(stop: asyncio.Event, log: structlog.typing.FilteringBoundLogger, every_s: float = 10.0) -> None:
+    """Once stopping, say every `every_s` what the process still waits on, so a stuck drain names its culprit."""
+    await stop.wait()
+    started = asyncio.get_running_loop().time()
+    while True:
+        await asyncio.sleep(every_s)
+        waiting = [f"{task.get_name()}: {await_chain(task.get_coro())}" for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+        log.warning("shutdown_slow", seconds=round(asyncio.get_running_loop().time() - started, 1), waiting_on=waiting)
+
+
+def await_chain(coro: object) -> str:
+    """Where a coroutine is suspended, outermost first: `main (balancer/main.py:87) <- close (shared/bus.py:211) <- ...`."""
+    where = []
+    while coro is not None:
+        frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None)
+        if frame is not None:
+            code = frame.f_code
+            where.append(f"{code.co_name} ({'/'.join(code.co_filename.split('/')[-2:])}:{frame.f_lineno})")
+        coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
+    return " <- ".join(where) or "?"

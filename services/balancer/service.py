@@ -35,6 +35,7 @@ from services.balancer.trackers import ArrivalRate
 from shared.bus import Bus
 from shared.cluster import ClusterView
 from shared.config import BalancerSettings
+from shared.periodic import Periodic
 
 log = structlog.get_logger("kvlane.balancer")
 
@@ -71,7 +72,7 @@ class BalancerService:
         self._waiters: dict[str, asyncio.Future[RouteReply]] = {}
         self._drain_task: asyncio.Task | None = None
         self._drain_again = False
-        self._tick_task: asyncio.Task | None = None
+        self._ticker = Periodic("balancer-tick", settings.tick_interval_s, self.tick)
         self._known_workers: set[str] = set()
         self._fast_forwards_seen = 0
         self._gauged_chains: set[str] = set()
@@ -92,7 +93,7 @@ class BalancerService:
         await bus.subscribe(
             subjects.BALANCER_STATUS, BalancerStatusRequest, self._on_status, queue=subjects.BALANCER_ADMIN_QUEUE_GROUP
         )
-        self._tick_task = asyncio.create_task(self._tick_loop())
+        self._ticker.start()
 
     async def stop(self) -> None:
         """Take no more route requests, then refuse every queued one (no client waits on a balancer that is going away)."""
@@ -100,9 +101,7 @@ class BalancerService:
             # Later route requests go to the other replicas of the queue group.
             with contextlib.suppress(Exception):
                 await self._route_subscription.unsubscribe()
-        if self._tick_task is not None:
-            self._tick_task.cancel()
-            await asyncio.gather(self._tick_task, return_exceptions=True)
+        await self._ticker.stop()
         for request_id in list(self._waiters):
             self.router.queue.remove(request_id)
             self._resolve(request_id, self.router.refusal("balancer_stopping", "the balancer is shutting down"))
@@ -282,14 +281,6 @@ class BalancerService:
             self._known_workers.discard(worker_id)
 
     # --- housekeeping -----------------------------------------------------------------
-
-    async def _tick_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self._settings.tick_interval_s)
-            try:
-                await self.tick()
-            except Exception:  # housekeeping must outlive any one bad tick
-                log.exception("tick_failed")
 
     async def tick(self) -> None:
         """Expire reservations, drop nodes that left, re-read global usage, retry the queue."""

@@ -8,7 +8,6 @@ prefix index from workers' `KvEvents`, and pre-warms hot prefixes.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections import deque
 from collections.abc import Callable
@@ -49,6 +48,7 @@ from services.cache_manager.prewarm import HotPrefixTracker, plan_prewarms
 from shared.bus import Bus
 from shared.cluster import ClusterView
 from shared.config import CacheManagerSettings
+from shared.periodic import Periodic
 from shared.prefix_index import PrefixIndex
 
 log = structlog.get_logger("kvlane.cache_manager")
@@ -79,7 +79,7 @@ class CacheManagerService:
         self._history: deque[tuple[float, str, list[int]]] = deque()
         self._hot = HotPrefixTracker(settings.prewarm_window_s, settings.prewarm_min_hits)
         self._prewarming: dict[tuple[int, str], float] = {}
-        self._tasks: list[asyncio.Task] = []
+        self._maintenance = Periodic("cache-maintenance", min(1.0, settings.lease_ttl_s / 4), self._maintain)
 
     async def start(self) -> None:
         queue = subjects.CACHE_QUEUE_GROUP
@@ -89,12 +89,10 @@ class CacheManagerService:
         await self._bus.subscribe(subjects.KV_EVENTS_ALL, KvEvents, self._on_kv_events, traced=False)
         await self._bus.subscribe(subjects.REQUEST_FINISHED, RequestFinished, self._on_finished, queue=queue, traced=False)
         await self._bus.subscribe(subjects.WORKER_LEFT, WorkerLeft, self._on_worker_left)
-        self._tasks = [asyncio.create_task(self._maintenance_loop())]
+        self._maintenance.start()
 
     async def stop(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._maintenance.stop()
 
     # --- requests -----------------------------------------------------------------
 
@@ -264,27 +262,24 @@ class CacheManagerService:
 
     # --- maintenance: reaping, history expiry, pre-warming ---------------------------
 
-    async def _maintenance_loop(self) -> None:
-        interval = min(1.0, self._settings.lease_ttl_s / 4)
-        while True:
-            await asyncio.sleep(interval)
-            try:
-                reaped = await self._ledger.reap()
-                if reaped:
-                    self._metrics.expired_leases.inc(len(reaped))
-                    log.info("leases_expired", count=len(reaped), request_ids=reaped[:10])
-            except (RedisError, OSError) as exc:
-                log.warning("lease_reap_failed", error=str(exc))
-            now = self._clock()
-            for worker_id in self._view.prune(now):
-                self._forget_node(worker_id)
-            while self._history and self._history[0][0] <= now:
-                _, worker_id, hashes = self._history.popleft()
-                if worker_id not in self._nodes_with_events:
-                    self.index.apply(worker_id, removed=hashes)
-            self._metrics.indexed_blocks.set(len(self.index))
-            if self._settings.prewarm:
-                await self._prewarm(now)
+    async def _maintain(self) -> None:
+        try:
+            reaped = await self._ledger.reap()
+            if reaped:
+                self._metrics.expired_leases.inc(len(reaped))
+                log.info("leases_expired", count=len(reaped), request_ids=reaped[:10])
+        except (RedisError, OSError) as exc:
+            log.warning("lease_reap_failed", error=str(exc))
+        now = self._clock()
+        for worker_id in self._view.prune(now):
+            self._forget_node(worker_id)
+        while self._history and self._history[0][0] <= now:
+            _, worker_id, hashes = self._history.popleft()
+            if worker_id not in self._nodes_with_events:
+                self.index.apply(worker_id, removed=hashes)
+        self._metrics.indexed_blocks.set(len(self.index))
+        if self._settings.prewarm:
+            await self._prewarm(now)
 
     def _observe_prefix(self, request: AllocateRequest) -> None:
         if not self._settings.prewarm or not request.prefix_token_ids or not request.block_hashes:

@@ -27,6 +27,7 @@ from services.health_prober.health import NodeHealth
 from shared.bus import Bus, BusError, RequestTimeout, StreamReceiver, is_final
 from shared.cluster import ClusterView
 from shared.config import HealthSettings
+from shared.periodic import Periodic
 
 log = structlog.get_logger("kvlane.health_prober")
 
@@ -53,16 +54,14 @@ class HealthProberService:
         self.nodes: dict[str, NodeHealth] = {}
         self._counter = itertools.count()
         self._encoder = msgspec.json.Encoder()
-        self._task: asyncio.Task | None = None
+        self._rounds = Periodic("health-probes", settings.probe_interval_s, self.probe_round, immediately=True)
 
     async def start(self) -> None:
         await self._bus.subscribe(subjects.FEEDBACK, NodeFeedback, self._on_feedback, traced=False)
-        self._task = asyncio.create_task(self._loop())
+        self._rounds.start()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        await self._rounds.stop()
 
     def _node(self, worker_id: str) -> NodeHealth:
         node = self.nodes.get(worker_id)
@@ -76,12 +75,6 @@ class HealthProberService:
         node.observe_feedback(feedback.kind, time.time())
         if node.state != before:
             await self._publish(node)
-
-    async def _loop(self) -> None:
-        while True:
-            started = self._clock()
-            await self.probe_round()
-            await asyncio.sleep(max(0.0, self._settings.probe_interval_s - (self._clock() - started)))
 
     async def probe_round(self) -> None:
         live = [hb for hb in self._view.live(self._clock()) if not hb.draining]

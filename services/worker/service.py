@@ -51,6 +51,7 @@ from services.worker.engines.base import Engine, EngineOutput, EngineRequest, Kv
 from services.worker.handoff import KvHolds, KvPuller
 from shared.bus import Bus, BusError
 from shared.config import ClusterSettings, WorkerSettings
+from shared.periodic import Periodic
 from shared.runner import announce_ready
 from shared.state import ClusterState
 
@@ -71,7 +72,6 @@ class WorkerService:
         self._engine = engine
         self._bus = bus
         self._state = state
-        self._cluster = cluster
         self._settings = settings
         self._holds = KvHolds(bus, registration.worker_id, engine.release_kv)
         self._puller = KvPuller(bus, registration.worker_id, settings.kv_pull_timeout_s)
@@ -83,7 +83,13 @@ class WorkerService:
         self._draining = False
         self._heartbeat_seq = 0
         self._kv_seq = 0
-        self._background: list[asyncio.Task] = []
+        self._background = [
+            Periodic("heartbeat", cluster.heartbeat_interval_s, self._send_heartbeat),
+            # Batching at a short interval bounds the message rate however fast
+            # the engine steps, and lets a batch carry net changes only.
+            Periodic("kv-events", cluster.kv_events_interval_s, self._publish_kv_events),
+            Periodic("lease-renewal", cluster.lease_renew_interval_s, self._renew_leases),
+        ]
         self._log = log.bind(worker_id=registration.worker_id)
 
     async def start(self) -> None:
@@ -92,11 +98,8 @@ class WorkerService:
             await self._holds.start()
         await self._bus.subscribe(self.registration.inbox, WorkerRequest, self._on_request)
         await self._send_heartbeat()
-        self._background = [
-            asyncio.create_task(self._heartbeat_loop()),
-            asyncio.create_task(self._kv_events_loop()),
-            asyncio.create_task(self._lease_renew_loop()),
-        ]
+        for periodic in self._background:
+            periodic.start()
         announce_ready(model=self.registration.model, inbox=self.registration.inbox)
 
     async def drain(self, timeout_s: float) -> None:
@@ -112,9 +115,7 @@ class WorkerService:
             if pending:
                 self._log.warning("drain_timeout_aborted", aborted=len(pending))
                 await asyncio.gather(*pending, return_exceptions=True)
-        for task in self._background:
-            task.cancel()
-        await asyncio.gather(*self._background, return_exceptions=True)
+        await asyncio.gather(*(periodic.stop() for periodic in self._background))
         worker_id = self.registration.worker_id
         await self._bus.publish(subjects.WORKER_LEFT, WorkerLeft(worker_id=worker_id, reason="drained"))
         with contextlib.suppress(RedisError, OSError):
@@ -314,43 +315,32 @@ class WorkerService:
 
     # --- heartbeats ---------------------------------------------------------------
 
-    async def _heartbeat_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self._cluster.heartbeat_interval_s)
-            await self._send_heartbeat()
+    async def _renew_leases(self) -> None:
+        if not self._running:
+            return
+        leases = [LeaseProgress(rid, self._generated.get(rid, 0)) for rid in self._running]
+        try:
+            await self._bus.publish(subjects.CACHE_RENEW, RenewLeases(self.registration.worker_id, leases), traced=False)
+        except Exception as exc:
+            self._log.warning("lease_renew_failed", error=str(exc))
 
-    async def _lease_renew_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self._cluster.lease_renew_interval_s)
-            if not self._running:
-                continue
-            leases = [LeaseProgress(rid, self._generated.get(rid, 0)) for rid in self._running]
-            try:
-                await self._bus.publish(subjects.CACHE_RENEW, RenewLeases(self.registration.worker_id, leases), traced=False)
-            except Exception as exc:
-                self._log.warning("lease_renew_failed", error=str(exc))
-
-    async def _kv_events_loop(self) -> None:
-        # Batching at a short interval bounds the message rate however fast
-        # the engine steps, and lets a batch carry net changes only.
-        while True:
-            await asyncio.sleep(self._cluster.kv_events_interval_s)
-            delta = self._engine.drain_kv_events()
-            if not delta:
-                continue
-            self._kv_seq += 1
-            events = KvEvents(
-                worker_id=self.registration.worker_id,
-                seq=self._kv_seq,
-                block_size=self.registration.block_size,
-                stored=delta.stored,
-                removed=delta.removed,
-                cleared=delta.cleared,
-            )
-            try:
-                await self._bus.publish(subjects.kv_events(self.registration.worker_id), events, traced=False)
-            except Exception as exc:
-                self._log.warning("kv_events_publish_failed", error=str(exc))
+    async def _publish_kv_events(self) -> None:
+        delta = self._engine.drain_kv_events()
+        if not delta:
+            return
+        self._kv_seq += 1
+        events = KvEvents(
+            worker_id=self.registration.worker_id,
+            seq=self._kv_seq,
+            block_size=self.registration.block_size,
+            stored=delta.stored,
+            removed=delta.removed,
+            cleared=delta.cleared,
+        )
+        try:
+            await self._bus.publish(subjects.kv_events(self.registration.worker_id), events, traced=False)
+        except Exception as exc:
+            self._log.warning("kv_events_publish_failed", error=str(exc))
 
     async def _send_heartbeat(self) -> None:
         self._heartbeat_seq += 1

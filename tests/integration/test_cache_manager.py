@@ -25,7 +25,6 @@ from contracts.cache import (
     LookupRequest,
 )
 from contracts.messages import ErrorReply, GenerateRequest, SamplingParams
-from kvlane.fleet import Fleet
 from services.cache_manager.ledger import BlockLedger, lease_key
 from tests.integration.conftest import MODEL, launch
 

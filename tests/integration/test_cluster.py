@@ -103,7 +103,7 @@ async def test_sigterm_drains_in_flight_requests_and_takes_no_new_ones(own_fleet
         await asyncio.sleep(0.2)
         assert finished.workers() == Counter({"w1": 6})
         assert await asyncio.gather(*long_streams) == [(400, "length")] * 8
-        assert await asyncio.to_thread(draining.popen.wait, 20) == 0
+        assert await asyncio.to_thread(draining.wait_exit, 20) == 0, draining.log_tail()
 
 
 async def test_garbage_on_balancer_and_worker_subjects_gets_error_replies(shared_fleet: Fleet) -> None:

@@ -240,10 +240,10 @@ async def test_sigterm_each_service_in_turn_loses_nothing(tmp_path: Path) -> Non
                         next(p for p in fleet.workers if p.name == "worker-w0")):
             completed = result.completed
             process.signal(signal.SIGTERM)
-            code = await asyncio.to_thread(process.popen.wait, 30)
+            code = await asyncio.to_thread(process.wait_exit, 30)
+            assert code == 0, process.log_tail()
             recovery = await wait_until(lambda c=completed: result.completed >= c + 4, 30)
             exits.append(f"{process.name}: exit {code}, +4 completions {recovery:.2f}s later")
-            assert code == 0, process.log_tail()
         stop.set()
         await asyncio.wait_for(load, 60)
         print(result.report("SIGTERM balancer, cache-manager, health-prober, worker in turn", None) + "; " + "; ".join(exits))
@@ -256,8 +256,9 @@ async def test_sigterm_each_service_in_turn_loses_nothing(tmp_path: Path) -> Non
         await asyncio.sleep(0.5)
         fleet.ingress.signal(signal.SIGTERM)
         await asyncio.gather(*streams)
-        code = await asyncio.to_thread(fleet.ingress.popen.wait, 30)
+        code = await asyncio.to_thread(fleet.ingress.wait_exit, 30)
         print(tail.report(f"SIGTERM ingress (exit {code})", None))
-        assert code == 0 and tail.completed == 4 and not tail.wrong
+        assert code == 0, fleet.ingress.log_tail()
+        assert tail.completed == 4 and not tail.wrong
     finally:
         fleet.stop()

@@ -1,0 +1,47 @@
+"""What a service says while its shutdown drags on."""
+
+from __future__ import annotations
+
+import asyncio
+
+import structlog
+from structlog.testing import capture_logs
+
+from shared.runner import await_chain, report_slow_shutdown
+
+
+async def stuck_inner(gate: asyncio.Event) -> None:
+    await gate.wait()
+
+
+async def stuck_outer(gate: asyncio.Event) -> None:
+    await stuck_inner(gate)
+
+
+async def test_await_chain_names_every_level_of_a_suspended_task() -> None:
+    gate = asyncio.Event()
+    task = asyncio.create_task(stuck_outer(gate))
+    await asyncio.sleep(0)
+    chain = await_chain(task.get_coro())
+    assert chain.startswith("stuck_outer (unit/test_runner.py:")
+    assert "<- stuck_inner (unit/test_runner.py:" in chain and "<- wait (" in chain
+    gate.set()
+    await task
+    assert await_chain(task.get_coro()) == "?"  # finished: suspended nowhere
+
+
+async def test_slow_shutdown_is_reported_with_what_it_waits_on_and_never_before_stop() -> None:
+    stop, gate = asyncio.Event(), asyncio.Event()
+    stuck = asyncio.create_task(stuck_outer(gate), name="stuck-drain")
+    with capture_logs() as logs:
+        reporter = asyncio.create_task(report_slow_shutdown(stop, structlog.get_logger(), every_s=0.05))
+        await asyncio.sleep(0.2)
+        assert logs == []  # still serving: nothing to report
+        stop.set()
+        while len(logs) < 2:
+            await asyncio.sleep(0.01)
+        reporter.cancel()
+    assert {entry["event"] for entry in logs} == {"shutdown_slow"}
+    assert any(line.startswith("stuck-drain: stuck_outer") and "stuck_inner" in line for line in logs[0]["waiting_on"])
+    gate.set()
+    await stuck
