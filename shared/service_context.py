@@ -11,7 +11,7 @@ import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-import redis.asyncio as redis
+from redis.asyncio import Redis
 
 from shared.bus import Bus
 from shared.cluster import ClusterView, ClusterWatcher
@@ -23,7 +23,7 @@ from shared.telemetry import Telemetry
 @dataclass
 class ServiceContext:
     telemetry: Telemetry
-    redis: redis.Redis
+    redis: Redis
     bus: Bus
     state: ClusterState
     view: ClusterView

@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import uuid
-
-import structlog
 
 from services.balancer.allocation import KvAllocator
 from services.balancer.central_queue import CentralQueue
@@ -20,16 +17,11 @@ from services.balancer.snapshot import SnapshotBuilder
 from services.balancer.speed import StepModel
 from services.balancer.status import SlotRates
 from services.balancer.trackers import QueueGrowth, SpeedTracker
-from shared.bus import Bus
-from shared.cluster import ClusterView, ClusterWatcher
 from shared.config import BalancerSettings, KvlaneConfig
 from shared.metrics_http import serve_metrics
 from shared.prefix_index import PrefixIndex
 from shared.runner import announce_ready
-from shared.state import ClusterState, connect_redis
-from shared.telemetry import Telemetry
-
-log = structlog.get_logger("kvlane.balancer")
+from shared.service_context import service_context
 
 
 def fallback_step_model(profile_name: str) -> StepModel:
@@ -62,32 +54,22 @@ async def main(config: KvlaneConfig, stop: asyncio.Event) -> None:
     settings = config.balancer
     model = fallback_step_model(settings.speed.fallback_profile)
     balancer_id = f"b-{uuid.uuid4().hex[:8]}"
-    telemetry = Telemetry(config.tracing, "balancer")
-    redis_client = connect_redis(config.redis)
-    bus = await Bus.connect(config.nats, f"kvlane-balancer-{balancer_id}", telemetry)
-    view = ClusterView(config.cluster.heartbeat_ttl_s)
-    watcher = ClusterWatcher(bus, ClusterState(redis_client, config.cluster.heartbeat_ttl_s), view, config.cluster.resync_interval_s)
-    store = RedisSlotStore(redis_client) if settings.slots.store == "redis" else LocalSlotStore()
-    metrics = BalancerMetrics()
-    allocator = KvAllocator(bus, settings.allocate_timeout_s) if settings.allocate_kv else None
-    service = BalancerService(
-        bus, view, build_router(settings, model), store, settings, metrics, SlotRates(model, settings.slots), allocator, balancer_id
-    )
-    metrics_runner = None
-    try:
-        await watcher.start()
-        await service.start()
-        if settings.metrics_port:
-            metrics_runner = await serve_metrics(metrics.registry, settings.metrics_host, settings.metrics_port)
-        announce_ready(balancer_id=balancer_id, policy=settings.policy, slot_store=settings.slots.store)
-        await stop.wait()
-    finally:
-        await service.stop()
-        await watcher.stop()
-        # Draining the connection answers the route requests already received.
-        await bus.close()
-        if metrics_runner is not None:
-            await metrics_runner.cleanup()
-        with contextlib.suppress(Exception):
-            await redis_client.aclose()
-        telemetry.shutdown()
+    async with service_context(config, "balancer", balancer_id) as ctx:
+        store = RedisSlotStore(ctx.redis) if settings.slots.store == "redis" else LocalSlotStore()
+        metrics = BalancerMetrics()
+        allocator = KvAllocator(ctx.bus, settings.allocate_timeout_s) if settings.allocate_kv else None
+        service = BalancerService(
+            ctx.bus, ctx.view, build_router(settings, model), store, settings, metrics, SlotRates(model, settings.slots), allocator, balancer_id
+        )
+        metrics_runner = None
+        try:
+            await service.start()
+            if settings.metrics_port:
+                metrics_runner = await serve_metrics(metrics.registry, settings.metrics_host, settings.metrics_port)
+            announce_ready(balancer_id=balancer_id, policy=settings.policy, slot_store=settings.slots.store)
+            await stop.wait()
+        finally:
+            # Queued route requests are refused here; closing the bus then answers those already received.
+            await service.stop()
+            if metrics_runner is not None:
+                await metrics_runner.cleanup()
