@@ -37,6 +37,10 @@ def route(request_id: str = "r1") -> RouteRequest:
     return RouteRequest(request_id=request_id, model="m", prompt_tokens=3, max_tokens=4, deadline=2e9)
 
 
+async def decide(request: RouteRequest, msg) -> RouteDecision:
+    return RouteDecision(request.request_id, "w0", "inbox", "test")
+
+
 async def test_request_reply_and_handler_failure(nats_server) -> None:
     _, port = nats_server
     server, _ = await connect(port, "server")
@@ -45,7 +49,7 @@ async def test_request_reply_and_handler_failure(nats_server) -> None:
     async def handle(request: RouteRequest, msg) -> RouteDecision:
         if request.request_id == "boom":
             raise RuntimeError("handler bug")
-        return RouteDecision(request.request_id, "w0", "inbox", "test")
+        return await decide(request, msg)
 
     await server.subscribe("t.route", RouteRequest, handle, queue="q")
     assert await client.request("t.route", route(), RouteReply, 2) == RouteDecision("r1", "w0", "inbox", "test")
@@ -72,11 +76,8 @@ async def test_a_subscription_is_live_once_subscribe_returns(nats_server) -> Non
     server, _ = await connect(port, "server")
     client, _ = await connect(port, "client")
 
-    async def handle(request: RouteRequest, msg) -> RouteDecision:
-        return RouteDecision(request.request_id, "w0", "inbox", "test")
-
     for attempt in range(300):
-        await server.subscribe(f"t.fresh.{attempt}", RouteRequest, handle)
+        await server.subscribe(f"t.fresh.{attempt}", RouteRequest, decide)
         assert isinstance(await client.request(f"t.fresh.{attempt}", route(), RouteReply, 2), RouteDecision), attempt
     await server.close()
     await client.close()
@@ -107,10 +108,7 @@ async def test_trace_context_crosses_the_bus(nats_server) -> None:
     server, server_telemetry = await connect(port, "server", spans)
     client, client_telemetry = await connect(port, "client", spans)
 
-    async def handle(request: RouteRequest, msg) -> RouteDecision:
-        return RouteDecision(request.request_id, "w0", "inbox", "test")
-
-    await server.subscribe("t.traced", RouteRequest, handle)
+    await server.subscribe("t.traced", RouteRequest, decide)
     with client_telemetry.tracer.start_as_current_span("client-call") as parent:
         await client.request("t.traced", route(), RouteReply, 2)
     client_telemetry.flush()
@@ -127,10 +125,7 @@ async def test_subscriptions_survive_a_nats_restart(nats_server) -> None:
     server, _ = await connect(port, "server")
     client, _ = await connect(port, "client")
 
-    async def handle(request: RouteRequest, msg) -> RouteDecision:
-        return RouteDecision(request.request_id, "w0", "inbox", "test")
-
-    await server.subscribe("t.restart", RouteRequest, handle)
+    await server.subscribe("t.restart", RouteRequest, decide)
     assert isinstance(await client.request("t.restart", route(), RouteReply, 2), RouteDecision)
     launcher.stop_all()
     launcher.start_nats(port)
