@@ -65,11 +65,12 @@ def run_service(name: str, main: ServiceMain, argv: list[str] | None = None) -> 
 async def report_slow_shutdown(stop: asyncio.Event, log: structlog.typing.FilteringBoundLogger, every_s: float = 10.0) -> None:
     """Once stopping, say every `every_s` what the process still waits on, so a stuck drain names its culprit."""
     await stop.wait()
-    started = asyncio.get_running_loop().time()
+    loop, reporter = asyncio.get_running_loop(), asyncio.current_task()
+    started = loop.time()
     while True:
         await asyncio.sleep(every_s)
-        waiting = [f"{task.get_name()}: {await_chain(task.get_coro())}" for task in asyncio.all_tasks() if task is not asyncio.current_task()]
-        log.warning("shutdown_slow", seconds=round(asyncio.get_running_loop().time() - started, 1), waiting_on=waiting)
+        waiting = [f"{task.get_name()}: {await_chain(task.get_coro())}" for task in asyncio.all_tasks() if task is not reporter]
+        log.warning("shutdown_slow", seconds=round(loop.time() - started, 1), waiting_on=waiting)
 
 
 def await_chain(coro: object) -> str:
