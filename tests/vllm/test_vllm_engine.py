@@ -12,7 +12,7 @@ import json
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import aiohttp
@@ -20,7 +20,6 @@ import msgspec
 import nats
 import openai
 import pytest
-import redis
 
 from contracts import subjects
 from contracts.messages import Heartbeat, KvEvents, RequestFinished
@@ -153,13 +152,18 @@ def test_greedy_output_equals_vllm_offline(client: openai.OpenAI, tokenizer: HfT
         assert reply.choices[0].finish_reason == expected["finish_reason"]
 
 
-async def _collect(nats_url: str, subject: str, decoder: msgspec.msgpack.Decoder, sink: list) -> nats.NATS:
+async def _collect(nats_url: str, subject: str, decoder: msgspec.msgpack.Decoder, sink: list,
+                   stamp: bool = False) -> nats.NATS:
+    """Append each message on `subject` to `sink` (as `(arrival, message)` with `stamp`)."""
     nc = await nats.connect(nats_url)
 
     async def on_message(msg) -> None:
-        sink.append(decoder.decode(msg.data))
+        message = decoder.decode(msg.data)
+        sink.append((time.monotonic(), message) if stamp else message)
 
     await nc.subscribe(subject, cb=on_message)
+    # Twice: nats-py can write a flush's PING ahead of the SUB still queued.
+    await nc.flush()
     await nc.flush()
     return nc
 
@@ -195,20 +199,26 @@ def test_shared_prefix_is_cached_and_its_blocks_announced(vllm_fleet: Fleet) -> 
     assert all(batch.block_size == BLOCK_SIZE for batch in events)
 
 
-def test_client_disconnect_aborts_the_engine_request(vllm_fleet: Fleet, client: openai.OpenAI) -> None:
-    redis_client = redis.Redis.from_url(vllm_fleet.config.redis.url)
-    heartbeat = msgspec.json.Decoder(Heartbeat)
+def test_client_disconnect_aborts_the_engine_request(vllm_fleet: Fleet) -> None:
+    async def until(condition: Callable[[], object], timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not condition() and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
 
-    def running() -> int:
-        total = 0
-        for worker in vllm_fleet.workers:
-            raw = redis_client.get(subjects.node_key(worker.name.removeprefix("worker-")))
-            total += heartbeat.decode(raw).stats.running if raw else 0
-        return total
-
-    async def scenario() -> tuple[list[RequestFinished], int, int]:
+    async def scenario() -> tuple[list[RequestFinished], bool, bool, bool]:
         finished: list[RequestFinished] = []
-        nc = await _collect(vllm_fleet.config.nats.url, subjects.REQUEST_FINISHED, msgspec.msgpack.Decoder(RequestFinished), finished)
+        heartbeats: list[tuple[float, Heartbeat]] = []  # (arrival, heartbeat)
+        url = vllm_fleet.config.nats.url
+        finished_nc = await _collect(url, subjects.REQUEST_FINISHED, msgspec.msgpack.Decoder(RequestFinished), finished)
+        heartbeat_nc = await _collect(url, subjects.HEARTBEAT_ALL, msgspec.msgpack.Decoder(Heartbeat), heartbeats,
+                                      stamp=True)
+
+        def ours() -> list[RequestFinished]:
+            return [f for f in finished if f.request_id == request_id]
+
+        def busy_since(moment: float) -> bool:
+            return any(at > moment and beat.stats.running for at, beat in heartbeats)
+
         # ignore_eos: the random tiny model must not end the story before the client hangs up.
         body = {"model": MODEL, "prompt": "Tell me a very long story", "max_tokens": 1000, "stream": True,
                 "temperature": 1.0, "seed": 1, "ignore_eos": True}
@@ -220,26 +230,27 @@ def test_client_disconnect_aborts_the_engine_request(vllm_fleet: Fleet, client: 
                 chunks += line.startswith(b"data: ")
                 if chunks == 5:
                     break
-            # Wait for a heartbeat that shows the request running, then hang up.
-            busy = 0
-            for _ in range(40):
-                busy = await asyncio.to_thread(running)
-                if busy:
-                    break
-                await asyncio.sleep(0.05)
+            # Hang up once a heartbeat has shown the request running (heartbeats
+            # arrive every 0.25 s; the 1000 tokens take seconds).
+            streaming_since = time.monotonic()
+            await until(lambda: busy_since(streaming_since) or ours(), timeout_s=30)
+            seen_busy, ended_before_hang_up = busy_since(streaming_since), bool(ours())
             response.close()
-        idle_after = -1
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline:
-            await asyncio.sleep(0.25)
-            idle_after = await asyncio.to_thread(running)
-            if idle_after == 0 and any(f.request_id == request_id for f in finished):
-                break
-        await nc.close()
-        return [f for f in finished if f.request_id == request_id], busy, idle_after
+        await until(ours, timeout_s=10)
+        # The serving worker's first heartbeat after the end of the request must count it no more.
+        idle_after = False
+        if ours():
+            ended_at, worker = time.monotonic(), ours()[0].worker_id
+            await until(lambda: any(at > ended_at and b.registration.worker_id == worker for at, b in heartbeats), 5)
+            after = [b for at, b in heartbeats if at > ended_at and b.registration.worker_id == worker]
+            idle_after = bool(after) and after[0].stats.running == 0
+        await finished_nc.close()
+        await heartbeat_nc.close()
+        return ours(), seen_busy, ended_before_hang_up, idle_after
 
-    finished, busy, idle_after = asyncio.run(scenario())
-    assert busy >= 1, "no heartbeat showed the streaming request running"
-    assert idle_after == 0, "the worker still reports the request running after the client left"
+    finished, seen_busy, ended_before_hang_up, idle_after = asyncio.run(scenario())
+    assert not ended_before_hang_up, f"the request ended before the client hung up: {finished}"
+    assert seen_busy, "no heartbeat showed the streaming request running"
     assert [f.finish_reason for f in finished] == ["abort"]
     assert finished[0].usage.completion_tokens < 1000
+    assert idle_after, "the worker still reports the request running after the client left"
