@@ -23,8 +23,13 @@ from loadtest.client import RequestRecord
 from loadtest.metrics import ttft_s
 
 
-def _fmt(value: float | None, digits: int = 0) -> str:
+def fmt_number(value: float | None, digits: int = 0) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
+
+
+def error_lines(error: str) -> list[str]:
+    """A failed run's traceback without blank lines: its last line names the failure."""
+    return [line for line in error.splitlines() if line.strip()] or ["failed"]
 
 
 def rate_label(rate: float | None, concurrency: int | None) -> str:
@@ -45,18 +50,18 @@ def comparison_table(results: dict[str, Any]) -> Table:
     for run in results["runs"]:
         load = rate_label(run.get("rate"), run.get("concurrency"))
         if "error" in run:
-            # A traceback's last line names the failure; the JSON keeps the whole of it.
-            lines = [line for line in run["error"].splitlines() if line.strip()] or ["failed"]
+            # The JSON keeps the whole traceback.
+            lines = error_lines(run["error"])
             table.add_row(run["policy"], load, f"[red]{lines[0][:40]} … {lines[-1][:80]}[/]", *[""] * 9)
             continue
         s = run["summary"]
         table.add_row(
             run["policy"], load, f"{s['succeeded']}/{s['requests']}",
-            _fmt(s["goodput_rps"], 2), _fmt(s["request_throughput_rps"], 2), _fmt(s["output_token_throughput_tps"]),
-            _fmt(s["ttft_ms"]["p50"]), _fmt(s["ttft_ms"]["p99"]), _fmt(s["tpot_ms"]["p50"], 1),
-            _fmt(s["tpot_ms"]["p99"], 1),
+            fmt_number(s["goodput_rps"], 2), fmt_number(s["request_throughput_rps"], 2), fmt_number(s["output_token_throughput_tps"]),
+            fmt_number(s["ttft_ms"]["p50"]), fmt_number(s["ttft_ms"]["p99"]), fmt_number(s["tpot_ms"]["p50"], 1),
+            fmt_number(s["tpot_ms"]["p99"], 1),
             "-" if s["prefix_cache_hit_rate"] is None else f"{100 * s['prefix_cache_hit_rate']:.0f}%",
-            _fmt(s["load_cv"], 2),
+            fmt_number(s["load_cv"], 2),
         )
     return table
 

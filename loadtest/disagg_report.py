@@ -14,10 +14,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-
-
-def _fmt(value: float | None, digits: int = 0) -> str:
-    return "-" if value is None else f"{value:.{digits}f}"
+from loadtest.bench_report import error_lines, fmt_number
 
 
 def _pct(value: float | None) -> str:
@@ -35,15 +32,15 @@ def runs_table(results: dict[str, Any]) -> Table:
         table.add_column(column, justify="left" if column == "layout" else "right")
     for run in sorted(results["runs"], key=lambda r: (r["rate"], _layout_order(results, r["layout"]))):
         if "error" in run:
-            lines = [line for line in run["error"].splitlines() if line.strip()] or ["failed"]
+            lines = error_lines(run["error"])
             table.add_row(run["layout"], f"{run['rate']:g}", f"[red]{lines[-1][:100]}[/]", *[""] * 9)
             continue
         s, sim = run["summary"], run["sim"]
         table.add_row(
-            run["layout"], f"{run['rate']:g}", f"{s['succeeded']}/{s['requests']}", _fmt(sim["goodput_rps"], 2),
-            _pct(sim["slo_attainment"]), _fmt(sim["request_throughput_rps"], 2),
-            _fmt(sim["output_token_throughput_tps"]), _fmt(sim["ttft_ms"]["p50"]), _fmt(sim["ttft_ms"]["p99"]),
-            _fmt(sim["tpot_ms"]["p50"], 1), _fmt(sim["tpot_ms"]["p99"], 1), _pct(sim["remote_prefill_share"]),
+            run["layout"], f"{run['rate']:g}", f"{s['succeeded']}/{s['requests']}", fmt_number(sim["goodput_rps"], 2),
+            _pct(sim["slo_attainment"]), fmt_number(sim["request_throughput_rps"], 2),
+            fmt_number(sim["output_token_throughput_tps"]), fmt_number(sim["ttft_ms"]["p50"]), fmt_number(sim["ttft_ms"]["p99"]),
+            fmt_number(sim["tpot_ms"]["p50"], 1), fmt_number(sim["tpot_ms"]["p99"], 1), _pct(sim["remote_prefill_share"]),
         )
     return table
 
@@ -54,8 +51,8 @@ def comparison_table(results: dict[str, Any]) -> Table:
     for column in ("rate r/s", "aggregated", "best P:D", "its goodput", "ratio"):
         table.add_column(column, justify="left" if column == "best P:D" else "right")
     for row in comparison["per_rate"]:
-        table.add_row(f"{row['rate_rps']:g}", _fmt(row["aggregated_goodput_rps"], 2), row["best_disaggregated"],
-                      _fmt(row["best_goodput_rps"], 2), _fmt(row["goodput_ratio"], 2))
+        table.add_row(f"{row['rate_rps']:g}", fmt_number(row["aggregated_goodput_rps"], 2), row["best_disaggregated"],
+                      fmt_number(row["best_goodput_rps"], 2), fmt_number(row["goodput_ratio"], 2))
     return table
 
 
@@ -84,12 +81,12 @@ def capacity_table(results: dict[str, Any]) -> Table:
     for layout in results["parameters"]["layouts"]:
         name = layout["name"]
         table.add_row(name, cell(comparison["capacity_rps"].get(name)),
-                      _fmt(comparison["capacity_per_node_rps"].get(name), 2),
+                      fmt_number(comparison["capacity_per_node_rps"].get(name), 2),
                       *[cell(by_scale[scale]["capacity_rps"].get(name)) for scale in others])
     ratios = [by_scale[scale]["ratio_best_disaggregated_vs_aggregated"] for scale in others]
     if comparison["capacity_ratio_best_disaggregated_vs_aggregated"] is not None or any(r is not None for r in ratios):
-        table.add_row("[bold]best P:D / agg[/]", _fmt(comparison["capacity_ratio_best_disaggregated_vs_aggregated"], 2),
-                      "", *[_fmt(r, 2) for r in ratios])
+        table.add_row("[bold]best P:D / agg[/]", fmt_number(comparison["capacity_ratio_best_disaggregated_vs_aggregated"], 2),
+                      "", *[fmt_number(r, 2) for r in ratios])
     return table
 
 
