@@ -9,6 +9,7 @@ whose parent is the sender's, so one trace spans all services.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -232,10 +233,18 @@ class ReplyStream:
         self._frames.put_nowait(frame)
 
     async def next(self, timeout: float) -> StreamFrame:
-        """The next frame; `RequestTimeout` if none comes within `timeout`."""
+        """The next frame; `RequestTimeout` if none comes within `timeout`.
+
+        Not `asyncio.wait_for`: on Python 3.11 it swallows a cancellation that
+        lands as a frame arrives, and a cancelled caller (a client that hung
+        up) would then go on relaying a request nobody reads.
+        """
+        with contextlib.suppress(asyncio.QueueEmpty):
+            return self._frames.get_nowait()
         try:
-            return await asyncio.wait_for(self._frames.get(), timeout)
-        except asyncio.TimeoutError as exc:
+            async with asyncio.timeout(timeout):
+                return await self._frames.get()
+        except TimeoutError as exc:
             raise RequestTimeout(f"stream {self.request_id}: no frame within {timeout:.1f}s") from exc
 
     def close(self) -> None:

@@ -108,7 +108,10 @@ class IngressApp:
                 timed = self._timed(frames, received)
                 if prepared.stream:
                     return await self._stream(request, request_id, timed, renderer, prepared)
-                return await self._whole(request_id, timed, renderer)
+                return await self._whole(request, request_id, timed, renderer)
+        except asyncio.CancelledError:
+            log.info("client_disconnected", request_id=request_id)  # aiohttp cancels the handler of a client gone
+            raise
         finally:
             self._metrics.in_flight.dec()
             structlog.contextvars.unbind_contextvars("request_id")
@@ -131,14 +134,19 @@ class IngressApp:
                 self._metrics.generation_tokens.inc(frame.usage.completion_tokens)
             yield frame
 
-    async def _whole(self, request_id: str, frames: Frames, renderer: Renderer) -> web.Response:
+    async def _whole(self, request: web.Request, request_id: str, frames: Frames, renderer: Renderer) -> web.Response:
         pieces: list[str] = []
-        async for frame in frames:
-            if isinstance(frame, TokenChunk):
-                pieces.append(frame.text)
-            else:
-                return web.Response(body=renderer.whole("".join(pieces), frame), content_type="application/json",
-                                    headers={"X-Request-Id": request_id})
+        try:
+            async for frame in frames:
+                if isinstance(frame, TokenChunk):
+                    _check_connected(request)
+                    pieces.append(frame.text)
+                else:
+                    return web.Response(body=renderer.whole("".join(pieces), frame), content_type="application/json",
+                                        headers={"X-Request-Id": request_id})
+        except ConnectionError:
+            log.info("client_disconnected", request_id=request_id)
+            return web.Response(status=499, reason="Client Closed Request")  # nobody reads it; the metrics count it
         raise ApiError(502, "stream ended without a final frame", code="stream_incomplete")
 
     async def _stream(self, request: web.Request, request_id: str, frames: Frames, renderer: Renderer, prepared: PreparedRequest) -> web.StreamResponse:
@@ -161,7 +169,9 @@ class IngressApp:
             async for frame in frames_from_first():
                 if isinstance(frame, TokenChunk):
                     if (chunk := renderer.delta(frame.text)) is not None:
-                        await response.write(chunk)
+                        await response.write(chunk)  # raises once the client is gone
+                    else:
+                        _check_connected(request)
                     continue
                 await response.write(renderer.closing(frame))
                 if prepared.include_usage:
@@ -221,3 +231,16 @@ class IngressApp:
 
     async def openapi(self, request: web.Request) -> web.Response:
         return web.Response(body=self._openapi, content_type="application/json")
+
+
+def _check_connected(request: web.Request) -> None:
+    """Raise `ConnectionResetError` if the client has hung up.
+
+    Its handler is cancelled then too, but a library may swallow a
+    cancellation (Python 3.11's `asyncio.wait_for` does when the awaited
+    result lands at the same moment); checked per frame, a request nobody
+    waits for ends within one frame even when there is nothing to write.
+    """
+    transport = request.transport
+    if transport is None or transport.is_closing():
+        raise ConnectionResetError("the client closed the connection")

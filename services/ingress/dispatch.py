@@ -94,27 +94,31 @@ class Dispatcher:
             decision = await self._route(request_id, prepared, deadline, excluded, len(produced))
             with self._streams.open(f"{request_id}-{handovers}") as stream:
                 handovers += 1
-                refused_by = await self._hand_over(request_id, prepared, decision, stream, deadline, produced)
-                if refused_by:
-                    excluded.append(refused_by)
-                    refused += 1
-                    if refused >= self._settings.dispatch_attempts:
-                        raise ApiError(
-                            503, f"no worker accepted the request after {refused} attempts",
-                            code="no_capacity", retry_after_s=1.0,
-                        )
-                    continue
-                ended = False
+                # From the hand-over on, the chain's nodes may be running the request: unless it
+                # ended (or was abandoned) here, whatever stops this attempt aborts it there: the
+                # client hanging up (its handler cancelled, or this generator closed), an error.
+                settled = False
                 try:
+                    refused_by = await self._hand_over(request_id, prepared, decision, stream, deadline, produced)
+                    if refused_by:
+                        settled = True
+                        excluded.append(refused_by)
+                        refused += 1
+                        if refused >= self._settings.dispatch_attempts:
+                            raise ApiError(
+                                503, f"no worker accepted the request after {refused} attempts",
+                                code="no_capacity", retry_after_s=1.0,
+                            )
+                        continue
                     async for frame in self._relay(request_id, decision, stream):
                         if isinstance(frame, TokenChunk):
                             produced.extend(frame.token_ids)
-                        ended = isinstance(frame, StreamEnd)
+                        settled = isinstance(frame, StreamEnd)
                         yield msgspec.structs.replace(frame, seq=out_seq)
                         out_seq += 1
                     return
                 except StreamInterrupted as exc:
-                    ended = True  # _abandon tells the worker
+                    settled = True  # _abandon tells the workers
                     await self._abandon(request_id, decision, exc)
                     # Preemptions are bounded apart from failures: a low-priority
                     # request may legitimately give way several times.
@@ -133,11 +137,8 @@ class Dispatcher:
                     log.warning("stream_resumed", request_id=request_id, worker_id=exc.culprit or decision.worker_id,
                                 reason=exc.reason, tokens_so_far=len(produced))
                 finally:
-                    if not ended:
-                        # The client left or the request failed: free the workers' slots.
-                        for inbox in _inboxes(decision):
-                            with contextlib.suppress(Exception):
-                                await self._bus.publish(inbox, AbortRequest(request_id=request_id))
+                    if not settled:
+                        await self._abort(request_id, decision, "client_disconnected")
 
     async def _route(
         self, request_id: str, prepared: PreparedRequest, deadline: float, excluded: list[str], produced: int
@@ -270,11 +271,14 @@ class Dispatcher:
     async def _abandon(self, request_id: str, decision: RouteDecision, interruption: StreamInterrupted) -> None:
         # Free the slots the old attempt may still hold (a stalled worker that
         # wakes up, for instance), and tell the health-prober what happened.
-        for inbox in _inboxes(decision):
-            with contextlib.suppress(Exception):
-                await self._bus.publish(inbox, AbortRequest(request_id=request_id, reason="migrated"))
+        await self._abort(request_id, decision, "migrated")
         if interruption.feedback is not None:
             await self._report(interruption.culprit or decision.worker_id, interruption.feedback, request_id, interruption.reason)
+
+    async def _abort(self, request_id: str, decision: RouteDecision, reason: str) -> None:
+        for inbox in _inboxes(decision):
+            with contextlib.suppress(Exception):
+                await self._bus.publish(inbox, AbortRequest(request_id=request_id, reason=reason))
 
     async def _report(self, worker_id: str, kind: FeedbackKind, request_id: str, detail: str) -> None:
         with contextlib.suppress(Exception):

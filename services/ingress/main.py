@@ -40,7 +40,11 @@ async def main(config: KvlaneConfig, stop: asyncio.Event) -> None:
         if config.balancer.allocate_kv:
             dependencies.append(Dependency("cache-manager", subjects.CACHE_REQUEST, LookupRequest([]), CacheReply))
         app = IngressApp(settings, view, dispatcher, IngressMetrics(), lambda: bus.connected, Readiness(bus, dependencies))
-        runner = web.AppRunner(app.build(), access_log=None, shutdown_timeout=settings.request_timeout_s)
+        # handler_cancellation: a client that hangs up cancels its handler at once, so its
+        # request is aborted on the worker even while nothing is being written to it
+        # (a queue wait, a prefill, output that is not text yet, a non-streamed reply).
+        runner = web.AppRunner(app.build(), access_log=None, shutdown_timeout=settings.request_timeout_s,
+                               handler_cancellation=True)
         try:
             await runner.setup()
             await web.TCPSite(runner, settings.host, settings.port).start()

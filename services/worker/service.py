@@ -136,10 +136,13 @@ class WorkerService:
                 return self._accept(message)
             case AbortRequest(request_id=request_id):
                 task = self._running.get(request_id)
-                if task is not None:
-                    self._log.info("request_aborted", request_id=request_id, reason=message.reason)
-                    self._abort_reasons[request_id] = message.reason
-                    task.cancel()
+                if task is None:
+                    # It ended here before the abort came, or never ran here.
+                    self._log.debug("abort_of_no_running_request", request_id=request_id, reason=message.reason)
+                    return None
+                self._log.info("request_aborted", request_id=request_id, reason=message.reason)
+                self._abort_reasons[request_id] = message.reason
+                task.cancel()
                 return None
 
     def _accept(self, request: RequestToRun) -> GenerateAccepted | ErrorReply:
@@ -182,8 +185,10 @@ class WorkerService:
         outcome: str = "error"
         publish = self._bus.publish
         try:
-            async with asyncio.timeout(request.deadline - time.time()):
-                async for output in self._outputs(engine_request):
+            # aclosing: however the loop ends, the engine's generator is closed now, which
+            # aborts the request in the engine (not whenever the garbage collector gets to it).
+            async with asyncio.timeout(request.deadline - time.time()), contextlib.aclosing(self._outputs(engine_request)) as outputs:
+                async for output in outputs:
                     if first_token_at is None:
                         first_token_at = time.monotonic()
                     completion_tokens += len(output.token_ids)
@@ -193,6 +198,10 @@ class WorkerService:
                     seq += 1
                     if output.finish_reason is not None:
                         outcome = output.finish_reason
+                    elif request.request_id in self._abort_reasons:
+                        # Aborted, yet still running: a library swallowed the task's
+                        # cancellation (nats-py's flush does when it has to wait).
+                        raise asyncio.CancelledError
             usage = Usage(len(request.prompt_token_ids), completion_tokens, cached_tokens)
             timings = Timings(first_token_s=None if first_token_at is None else first_token_at - started, finished_s=time.monotonic() - started)
             await publish(request.stream_to, StreamEnd(request.request_id, seq, outcome, usage, timings, self.registration.worker_id))
@@ -223,8 +232,9 @@ class WorkerService:
         """The engine's outputs; with a `kv_ref`, pulled KV first, else (pull failed) a local prefill."""
         ref = request.kv_ref
         if ref is None:
-            async for output in self._engine.generate(request):
-                yield output
+            async with contextlib.aclosing(self._engine.generate(request)) as outputs:
+                async for output in outputs:
+                    yield output
             return
         released = False
         try:
@@ -232,20 +242,22 @@ class WorkerService:
                 produced = False
                 try:
                     await self._puller.pull(request.request_id, ref)
-                    async for output in self._engine.generate(request):
-                        if not produced:
-                            produced = released = True
-                            # The KV is here now: the source may free it.
-                            self._bus.spawn(self._puller.release(request.request_id, ref))
-                        yield output
+                    async with contextlib.aclosing(self._engine.generate(request)) as outputs:
+                        async for output in outputs:
+                            if not produced:
+                                produced = released = True
+                                # The KV is here now: the source may free it.
+                                self._bus.spawn(self._puller.release(request.request_id, ref))
+                            yield output
                     return
                 except KvPullFailed as exc:
                     if produced:
                         raise
                     self._kv_pull_failures += 1
                     self._log.warning("kv_pull_failed", request_id=request.request_id, attempt=attempt, error=str(exc))
-            async for output in self._engine.generate(msgspec.structs.replace(request, kv_ref=None)):
-                yield output
+            async with contextlib.aclosing(self._engine.generate(msgspec.structs.replace(request, kv_ref=None))) as outputs:
+                async for output in outputs:
+                    yield output
         finally:
             if not released:
                 self._bus.spawn(self._puller.release(request.request_id, ref))

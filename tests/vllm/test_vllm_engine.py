@@ -12,22 +12,22 @@ import json
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
-import aiohttp
 import msgspec
 import nats
 import openai
 import pytest
 
 from contracts import subjects
-from contracts.messages import Heartbeat, KvEvents, RequestFinished
+from contracts.messages import Heartbeat, KvEvents
 from contracts.openai_api import ChatMessage
 from kvlane.fleet import Fleet
+from loadtest.hangup import Options, Report, soak
 from shared.block_hash import chained_block_hashes
 from shared.tokenizer import HfTokenizer
-from tests.vllm.conftest import BLOCK_SIZE, MODEL, reference_engine_args
+from tests.vllm.conftest import BLOCK_SIZE, MAX_MODEL_LEN, MODEL, reference_engine_args
 
 pytestmark = [pytest.mark.vllm, pytest.mark.integration]
 
@@ -137,8 +137,8 @@ def test_completion_streamed_and_whole_agree(client: openai.OpenAI) -> None:
 
 
 def test_prompt_too_long_is_a_clear_400(client: openai.OpenAI) -> None:
-    with pytest.raises(openai.BadRequestError, match="maximum context length is 1024"):
-        client.completions.create(model=MODEL, prompt=[5] * 1000, max_tokens=100)
+    with pytest.raises(openai.BadRequestError, match=f"maximum context length is {MAX_MODEL_LEN}"):
+        client.completions.create(model=MODEL, prompt=[5] * (MAX_MODEL_LEN - 24), max_tokens=100)
 
 
 def test_greedy_output_equals_vllm_offline(client: openai.OpenAI, tokenizer: HfTokenizer,
@@ -199,64 +199,32 @@ def test_shared_prefix_is_cached_and_its_blocks_announced(vllm_fleet: Fleet) -> 
     assert all(batch.block_size == BLOCK_SIZE for batch in events)
 
 
-def test_client_disconnect_aborts_the_engine_request(vllm_fleet: Fleet) -> None:
-    async def until(condition: Callable[[], object], timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while not condition() and time.monotonic() < deadline:
-            await asyncio.sleep(0.02)
+def test_clients_that_hang_up_get_their_engine_requests_aborted(vllm_fleet: Fleet) -> None:
+    """Each client leaves a long stream after a few chunks, with another stream running beside it:
+    vLLM must stop generating for it (`python -m loadtest.hangup --engine vllm` runs this many times)."""
+    runs = 5
+    options = Options(runs=runs, max_tokens=MAX_MODEL_LEN - 64, after_chunks=5, background=1, busy_core=False)
 
-    async def scenario() -> tuple[list[RequestFinished], bool, bool, bool]:
-        finished: list[RequestFinished] = []
+    async def scenario() -> tuple[Report, set[str]]:
         heartbeats: list[tuple[float, Heartbeat]] = []  # (arrival, heartbeat)
-        url = vllm_fleet.config.nats.url
-        finished_nc = await _collect(url, subjects.REQUEST_FINISHED, msgspec.msgpack.Decoder(RequestFinished), finished)
-        heartbeat_nc = await _collect(url, subjects.HEARTBEAT_ALL, msgspec.msgpack.Decoder(Heartbeat), heartbeats,
-                                      stamp=True)
+        nc = await _collect(vllm_fleet.config.nats.url, subjects.HEARTBEAT_ALL, msgspec.msgpack.Decoder(Heartbeat),
+                            heartbeats, stamp=True)
+        report = await soak(vllm_fleet, options, log=False)
+        ended_at = time.monotonic()
 
-        def ours() -> list[RequestFinished]:
-            return [f for f in finished if f.request_id == request_id]
+        def idle_since_end() -> set[str]:
+            # Not necessarily each worker's first heartbeat after: a health probe
+            # (one token, every 2 s) may be running then.
+            return {beat.registration.worker_id for at, beat in heartbeats if at > ended_at and not beat.stats.running}
 
-        def busy_since(moment: float) -> bool:
-            return any(at > moment and beat.stats.running for at, beat in heartbeats)
+        while idle_since_end() != workers and time.monotonic() < ended_at + 5:
+            await asyncio.sleep(0.05)
+        await nc.close()
+        return report, idle_since_end()
 
-        # ignore_eos: the random tiny model must not end the story before the client hangs up.
-        body = {"model": MODEL, "prompt": "Tell me a very long story", "max_tokens": 1000, "stream": True,
-                "temperature": 1.0, "seed": 1, "ignore_eos": True}
-        async with aiohttp.ClientSession() as session:
-            response = await session.post(f"{vllm_fleet.base_url}/v1/completions", json=body)
-            request_id = response.headers["X-Request-Id"]
-            chunks = 0
-            async for line in response.content:
-                chunks += line.startswith(b"data: ")
-                if chunks == 5:
-                    break
-            # Hang up once a heartbeat has shown the request running (heartbeats
-            # arrive every 0.25 s; the 1000 tokens take seconds).
-            streaming_since = time.monotonic()
-            await until(lambda: busy_since(streaming_since) or ours(), timeout_s=30)
-            seen_busy, ended_before_hang_up = busy_since(streaming_since), bool(ours())
-            response.close()
-        await until(ours, timeout_s=10)
-        # Within 2 s (8 heartbeats) of the abort the serving worker must report
-        # nothing running. Not necessarily the first heartbeat: a health probe
-        # (one token, every 2 s) may be running at that moment.
-        idle_after = False
-        if ours():
-            ended_at, worker = time.monotonic(), ours()[0].worker_id
-
-            def idle_since_end() -> bool:
-                return any(at > ended_at and b.registration.worker_id == worker and not b.stats.running
-                           for at, b in heartbeats)
-
-            await until(idle_since_end, timeout_s=2)
-            idle_after = idle_since_end()
-        await finished_nc.close()
-        await heartbeat_nc.close()
-        return ours(), seen_busy, ended_before_hang_up, idle_after
-
-    finished, seen_busy, ended_before_hang_up, idle_after = asyncio.run(scenario())
-    assert not ended_before_hang_up, f"the request ended before the client hung up: {finished}"
-    assert seen_busy, "no heartbeat showed the streaming request running"
-    assert [f.finish_reason for f in finished] == ["abort"]
-    assert finished[0].usage.completion_tokens < 1000
-    assert idle_after, "the worker still reports the request running after the client left"
+    workers = {process.name.removeprefix("worker-") for process in vllm_fleet.workers}
+    report, idle = asyncio.run(scenario())
+    assert (report.refused, report.ended_first, report.leaked) == (0, 0, 0), report.hang_ups
+    assert report.aborted == runs
+    assert report.background_completed >= 1
+    assert idle == workers, f"only {idle} of {workers} report nothing running after their clients left"

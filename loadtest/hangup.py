@@ -1,0 +1,303 @@
+"""Clients that hang up mid-stream, under load: each such request must be aborted on its worker.
+
+A client reads a few chunks of a long stream, then closes the connection.
+The request counts as aborted when its worker announces it finished with
+`finish_reason="abort"` and fewer tokens than it asked for: the engine
+stopped generating for a client that left. Anything else (it ran to
+`max_tokens`, or no `RequestFinished` came at all) is a leak.
+
+Load while it runs: other streams that run to their end (`--background`),
+and a process that keeps one core busy (`--busy-core`).
+
+    python -m loadtest.hangup --engine sim --runs 50
+    python -m loadtest.hangup --engine vllm --runs 50
+
+Prints one line per hang-up and a summary; writes JSON (`--out`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import datetime as dt
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import aiohttp
+import msgspec
+import nats
+
+from contracts import subjects
+from contracts.messages import RequestFinished
+from kvlane.fleet import Fleet, start_fleet, with_overrides
+from kvlane.launcher import Launcher, free_port
+from loadtest.overhead import machine_info
+from shared.config import KvlaneConfig
+
+DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "hangup.json"
+HOST = "127.0.0.1"
+
+
+class FinishedWatch:
+    """Every `RequestFinished` on the bus, from the moment `open` returns."""
+
+    def __init__(self, nc: nats.NATS) -> None:
+        self._nc = nc
+        self._decoder = msgspec.msgpack.Decoder(RequestFinished)
+        self.events: list[RequestFinished] = []
+        self._arrived = asyncio.Condition()
+
+    @classmethod
+    @contextlib.asynccontextmanager
+    async def open(cls, nats_url: str) -> AsyncIterator[FinishedWatch]:
+        nc = await nats.connect(nats_url)
+        watch = cls(nc)
+        try:
+            await nc.subscribe(subjects.REQUEST_FINISHED, cb=watch._on_message)
+            # Twice: nats-py can write a flush's PING ahead of the SUB still queued.
+            await nc.flush()
+            await nc.flush()
+            yield watch
+        finally:
+            await nc.close()
+
+    async def _on_message(self, msg) -> None:
+        finished = self._decoder.decode(msg.data)
+        async with self._arrived:
+            self.events.append(finished)
+            self._arrived.notify_all()
+
+    def of(self, request_id: str) -> list[RequestFinished]:
+        return [event for event in self.events if event.request_id == request_id]
+
+    def of_clients(self) -> list[RequestFinished]:
+        """Events of client requests: not health probes, not pre-warm prefills."""
+        return [event for event in self.events if not event.request_id.startswith(("probe-", "prewarm-"))]
+
+    async def wait_until(self, condition: Callable[[], object], timeout_s: float) -> bool:
+        """Whether `condition()` held within `timeout_s` (checked as each event arrives)."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout_s), self._arrived:
+                await self._arrived.wait_for(condition)
+        return bool(condition())
+
+    async def wait(self, request_id: str, timeout_s: float) -> list[RequestFinished]:
+        """The request's `RequestFinished` events once one has come (empty if none within `timeout_s`)."""
+        await self.wait_until(lambda: self.of(request_id), timeout_s)
+        return self.of(request_id)
+
+
+class Refused(Exception):
+    """The request was answered with an error status instead of a stream (an overloaded fleet may)."""
+
+    def __init__(self, status: int, body: str) -> None:
+        super().__init__(f"HTTP {status}: {body}")
+        self.status = status
+
+
+@dataclass
+class HangUp:
+    request_id: str
+    chunks_read: int
+    seconds_to_hang_up: float
+    hung_up_at: float  # wall clock, to compare with the services' logs
+    finish_reasons: list[str]
+    completion_tokens: int | None
+    worker_id: str
+    ended_before_hang_up: bool
+    seconds_to_finish: float | None
+
+    def verdict(self, max_tokens: int) -> str:
+        """`aborted` (the engine stopped early), `ended_first` (nothing left to abort) or `leaked`."""
+        if self.ended_before_hang_up:
+            return "ended_first"
+        if self.finish_reasons == ["abort"] and (self.completion_tokens or 0) < max_tokens:
+            return "aborted"
+        return "leaked"
+
+
+async def hang_up(session: aiohttp.ClientSession, base_url: str, watch: FinishedWatch, body: dict,
+                  after_chunks: int = 5, finish_timeout_s: float = 30.0) -> HangUp:
+    """Stream `body` from `/v1/completions`, close the connection after `after_chunks` data lines,
+    and wait for the worker's `RequestFinished`."""
+    sent_at = time.monotonic()
+    response = await session.post(f"{base_url}/v1/completions", json=body)
+    try:
+        if response.status != 200:
+            raise Refused(response.status, await response.text())
+        request_id = response.headers["X-Request-Id"]
+        chunks = 0
+        async for line in response.content:
+            chunks += line.startswith(b"data: ")
+            if chunks == after_chunks:
+                break
+        ended_before = bool(watch.of(request_id))
+    finally:
+        response.close()
+    hung_up_at, wall_hung_up_at = time.monotonic(), time.time()
+    finished = await watch.wait(request_id, finish_timeout_s)
+    return HangUp(
+        request_id=request_id,
+        chunks_read=chunks,
+        seconds_to_hang_up=round(hung_up_at - sent_at, 3),
+        hung_up_at=wall_hung_up_at,
+        finish_reasons=[f.finish_reason for f in finished],
+        completion_tokens=finished[0].usage.completion_tokens if finished else None,
+        worker_id=finished[0].worker_id if finished else "",
+        ended_before_hang_up=ended_before,
+        seconds_to_finish=round(time.monotonic() - hung_up_at, 3) if finished else None,
+    )
+
+
+async def streams_to_the_end(session: aiohttp.ClientSession, base_url: str, body: dict, stop: asyncio.Event) -> int:
+    """Load beside the hang-ups: whole streams, one after another, until `stop`; how many completed."""
+    completed = 0
+    while not stop.is_set():
+        async with session.post(f"{base_url}/v1/completions", json=body) as response:
+            async for line in response.content:
+                if line.startswith(b"data: [DONE]"):
+                    completed += 1
+    return completed
+
+
+@contextlib.contextmanager
+def busy_core() -> Iterator[None]:
+    """One process spinning on a core for as long as the block runs."""
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        yield
+    finally:
+        spinner.kill()
+        spinner.wait()
+
+
+@dataclass
+class Options:
+    engine: str = "sim"
+    runs: int = 50
+    max_tokens: int = 1000
+    after_chunks: int = 5
+    background: int = 1
+    busy_core: bool = True
+    out: Path = DEFAULT_OUT
+
+
+@dataclass
+class Report:
+    options: dict
+    machine: dict
+    hang_ups: list[dict] = field(default_factory=list)
+    aborted: int = 0
+    leaked: int = 0
+    # Not hang-ups mid-request: the request had ended before the client read
+    # `after_chunks` chunks, or was refused (an overloaded fleet may).
+    ended_first: int = 0
+    refused: int = 0
+    background_completed: int = 0
+
+
+def request_body(model: str, max_tokens: int, stream: bool = True) -> dict:
+    # ignore_eos: a model (the random tiny one included) must not end the story before the client hangs up.
+    # Greedy: vLLM's first seeded request on the CPU spends seconds warming up its sampler.
+    return {"model": model, "prompt": "Tell me a very long story", "max_tokens": max_tokens, "stream": stream,
+            "temperature": 0.0, "ignore_eos": True}
+
+
+async def soak(fleet: Fleet, options: Options, log: bool = True) -> Report:
+    """`options.runs` hang-ups in a row against a running fleet, with the load the options ask for."""
+    report = Report(options={k: str(v) for k, v in asdict(options).items()}, machine=machine_info())
+    model = fleet.config.worker.model
+    stop = asyncio.Event()
+    async with aiohttp.ClientSession() as session, FinishedWatch.open(fleet.config.nats.url) as watch:
+        background_body = request_body(model, max(16, options.max_tokens // 20))
+        background = [asyncio.create_task(streams_to_the_end(session, fleet.base_url, background_body, stop))
+                      for _ in range(options.background)]
+        try:
+            with busy_core() if options.busy_core else contextlib.nullcontext():
+                for run in range(1, options.runs + 1):
+                    try:
+                        result = await hang_up(session, fleet.base_url, watch, request_body(model, options.max_tokens),
+                                               options.after_chunks)
+                    except Refused as exc:
+                        report.refused += 1
+                        if log:
+                            print(f"{run:3d} refused: {exc}", flush=True)
+                        continue
+                    report.hang_ups.append(asdict(result))
+                    verdict = result.verdict(options.max_tokens)
+                    setattr(report, verdict, getattr(report, verdict) + 1)
+                    if log:
+                        print(f"{run:3d} {verdict:13s} {result.request_id} {result.finish_reasons} "
+                              f"tokens={result.completion_tokens} worker={result.worker_id} "
+                              f"hung up at {result.seconds_to_hang_up}s, finished {result.seconds_to_finish}s later",
+                              flush=True)
+        finally:
+            stop.set()
+            report.background_completed = sum(await asyncio.gather(*background))
+    return report
+
+
+def fleet_config(engine: str, model_dir: Path | None, log_level: str = "info") -> KvlaneConfig:
+    config = with_overrides(
+        KvlaneConfig(),
+        nats={"url": f"nats://{HOST}:{free_port()}"},
+        redis={"url": f"redis://{HOST}:{free_port()}/0"},
+        ingress={"host": HOST, "port": free_port()},
+        logging={"level": log_level},
+        worker={"engine": engine},
+    )
+    if engine == "vllm":
+        vllm = {"model": str(model_dir), "dtype": "float32", "max_model_len": 4096, "block_size": 32,
+                "kv_cache_gib": 1.0, "extra_engine_args": {"enforce_eager": True}}
+        config = with_overrides(config, worker={"model": "tiny-llama"}, **{"worker.vllm": vllm})
+    return config
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m loadtest.hangup", description=__doc__.splitlines()[0])
+    parser.add_argument("--engine", choices=["sim", "vllm"], default="sim")
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--runs", type=int, default=Options.runs)
+    parser.add_argument("--max-tokens", type=int, default=Options.max_tokens)
+    parser.add_argument("--after-chunks", type=int, default=Options.after_chunks)
+    parser.add_argument("--background", type=int, default=Options.background, help="streams running beside the hang-ups")
+    parser.add_argument("--no-busy-core", action="store_true", help="do not keep a core busy")
+    parser.add_argument("--log-level", default="info", help="the fleet's log level")
+    parser.add_argument("--log-dir", type=Path, help="the fleet's logs (default: a new temporary directory)")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    args = parser.parse_args(argv)
+    options = Options(engine=args.engine, runs=args.runs, max_tokens=args.max_tokens, after_chunks=args.after_chunks,
+                      background=args.background, busy_core=not args.no_busy_core, out=args.out)
+    log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="kvlane-hangup-"))
+    model_dir = None
+    if options.engine == "vllm":
+        from kvlane.tiny_model import default_cache_dir, ensure_tiny_model
+
+        model_dir = ensure_tiny_model(default_cache_dir())
+    launcher = Launcher(log_dir, base_env={**os.environ, "VLLM_CPU_NUM_OF_RESERVED_CPU": "1",
+                                           "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"})
+    print(f"starting {args.workers} {options.engine} workers; logs in {log_dir}", flush=True)
+    fleet = start_fleet(launcher, fleet_config(options.engine, model_dir, args.log_level), args.workers, ready_timeout=600)
+    try:
+        report = asyncio.run(soak(fleet, options))
+    finally:
+        fleet.stop()
+    summary = {"when": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), **asdict(report)}
+    options.out.parent.mkdir(parents=True, exist_ok=True)
+    options.out.write_text(json.dumps(summary, indent=2))
+    print(f"{options.engine}: {report.aborted} of {options.runs} hang-ups aborted, {report.leaked} leaked, "
+          f"{report.ended_first} ended before the hang-up, {report.refused} refused; "
+          f"{report.background_completed} background streams completed; JSON in {options.out}")
+    return 0 if report.leaked == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
