@@ -49,6 +49,13 @@ class RouteRequest(Struct, tag="route", tag_field="type"):
     prefix_token_ids: list[int] = []
 
 
+class RouteWithdrawn(Struct, tag="route_withdrawn", tag_field="type"):
+    """Ingress no longer wants the route it asked for: its client left while the request was being
+    routed or queued. Balancers drop it from the queue or free its slot, cache-managers its lease."""
+
+    request_id: RequestId
+
+
 class RouteDecision(Struct, tag="decision", tag_field="type"):
     """Where one request runs: `worker_id` generates its tokens.
 

@@ -87,6 +87,7 @@ def wire_schema() -> dict[str, Any]:
     families = {
         "route_request": m.RouteRequest,
         "route_reply": m.RouteReply,
+        "route_withdrawn": m.RouteWithdrawn,
         "worker_request": m.WorkerRequest,
         "worker_reply": m.WorkerReply,
         "stream_frame": m.StreamFrame,

@@ -12,6 +12,7 @@ PREFIX = "kvlane.v1"
 REDIS_PREFIX = "kvlane:v1"
 
 ROUTE = f"{PREFIX}.route"
+ROUTE_WITHDRAWN = f"{PREFIX}.events.route_withdrawn"
 BALANCER_QUEUE_GROUP = "kvlane-balancer"
 BALANCER_STATUS = f"{PREFIX}.balancer.status"
 BALANCER_ADMIN_QUEUE_GROUP = "kvlane-balancer-admin"

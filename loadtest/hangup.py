@@ -89,11 +89,6 @@ class FinishedWatch:
                 await self._arrived.wait_for(condition)
         return bool(condition())
 
-    async def wait(self, request_id: str, timeout_s: float) -> list[RequestFinished]:
-        """The request's `RequestFinished` events once one has come (empty if none within `timeout_s`)."""
-        await self.wait_until(lambda: self.of(request_id), timeout_s)
-        return self.of(request_id)
-
 
 class Refused(Exception):
     """The request was answered with an error status instead of a stream (an overloaded fleet may)."""
@@ -109,25 +104,28 @@ class HangUp:
     chunks_read: int
     seconds_to_hang_up: float
     hung_up_at: float  # wall clock, to compare with the services' logs
-    finish_reasons: list[str]
-    completion_tokens: int | None
-    worker_id: str
+    finish_reasons: list[str]  # "worker:reason", one per attempt
+    completion_tokens: int | None  # of the aborted attempt
     ended_before_hang_up: bool
     seconds_to_finish: float | None
 
     def verdict(self, max_tokens: int) -> str:
-        """`aborted` (the engine stopped early), `ended_first` (nothing left to abort) or `leaked`."""
-        if self.ended_before_hang_up:
-            return "ended_first"
-        if self.finish_reasons == ["abort"] and (self.completion_tokens or 0) < max_tokens:
+        """`aborted` (every attempt stopped early), `ended_first` (it ran to its end before the
+        client left: nothing to abort) or `leaked` (an attempt ran on for nobody, or none reported)."""
+        reasons = [entry.rpartition(":")[2] for entry in self.finish_reasons]
+        ran_to_end = any(reason in ("length", "stop") for reason in reasons)
+        if "abort" in reasons and not ran_to_end and (self.completion_tokens or 0) < max_tokens:
             return "aborted"
+        if self.ended_before_hang_up and len(reasons) == 1 and ran_to_end:
+            return "ended_first"
         return "leaked"
 
 
 async def hang_up(session: aiohttp.ClientSession, base_url: str, watch: FinishedWatch, body: dict,
                   after_chunks: int = 5, finish_timeout_s: float = 30.0) -> HangUp:
     """Stream `body` from `/v1/completions`, close the connection after `after_chunks` data lines,
-    and wait for the worker's `RequestFinished`."""
+    and wait for the workers' `RequestFinished` events: every attempt of the request (a resumed or
+    re-routed request has several) must end."""
     sent_at = time.monotonic()
     response = await session.post(f"{base_url}/v1/completions", json=body)
     try:
@@ -143,17 +141,23 @@ async def hang_up(session: aiohttp.ClientSession, base_url: str, watch: Finished
     finally:
         response.close()
     hung_up_at, wall_hung_up_at = time.monotonic(), time.time()
-    finished = await watch.wait(request_id, finish_timeout_s)
+    # Until the attempt that was streaming reports its abort; one that ran to its end before
+    # the hang-up is all there is to wait for (not long).
+    def aborted() -> bool:
+        return any(f.finish_reason == "abort" for f in watch.of(request_id))
+
+    await watch.wait_until(aborted, 3.0 if ended_before else finish_timeout_s)
+    finished = watch.of(request_id)
+    last = next((f for f in finished if f.finish_reason == "abort"), finished[0] if finished else None)
     return HangUp(
         request_id=request_id,
         chunks_read=chunks,
         seconds_to_hang_up=round(hung_up_at - sent_at, 3),
         hung_up_at=wall_hung_up_at,
-        finish_reasons=[f.finish_reason for f in finished],
-        completion_tokens=finished[0].usage.completion_tokens if finished else None,
-        worker_id=finished[0].worker_id if finished else "",
+        finish_reasons=[f"{f.worker_id}:{f.finish_reason}" for f in finished],
+        completion_tokens=None if last is None else last.usage.completion_tokens,
         ended_before_hang_up=ended_before,
-        seconds_to_finish=round(time.monotonic() - hung_up_at, 3) if finished else None,
+        seconds_to_finish=None if last is None else round(time.monotonic() - hung_up_at, 3),
     )
 
 
@@ -212,7 +216,7 @@ def request_body(model: str, max_tokens: int, stream: bool = True) -> dict:
 
 
 async def soak(fleet: Fleet, options: Options, log: bool = True) -> Report:
-    """`options.runs` hang-ups in a row against a running fleet, with the load the options ask for."""
+    """`options.runs` hang-ups of running requests in a row against a running fleet, under the load the options ask for."""
     report = Report(options={k: str(v) for k, v in asdict(options).items()}, machine=machine_info())
     model = fleet.config.worker.model
     stop = asyncio.Event()
@@ -222,7 +226,11 @@ async def soak(fleet: Fleet, options: Options, log: bool = True) -> Report:
                       for _ in range(options.background)]
         try:
             with busy_core() if options.busy_core else contextlib.nullcontext():
-                for run in range(1, options.runs + 1):
+                # `runs` hang-ups of running requests: one refused, or ended before its client
+                # left (an overloaded fleet may do either), does not count; 3 x `runs` tries at most.
+                for run in range(1, 3 * options.runs + 1):
+                    if report.aborted + report.leaked >= options.runs:
+                        break
                     try:
                         result = await hang_up(session, fleet.base_url, watch, request_body(model, options.max_tokens),
                                                options.after_chunks)
@@ -236,7 +244,7 @@ async def soak(fleet: Fleet, options: Options, log: bool = True) -> Report:
                     setattr(report, verdict, getattr(report, verdict) + 1)
                     if log:
                         print(f"{run:3d} {verdict:13s} {result.request_id} {result.finish_reasons} "
-                              f"tokens={result.completion_tokens} worker={result.worker_id} "
+                              f"tokens={result.completion_tokens} "
                               f"hung up at {result.seconds_to_hang_up}s, finished {result.seconds_to_finish}s later",
                               flush=True)
         finally:

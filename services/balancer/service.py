@@ -24,7 +24,17 @@ from nats.aio.msg import Msg
 from contracts import subjects
 from contracts.balancer import BalancerStatusReply, BalancerStatusRequest
 from contracts.health import HealthVerdict
-from contracts.messages import ErrorReply, Heartbeat, KvEvents, RequestFinished, RouteDecision, RouteReply, RouteRequest, WorkerLeft
+from contracts.messages import (
+    ErrorReply,
+    Heartbeat,
+    KvEvents,
+    RequestFinished,
+    RouteDecision,
+    RouteReply,
+    RouteRequest,
+    RouteWithdrawn,
+    WorkerLeft,
+)
 from services.balancer.allocation import KvAllocator
 from services.balancer.central_queue import QueuedRequest
 from services.balancer.metrics import BalancerMetrics
@@ -86,6 +96,7 @@ class BalancerService:
             subjects.ROUTE, RouteRequest, self._on_route, queue=subjects.BALANCER_QUEUE_GROUP, concurrent=True
         )
         await bus.subscribe(subjects.REQUEST_FINISHED, RequestFinished, self._on_finished, traced=False)
+        await bus.subscribe(subjects.ROUTE_WITHDRAWN, RouteWithdrawn, self._on_withdrawn)
         await bus.subscribe(subjects.HEARTBEAT_ALL, Heartbeat, self._on_heartbeat, traced=False)
         await bus.subscribe(subjects.KV_EVENTS_ALL, KvEvents, self._on_kv_events, traced=False)
         await bus.subscribe(subjects.HEALTH_ALL, HealthVerdict, self._on_health, traced=False)
@@ -246,6 +257,13 @@ class BalancerService:
 
     async def _on_finished(self, event: RequestFinished, msg: Msg) -> None:
         await self._release(event.request_id, event.worker_id)
+        self._schedule_drain()
+
+    async def _on_withdrawn(self, event: RouteWithdrawn, msg: Msg) -> None:
+        # Every replica hears it: the one holding the request queued, and whichever holds its slot.
+        if self.router.queue.remove(event.request_id) is not None:
+            self._resolve(event.request_id, ErrorReply(code="withdrawn", message="the client left", status=499))
+        await self._release(event.request_id)
         self._schedule_drain()
 
     async def _release(self, request_id: str, worker_id: str | None = None) -> None:

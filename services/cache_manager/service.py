@@ -38,6 +38,7 @@ from contracts.messages import (
     Heartbeat,
     KvEvents,
     RequestFinished,
+    RouteWithdrawn,
     SamplingParams,
     WorkerLeft,
 )
@@ -88,6 +89,7 @@ class CacheManagerService:
         # Every replica keeps its own index, so these are broadcast (no queue).
         await self._bus.subscribe(subjects.KV_EVENTS_ALL, KvEvents, self._on_kv_events, traced=False)
         await self._bus.subscribe(subjects.REQUEST_FINISHED, RequestFinished, self._on_finished, queue=queue, traced=False)
+        await self._bus.subscribe(subjects.ROUTE_WITHDRAWN, RouteWithdrawn, self._on_withdrawn, queue=queue)
         await self._bus.subscribe(subjects.WORKER_LEFT, WorkerLeft, self._on_worker_left)
         self._maintenance.start()
 
@@ -241,11 +243,17 @@ class CacheManagerService:
             log.warning("lease_renew_failed", worker_id=renew.worker_id, error=str(exc))
 
     async def _on_finished(self, event: RequestFinished, msg: Msg) -> None:
+        await self._release(event.request_id, event.worker_id)
+
+    async def _release(self, request_id: str, worker_id: str | None) -> None:
         try:
-            await self._ledger.release(event.request_id, event.worker_id)
+            await self._ledger.release(request_id, worker_id)
         except (RedisError, OSError) as exc:
             # The lease expires by itself; its blocks come back then.
-            log.warning("lease_release_failed", request_id=event.request_id, error=str(exc))
+            log.warning("lease_release_failed", request_id=request_id, error=str(exc))
+
+    async def _on_withdrawn(self, event: RouteWithdrawn, msg: Msg) -> None:
+        await self._release(event.request_id, None)
 
     async def _on_kv_events(self, events: KvEvents, msg: Msg) -> None:
         if events.worker_id not in self._nodes_with_events:

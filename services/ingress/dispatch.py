@@ -19,6 +19,7 @@ failure is charged to the node that caused it, which the next route excludes.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator, Callable
@@ -37,6 +38,7 @@ from contracts.messages import (
     RouteDecision,
     RouteReply,
     RouteRequest,
+    RouteWithdrawn,
     StreamEnd,
     TokenChunk,
     WorkerReply,
@@ -91,7 +93,14 @@ class Dispatcher:
         produced: list[int] = []
         out_seq = handovers = refused = migrations = preemptions = 0
         while True:
-            decision = await self._route(request_id, prepared, deadline, excluded, len(produced))
+            try:
+                decision = await self._route(request_id, prepared, deadline, excluded, len(produced))
+            except asyncio.CancelledError:
+                # The client left while its request was routed or queued: a slot and a lease may
+                # be reserved for it by now; free them rather than at its deadline.
+                with contextlib.suppress(Exception):
+                    await self._bus.publish(subjects.ROUTE_WITHDRAWN, RouteWithdrawn(request_id))
+                raise
             with self._streams.open(f"{request_id}-{handovers}") as stream:
                 handovers += 1
                 # From the hand-over on, the chain's nodes may be running the request: unless it
@@ -101,7 +110,9 @@ class Dispatcher:
                 try:
                     refused_by = await self._hand_over(request_id, prepared, decision, stream, deadline, produced)
                     if refused_by:
+                        # A node that was merely slow to accept may run it all the same.
                         settled = True
+                        await self._abort(request_id, decision, "not_accepted")
                         excluded.append(refused_by)
                         refused += 1
                         if refused >= self._settings.dispatch_attempts:

@@ -142,7 +142,10 @@ class WorkerService:
                     return None
                 self._log.info("request_aborted", request_id=request_id, reason=message.reason)
                 self._abort_reasons[request_id] = message.reason
-                task.cancel()
+                # Soon, not now: a task cancelled before its first step never runs its body, so
+                # it would end without its final frame and RequestFinished (the slot and lease
+                # would stay taken). Its first step is already scheduled, and runs first.
+                asyncio.get_running_loop().call_soon(task.cancel)
                 return None
 
     def _accept(self, request: RequestToRun) -> GenerateAccepted | ErrorReply:

