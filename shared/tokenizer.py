@@ -1,7 +1,7 @@
 """Tokenizers that ingress and workers share, so both count the same tokens.
 
 `HfTokenizer` ("hf:<model dir>") is a vLLM worker's: the model directory's own
-tokenizer and chat template, loaded with transformers.
+tokenizer and chat template, loaded without transformers (no torch import).
 
 `SimTokenizer` is the sim engine's built-in tokenizer. It needs no files:
 * text splits GPT-style into pieces (a word with its leading space, a digit,
@@ -18,11 +18,14 @@ Decoding is exact for special and output tokens; hashed ids decode to "".
 
 from __future__ import annotations
 
+import datetime
 import functools
 import hashlib
 import itertools
+import json
 import re
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Protocol
 
 from contracts.openai_api import ChatMessage
@@ -110,36 +113,84 @@ HF_PREFIX = "hf:"
 
 
 class HfTokenizer:
-    """A Hugging Face tokenizer loaded from a local model directory (a vLLM worker's).
+    """A Hugging Face fast tokenizer from a local model directory (a vLLM worker's).
 
     Ingress encodes with it exactly as the engine would, so prompt token
     counts, the context check and block hashes match what the engine sees.
+    `tokenizer.json` is read by the `tokenizers` library and the chat
+    template rendered with jinja2 the way transformers renders it, without
+    transformers itself: importing it (and torch with it) would cost ingress
+    seconds of CPU and hundreds of MB for good.
     """
 
     def __init__(self, directory: str) -> None:
-        # Imported here: the sim path (and ingress serving only sim workers)
-        # must not need transformers installed.
-        from transformers import AutoTokenizer
+        # Imported here: the sim path needs neither package.
+        from tokenizers import Tokenizer as FastTokenizer
 
+        path = Path(directory)
         self.directory = directory
         self.name = HF_PREFIX + directory
-        self._tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
-        self.vocab_size = len(self._tokenizer)
-        self._bos = self._tokenizer.bos_token
+        self._tokenizer = FastTokenizer.from_file(str(path / "tokenizer.json"))
+        self.vocab_size = self._tokenizer.get_vocab_size(with_added_tokens=True)
+        config_path = path / "tokenizer_config.json"
+        config = json.loads(config_path.read_text()) if config_path.exists() else {}
+        self._special = {name: _token_text(config.get(name)) for name in ("bos_token", "eos_token", "unk_token", "pad_token")}
+        self._bos = self._special["bos_token"]
+        self._template = _chat_template(path, config)
 
     def encode(self, text: str) -> list[int]:
         # A rendered chat template already starts with the BOS token; adding
         # special tokens again would double it (vLLM's server skips them for
         # chat and adds them for plain completions, as this does).
         add_special = not (self._bos and text.startswith(self._bos))
-        return self._tokenizer.encode(text, add_special_tokens=add_special)
+        return self._tokenizer.encode(text, add_special_tokens=add_special).ids
 
     def decode(self, token_ids: Sequence[int]) -> str:
         return self._tokenizer.decode(list(token_ids), skip_special_tokens=True)
 
     def apply_chat_template(self, messages: Sequence[ChatMessage]) -> str:
+        if self._template is None:
+            raise ValueError(f"the tokenizer in {self.directory} has no chat template")
+        from jinja2 import TemplateError
+
         turns = [{"role": m.role, "content": m.text()} for m in messages]
-        return self._tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
+        try:
+            return self._template.render(messages=turns, add_generation_prompt=True, **self._special)
+        except TemplateError as exc:  # raise_exception() in the template, or a template bug
+            raise ValueError(str(exc)) from exc
+
+
+def _token_text(token: object) -> str | None:
+    """A special token as tokenizer_config.json gives it: a string, or an AddedToken dict."""
+    if isinstance(token, dict):
+        return token.get("content")
+    return token if isinstance(token, str) else None
+
+
+def _chat_template(path: Path, config: dict):
+    """The model's chat template, compiled as transformers compiles it (sandboxed, trim and lstrip blocks)."""
+    template = config.get("chat_template")
+    if isinstance(template, list):  # named templates: the default one serves chat
+        template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+    standalone = path / "chat_template.jinja"
+    if template is None and standalone.exists():
+        template = standalone.read_text()
+    if not template:
+        return None
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(value: object, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys: bool = False) -> str:
+        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    environment.filters["tojson"] = tojson
+    environment.globals["raise_exception"] = raise_exception
+    environment.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+    return environment.from_string(template)
 
 
 def load_tokenizer(spec: str) -> Tokenizer:
@@ -151,7 +202,7 @@ def load_tokenizer(spec: str) -> Tokenizer:
         try:
             return HfTokenizer(directory)
         except ImportError as exc:
-            raise ValueError(f"tokenizer {spec!r} needs the transformers package: {exc}") from exc
-        except (OSError, ValueError) as exc:
+            raise ValueError(f"tokenizer {spec!r} needs the tokenizers and jinja2 packages: {exc}") from exc
+        except Exception as exc:  # a missing or malformed file, a template that does not compile
             raise ValueError(f"cannot load tokenizer from {directory}: {exc}") from exc
     raise ValueError(f"unknown tokenizer {spec!r} (known: 'sim', 'hf:<model directory>')")

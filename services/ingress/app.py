@@ -192,18 +192,39 @@ class IngressApp:
             raise ApiError(404, f"The model `{name}` does not exist or no live worker serves it.", code="model_not_found", param="model")
         return registration
 
+    async def preload_tokenizers(self) -> None:
+        """Start loading the tokenizer of each model a live worker serves, before its first request needs it."""
+        for registration in self._view.models(self._clock()).values():
+            if registration.tokenizer not in self._tokenizers:
+                self._load(registration.tokenizer)
+
+    def _load(self, spec: str) -> asyncio.Future[Tokenizer]:
+        # Off the event loop, once, shared by concurrent requests.
+        loading = self._tokenizers[spec] = asyncio.ensure_future(asyncio.to_thread(load_tokenizer, spec))
+
+        def report(done: asyncio.Future[Tokenizer]) -> None:
+            if not done.cancelled() and done.exception() is not None:
+                log.error("tokenizer_unavailable", tokenizer=spec, error=str(done.exception()))
+
+        loading.add_done_callback(report)
+        return loading
+
     async def _tokenizer(self, spec: str) -> Tokenizer:
         loading = self._tokenizers.get(spec)
-        if loading is None:
-            # A model directory's tokenizer takes seconds to load (transformers
-            # import included): off the event loop, once, shared by concurrent requests.
-            loading = self._tokenizers[spec] = asyncio.ensure_future(asyncio.to_thread(load_tokenizer, spec))
+        if loading is None or (loading.done() and loading.exception() is not None):
+            loading = self._load(spec)  # a request tries a failed one again
         try:
             return await asyncio.shield(loading)
         except ValueError as exc:
-            self._tokenizers.pop(spec, None)  # let a later request try again
-            log.error("tokenizer_unavailable", tokenizer=spec, error=str(exc))
             raise ApiError(503, f"the model's tokenizer cannot be loaded here: {exc}", code="tokenizer_unavailable") from exc
+
+    def _tokenizer_missing(self, models: dict[str, WorkerRegistration]) -> list[str]:
+        """Models whose tokenizer is not loaded (yet): ingress cannot serve them."""
+        def loaded(spec: str) -> bool:
+            loading = self._tokenizers.get(spec)
+            return loading is not None and loading.done() and loading.exception() is None
+
+        return [f"tokenizer:{name}" for name, registration in sorted(models.items()) if not loaded(registration.tokenizer)]
 
     # --- the rest -----------------------------------------------------------------
 
@@ -218,6 +239,8 @@ class IngressApp:
     async def ready(self, request: web.Request) -> web.Response:
         live = [hb for hb in self._view.live(self._clock()) if not hb.draining]
         missing = [] if self._readiness is None else await self._readiness.missing()
+        await self.preload_tokenizers()
+        missing += self._tokenizer_missing(self._view.models(self._clock()))
         if not self._is_connected():
             missing.append("nats")
         if not live:

@@ -18,6 +18,7 @@ from services.ingress.metrics import IngressMetrics
 from services.ingress.readiness import Dependency, Readiness
 from shared.bus import StreamReceiver
 from shared.config import KvlaneConfig
+from shared.periodic import Periodic
 from shared.runner import announce_ready
 from shared.service_context import service_context
 
@@ -45,11 +46,16 @@ async def main(config: KvlaneConfig, stop: asyncio.Event) -> None:
         # (a queue wait, a prefill, output that is not text yet, a non-streamed reply).
         runner = web.AppRunner(app.build(), access_log=None, shutdown_timeout=settings.request_timeout_s,
                                handler_cancellation=True)
+        # A model's tokenizer loads as soon as a worker for it shows up, not on its first request.
+        preloading = Periodic("tokenizers", config.cluster.heartbeat_interval_s, app.preload_tokenizers, immediately=True)
         try:
             await runner.setup()
             await web.TCPSite(runner, settings.host, settings.port).start()
+            preloading.start()
             announce_ready(host=settings.host, port=settings.port, ingress_id=ingress_id)
             await stop.wait()
         finally:
+            await preloading.stop()
             # Stops accepting connections, then waits for in-flight responses.
             await runner.cleanup()
+

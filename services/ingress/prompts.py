@@ -37,7 +37,11 @@ def prepare(
         raise ApiError(400, "stream_options is only allowed when stream is true", code="invalid_value", param="stream_options")
 
     if isinstance(request, ChatCompletionRequest):
-        prompt_ids = tokenizer.encode(tokenizer.apply_chat_template(request.messages))
+        try:
+            prompt_ids = tokenizer.encode(tokenizer.apply_chat_template(request.messages))
+        except ValueError as exc:  # the model's template refuses these messages (roles out of order, say)
+            raise ApiError(400, f"the model's chat template rejected the messages: {exc}", code="invalid_value",
+                           param="messages") from exc
         asked = request.max_completion_tokens or request.max_tokens
         tokens_param = "max_completion_tokens" if request.max_completion_tokens else "max_tokens"
     else:

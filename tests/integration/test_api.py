@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 import urllib.error
 import urllib.request
 
+import msgspec
+import nats
 import openai
 import pytest
 
+from contracts import subjects
+from contracts.messages import EngineStats, Heartbeat, WorkerRegistration
 from kvlane.fleet import Fleet
 from tests.integration.conftest import MODEL
 
@@ -164,3 +170,52 @@ def test_unknown_path_and_wrong_method_and_huge_body(shared_fleet: Fleet) -> Non
 def test_fleet_still_serves_after_bad_input(client: openai.OpenAI) -> None:
     reply = client.completions.create(model=MODEL, prompt="still alive?", max_tokens=3)
     assert reply.usage.completion_tokens == 3
+
+
+def test_a_model_whose_tokenizer_cannot_load_is_not_ready_and_answers_503(own_fleet: Fleet) -> None:
+    """A worker advertises a tokenizer this ingress cannot load: /ready names it, its requests get a
+    clear 503, and the other model is served as before."""
+    registration = WorkerRegistration(
+        worker_id="ghost", role="aggregated", model="ghost-model", engine="vllm", inbox="kvlane.v1.worker.ghost.generate",
+        block_size=16, max_model_len=1024, tokenizer="hf:/nonexistent/model", started_at=time.time(),
+    )
+
+    async def scenario() -> tuple[int, dict, int, dict, str]:
+        nc = await nats.connect(own_fleet.config.nats.url)
+        stop = asyncio.Event()
+
+        async def beat() -> None:  # as a live worker would, faster than the fleet's 1 s TTL
+            seq = 0
+            while not stop.is_set():
+                seq += 1
+                beat = Heartbeat(registration, EngineStats(), time.time(), seq)
+                await nc.publish(subjects.heartbeat("ghost"), msgspec.msgpack.encode(beat))
+                await asyncio.sleep(0.2)
+
+        beating = asyncio.create_task(beat())
+        try:
+            ready: tuple[int, dict] = (0, {})
+            for _ in range(100):  # until ingress has seen the ghost and tried its tokenizer
+                status, _, body = await asyncio.to_thread(http, own_fleet, "GET", "/ready")
+                ready = (status, json.loads(body))
+                if "ghost-model" in ready[1]["models"] and "tokenizer:ghost-model" in ready[1]["missing"]:
+                    break
+                await asyncio.sleep(0.1)
+            request = json.dumps({"model": "ghost-model", "prompt": "hi", "max_tokens": 2}).encode()
+            status, _, body = await asyncio.to_thread(http, own_fleet, "POST", "/v1/completions", request,
+                                                      {"Content-Type": "application/json"})
+            served = await asyncio.to_thread(
+                openai.OpenAI(base_url=f"{own_fleet.base_url}/v1", api_key="unused", max_retries=0).completions.create,
+                model=MODEL, prompt="still here", max_tokens=2)
+            return *ready, status, json.loads(body), served.choices[0].finish_reason
+        finally:
+            stop.set()
+            await beating
+            await nc.close()
+
+    ready_status, ready_body, status, error, served = asyncio.run(scenario())
+    assert ready_status == 503 and "tokenizer:ghost-model" in ready_body["missing"]
+    assert "tokenizer:" + MODEL not in ready_body["missing"]
+    assert status == 503 and error["error"]["code"] == "tokenizer_unavailable"
+    assert "/nonexistent/model" in error["error"]["message"]
+    assert served == "length"
