@@ -89,3 +89,16 @@ def test_a_directory_without_a_tokenizer_is_a_clear_error(tmp_path: Path, tiny_m
         (tmp_path / "tokenizer_config.json").write_bytes((tiny_model / "tokenizer_config.json").read_bytes())
     with pytest.raises(ValueError, match="cannot load tokenizer"):
         load_tokenizer(f"hf:{tmp_path}")
+
+
+def test_the_load_benchmark_runs_and_writes_its_figures(tiny_model: Path, tmp_path: Path) -> None:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("tokenizer_load_bench", REPO / "benchmarks" / "tokenizer_load_bench.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "tokenizer_load.json"
+    assert bench.main(["--model-dir", str(tiny_model), "--rounds", "1", "--out", str(out)]) == 0
+    figures = json.loads(out.read_text())
+    assert figures["kvlane"]["torch_imported"] is False and figures["transformers"]["torch_imported"] is True
+    assert figures["cpu_ratio"] > 0 and figures["rss_ratio"] > 0
