@@ -98,7 +98,7 @@ async def test_a_client_that_leaves_while_queued_gives_its_turn_to_the_next(one_
     (a slot held for a gone client would stay reserved until that request's deadline)."""
     async with aiohttp.ClientSession() as session:
         holder = asyncio.create_task(complete(session, one_slot_fleet, "holder", 40))  # about 0.9 s
-        await asyncio.sleep(0.15)
+        await until_slot_taken(one_slot_fleet)
         body = {"model": MODEL, "prompt": "leaver", "max_tokens": 5}
         with pytest.raises(asyncio.TimeoutError):  # still queued when it gives up
             await session.post(f"{one_slot_fleet.base_url}/v1/completions", json=body,
@@ -107,3 +107,20 @@ async def test_a_client_that_leaves_while_queued_gives_its_turn_to_the_next(one_
         assert (await holder)[0] == 200
     assert status == 200, reply
     assert reply["payload"]["usage"]["completion_tokens"] == 5
+
+
+async def until_slot_taken(fleet: Fleet, timeout_s: float = 10.0) -> None:
+    """Until the balancer reports the one slot in use."""
+    import nats
+
+    nc = await nats.connect(fleet.config.nats.url)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            msg = await nc.request(subjects.BALANCER_STATUS, msgspec.msgpack.encode(BalancerStatusRequest()), timeout=5)
+            status = msgspec.msgpack.decode(msg.data, type=BalancerStatusReply)
+            if isinstance(status, BalancerStatus) and any(chain.slots_used for chain in status.chains):
+                return
+        raise AssertionError("the balancer never reported the slot taken")
+    finally:
+        await nc.close()
