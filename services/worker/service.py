@@ -201,9 +201,11 @@ class WorkerService:
                     seq += 1
                     if output.finish_reason is not None:
                         outcome = output.finish_reason
-                    elif request.request_id in self._abort_reasons:
-                        # Aborted, yet still running: a library swallowed the task's
-                        # cancellation (nats-py's flush does when it has to wait).
+                    elif request.request_id in self._abort_reasons and asyncio.current_task().cancelling():
+                        # Cancelled, yet still running: a library swallowed the cancellation
+                        # (nats-py's flush does when it has to wait). Not before the cancel
+                        # has landed: raising early, its late arrival could cut short the
+                        # final frame and RequestFinished published below.
                         raise asyncio.CancelledError
             usage = Usage(len(request.prompt_token_ids), completion_tokens, cached_tokens)
             timings = Timings(first_token_s=None if first_token_at is None else first_token_at - started, finished_s=time.monotonic() - started)
