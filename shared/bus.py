@@ -24,7 +24,7 @@ from nats.aio.subscription import Subscription
 from opentelemetry.trace import SpanKind
 
 from contracts import subjects
-from contracts.messages import ErrorReply, StreamEnd, StreamFrame
+from contracts.messages import ErrorReply, StreamBatch, StreamEnd, StreamFrame, StreamMessage
 from shared.config import NatsSettings
 from shared.telemetry import Telemetry
 
@@ -272,18 +272,17 @@ class StreamReceiver:
 
     async def start(self) -> None:
         self._subscription = await self._bus.subscribe(
-            subjects.stream_inbox(self._owner_id), StreamFrame, self._dispatch, traced=False
+            subjects.stream_inbox(self._owner_id), StreamMessage, self._dispatch, traced=False
         )
 
-    async def _dispatch(self, frame: StreamFrame, msg: Msg) -> None:
-        request_id = msg.subject.rsplit(".", 1)[-1]
-        stream = self._open.get(request_id)
-        if stream is None:
-            # Late frames of a request the caller already gave up on.
-            log.debug("stream_frame_dropped", request_id=request_id, frame=type(frame).__name__)
-            return None
-        stream.put(frame)
-        return None
+    async def _dispatch(self, message: StreamMessage, msg: Msg) -> None:
+        for request_id, frame in addressed_frames(msg.subject, message):
+            stream = self._open.get(request_id)
+            if stream is None:
+                # Late frames of a request the caller already gave up on.
+                log.debug("stream_frame_dropped", request_id=request_id, frame=type(frame).__name__)
+                continue
+            stream.put(frame)
 
     def open(self, request_id: str) -> ReplyStream:
         if request_id in self._open:
@@ -295,6 +294,13 @@ class StreamReceiver:
     @property
     def open_count(self) -> int:
         return len(self._open)
+
+
+def addressed_frames(subject: str, message: StreamMessage) -> list[tuple[str, StreamFrame]]:
+    """(stream, frame) pairs of one message on a stream subject: a batch's frames, or one frame for the subject's stream."""
+    if isinstance(message, StreamBatch):
+        return [(addressed.stream, addressed.frame) for addressed in message.frames]
+    return [(subject.rsplit(".", 1)[-1], message)]
 
 
 def is_final(frame: StreamFrame) -> bool:

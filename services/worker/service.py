@@ -53,6 +53,7 @@ from shared.bus import Bus, BusError
 from shared.config import ClusterSettings, WorkerSettings
 from shared.periodic import Periodic
 from shared.runner import announce_ready
+from shared.stream_outbox import StreamOutbox
 from shared.state import ClusterState
 
 log = structlog.get_logger("kvlane.worker")
@@ -75,6 +76,7 @@ class WorkerService:
         self._settings = settings
         self._holds = KvHolds(bus, registration.worker_id, engine.release_kv)
         self._puller = KvPuller(bus, registration.worker_id, settings.kv_pull_timeout_s)
+        self._outbox = StreamOutbox(bus)
         self._kv_pull_failures = 0
         self._running: dict[str, asyncio.Task] = {}
         # Tokens generated so far per running request (lease renewals carry it).
@@ -116,6 +118,7 @@ class WorkerService:
                 self._log.warning("drain_timeout_aborted", aborted=len(pending))
                 await asyncio.gather(*pending, return_exceptions=True)
         await asyncio.gather(*(periodic.stop() for periodic in self._background))
+        await self._outbox.close()
         worker_id = self.registration.worker_id
         await self._bus.publish(subjects.WORKER_LEFT, WorkerLeft(worker_id=worker_id, reason="drained"))
         with contextlib.suppress(RedisError, OSError):
@@ -186,7 +189,7 @@ class WorkerService:
         seq = cached_tokens = 0
         completion_tokens = len(request.resume_token_ids)
         outcome: str = "error"
-        publish = self._bus.publish
+        send = self._outbox.put
         try:
             # aclosing: however the loop ends, the engine's generator is closed now, which
             # aborts the request in the engine (not whenever the garbage collector gets to it).
@@ -197,37 +200,34 @@ class WorkerService:
                     completion_tokens += len(output.token_ids)
                     self._generated[request.request_id] = completion_tokens
                     cached_tokens = output.cached_tokens
-                    await publish(request.stream_to, TokenChunk(request.request_id, seq, output.token_ids, output.text), traced=False)
+                    send(request.stream_to, TokenChunk(request.request_id, seq, output.token_ids, output.text))
                     seq += 1
                     if output.finish_reason is not None:
                         outcome = output.finish_reason
                     elif request.request_id in self._abort_reasons and asyncio.current_task().cancelling():
-                        # Cancelled, yet still running: a library swallowed the cancellation
-                        # (nats-py's flush does when it has to wait). Not before the cancel
-                        # has landed: raising early, its late arrival could cut short the
-                        # final frame and RequestFinished published below.
+                        # Cancelled, yet still running: a library swallowed the cancellation.
+                        # Not before the cancel has landed: raising early, its late arrival
+                        # could cut short the RequestFinished published below.
                         raise asyncio.CancelledError
             usage = Usage(len(request.prompt_token_ids), completion_tokens, cached_tokens)
             timings = Timings(first_token_s=None if first_token_at is None else first_token_at - started, finished_s=time.monotonic() - started)
-            await publish(request.stream_to, StreamEnd(request.request_id, seq, outcome, usage, timings, self.registration.worker_id))
+            send(request.stream_to, StreamEnd(request.request_id, seq, outcome, usage, timings, self.registration.worker_id))
         except TimeoutError:
             outcome = "error"
-            await publish(request.stream_to, ErrorReply(code="deadline_exceeded", message="request deadline passed", status=504))
+            send(request.stream_to, ErrorReply(code="deadline_exceeded", message="request deadline passed", status=504))
         except RequestRejected as exc:
             outcome = "error"
-            await publish(request.stream_to, ErrorReply(code="invalid_request", message=str(exc), status=400))
+            send(request.stream_to, ErrorReply(code="invalid_request", message=str(exc), status=400))
         except asyncio.CancelledError:
             outcome = "abort"
             reason = self._abort_reasons.get(request.request_id, "aborted")
             # A preempted request is resumed elsewhere by whoever streams it.
             status = 503 if reason == "preempted" else 499
-            with contextlib.suppress(Exception):
-                await publish(request.stream_to, ErrorReply(code=reason, message=f"request {reason}", status=status))
+            send(request.stream_to, ErrorReply(code=reason, message=f"request {reason}", status=status))
         except Exception as exc:
             outcome = "error"
             self._log.exception("request_failed", request_id=request.request_id)
-            with contextlib.suppress(Exception):
-                await publish(request.stream_to, ErrorReply(code="engine_error", message=f"{type(exc).__name__}: {exc}", status=500))
+            send(request.stream_to, ErrorReply(code="engine_error", message=f"{type(exc).__name__}: {exc}", status=500))
         finally:
             self._generated.pop(request.request_id, None)
             self._abort_reasons.pop(request.request_id, None)

@@ -6,13 +6,17 @@ import asyncio
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import msgspec
 import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from contracts.messages import ErrorReply, RouteDecision, RouteReply, RouteRequest, StreamEnd, Timings, TokenChunk, Usage
+from contracts.messages import (
+    ErrorReply, RouteDecision, RouteReply, RouteRequest, StreamBatch, StreamEnd, StreamMessage, Timings, TokenChunk, Usage,
+)
 from kvlane.launcher import Launcher, free_port
 from shared.bus import Bus, NoResponders, RequestTimeout, StreamReceiver, is_final
 from shared.config import NatsSettings, TracingSettings
+from shared.stream_outbox import StreamOutbox
 from shared.telemetry import Telemetry
 
 pytestmark = pytest.mark.integration
@@ -100,6 +104,47 @@ async def test_streamed_reply_arrives_in_order_and_ends(nats_server) -> None:
     with streams.open("req2") as stream, pytest.raises(RequestTimeout):
         await stream.next(0.1)
     await bus.close()
+
+
+async def test_outbox_batches_one_steps_frames_per_receiver_in_order(nats_server) -> None:
+    _, port = nats_server
+    worker, _ = await connect(port, "worker")
+    receiver_bus, _ = await connect(port, "receiver")
+    receivers = [StreamReceiver(receiver_bus, f"owner{i}") for i in range(2)]
+    for receiver in receivers:
+        await receiver.start()
+    batches: list[StreamBatch] = []
+    decoder = msgspec.msgpack.Decoder(StreamMessage)
+
+    async def count(msg) -> None:
+        batches.append(decoder.decode(msg.data))
+
+    await receiver_bus._nc.subscribe("kvlane.v1.stream.*.*", cb=count)
+    await receiver_bus.flush()
+    outbox = StreamOutbox(worker)
+    # Three requests per receiver, ten engine steps: each step's frames leave together.
+    opened = [receiver.open(f"req{r}-{i}") for r, receiver in enumerate(receivers) for i in range(3)]
+    for seq in range(10):
+        for stream in opened:
+            outbox.put(stream.subject, TokenChunk(stream.request_id, seq, [seq], f"t{seq}"))
+        await asyncio.sleep(0.01)  # the engine's next step
+    for stream in opened:
+        outbox.put(stream.subject, StreamEnd(stream.request_id, 10, "length", Usage(1, 10), Timings(), "w0"))
+    outbox.put(opened[0].subject, TokenChunk("late", 11, [1], "after the end"))  # a frame nobody waits for is dropped
+    await outbox.close()
+    for stream in opened:
+        with stream:
+            frames = [await stream.next(2) for _ in range(11)]
+            assert [f.seq for f in frames] == list(range(11)) and is_final(frames[-1])
+            assert {f.request_id for f in frames} == {stream.request_id}
+    async with asyncio.timeout(5):
+        while sum(len(b.frames) for b in batches) < 67:
+            await asyncio.sleep(0.01)
+    # A step's frames for one receiver leave in one message (slow publishes may merge steps too).
+    assert len(batches) <= 22 and all(isinstance(b, StreamBatch) for b in batches)
+    assert all(len({f.stream.split("-")[0] for f in b.frames}) == 1 for b in batches)
+    await worker.close()
+    await receiver_bus.close()
 
 
 async def test_trace_context_crosses_the_bus(nats_server) -> None:

@@ -31,11 +31,12 @@ from contracts.messages import (
     GenerateRequest,
     Handoff,
     PrefillRequest,
-    StreamFrame,
+    StreamMessage,
     TokenChunk,
     WorkerRequest,
 )
 from kvlane.fleet import Fleet, with_overrides
+from shared.bus import addressed_frames
 from shared.state import ClusterState
 from tests.integration.conftest import MODEL, launch
 from tests.integration.test_faults import expected_text
@@ -89,13 +90,14 @@ class BusWatch:
     async def __aenter__(self) -> BusWatch:
         self._nc = await nats.connect(self._url)
         requests = msgspec.msgpack.Decoder(WorkerRequest)
-        frames = msgspec.msgpack.Decoder(StreamFrame)
+        frames = msgspec.msgpack.Decoder(StreamMessage)
 
         async def on_request(msg) -> None:
             self._record(msg.subject, requests.decode(msg.data))
 
         async def on_frame(msg) -> None:
-            self._record(msg.subject, frames.decode(msg.data))
+            for _, frame in addressed_frames(msg.subject, frames.decode(msg.data)):
+                self._record(msg.subject, frame)
 
         await self._nc.subscribe(f"{subjects.PREFIX}.worker.*.generate", cb=on_request)
         await self._nc.subscribe(f"{subjects.PREFIX}.stream.>", cb=on_frame)

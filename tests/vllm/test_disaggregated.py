@@ -22,8 +22,9 @@ import pytest
 import redis
 
 from contracts import subjects
-from contracts.messages import EngineStats, Handoff, Heartbeat, StreamFrame
+from contracts.messages import EngineStats, Handoff, Heartbeat, StreamMessage
 from kvlane.fleet import Fleet, with_overrides
+from shared.bus import addressed_frames
 from tests.vllm.conftest import BLOCK_SIZE, MODEL, reference_engine_args, run_json_module, running_fleet, vllm_fleet_config
 
 pytestmark = [pytest.mark.vllm, pytest.mark.integration]
@@ -70,13 +71,11 @@ def fresh_stats(fleet: Fleet, worker_id: str) -> EngineStats:
 
 async def complete_watching_handoffs(fleet: Fleet, prompts: list[list[int]]) -> tuple[list, list[Handoff]]:
     handoffs: list[Handoff] = []
-    frames = msgspec.msgpack.Decoder(StreamFrame)
+    frames = msgspec.msgpack.Decoder(StreamMessage)
     nc = await nats.connect(fleet.config.nats.url)
 
     async def on_frame(msg) -> None:
-        frame = frames.decode(msg.data)
-        if isinstance(frame, Handoff):
-            handoffs.append(frame)
+        handoffs.extend(f for _, f in addressed_frames(msg.subject, frames.decode(msg.data)) if isinstance(f, Handoff))
 
     await nc.subscribe(f"{subjects.PREFIX}.stream.>", cb=on_frame)
     await nc.flush()
