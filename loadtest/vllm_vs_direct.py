@@ -12,7 +12,13 @@ tokens. A closed loop of C clients measures throughput (completion tokens
 per second of wall time), TTFT and inter-token latency (ITL) per path, and
 the CPU seconds each process tree used (where kvlane's cost goes).
 
-    python -m loadtest.vllm_vs_direct [--concurrency C] [--requests N] [--rounds R] [--out PATH]
+For each concurrency level both servers are started anew: the first round
+("fresh") runs right after both report ready, as a new user would see
+them; the following rounds ("warm") run after it. While one path is
+measured the other's processes are stopped (SIGSTOP): an idle vLLM engine
+keeps polling, and on 2 cores that noise would swamp the difference.
+
+    python -m loadtest.vllm_vs_direct [--concurrency 8,32,64] [--requests N] [--rounds R] [--out PATH]
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ import random
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -48,9 +54,10 @@ ENGINE_ENV = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1", "TOKENIZERS_PARALLELISM": "fa
 
 @dataclass
 class Options:
-    concurrency: int = 16
-    requests: int = 64  # per round and path
-    rounds: int = 2
+    concurrency: int = 16  # the level being measured (one of `levels`)
+    levels: tuple[int, ...] = (8, 32, 64)
+    requests: int = 64  # per round and path, at least 4 per client
+    rounds: int = 3  # the first fresh, the others warm
     prompt_tokens: int = 128
     max_tokens: int = 64
     max_model_len: int = 1024
@@ -167,13 +174,39 @@ def cpu_sample(processes: list[Process]) -> dict[str, float]:
     return sample
 
 
+def tree_of(processes: list[Process]) -> list[psutil.Process]:
+    tree = []
+    for process in processes:
+        try:
+            root = psutil.Process(process.pid)
+            tree += [root, *root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            continue
+    return tree
+
+
+def signal_tree(tree: list[psutil.Process], stop: bool) -> None:
+    for proc in tree:
+        try:
+            proc.suspend() if stop else proc.resume()
+        except psutil.NoSuchProcess:
+            continue
+
+
 async def measured(base_url: str, prompts: list[list[int]], options: Options, processes: list[Process],
                    others: list[Process]) -> PathRun:
-    # Let the previous phase's engine settle, so its tail does not land in this one.
-    await asyncio.sleep(options.cooldown_s)
-    before, others_before = cpu_sample(processes), cpu_sample(others)
-    run = await closed_loop(base_url, prompts, options)
-    after, others_after = cpu_sample(processes), cpu_sample(others)
+    # The other server is stopped meanwhile: an idle vLLM engine still polls (a core's worth of
+    # CPU here), which would slow whichever path is measured by chance, not by its own cost.
+    paused = tree_of(others)
+    signal_tree(paused, stop=True)
+    try:
+        # Let the previous phase's engine settle (and this path's heartbeats refresh after its own pause).
+        await asyncio.sleep(options.cooldown_s)
+        before, others_before = cpu_sample(processes), cpu_sample(others)
+        run = await closed_loop(base_url, prompts, options)
+        after, others_after = cpu_sample(processes), cpu_sample(others)
+    finally:
+        signal_tree(paused, stop=False)
     run.cpu_s = {name: round(after.get(name, 0.0) - before[name], 3) for name in before}
     run.other_cpu_s = {name: round(others_after.get(name, 0.0) - others_before[name], 3) for name in others_before
                        if name != "loadtest-client"}
@@ -230,6 +263,11 @@ def make_prompts(options: Options, round_index: int) -> list[list[int]]:
     return [[rng.randrange(10, 1000) for _ in range(options.prompt_tokens)] for _ in range(options.requests)]
 
 
+def front_end_cpu(cpu_s: dict[str, float]) -> float:
+    """CPU seconds of everything but the engine cores (named VLLM::EngineCore) and the load generator."""
+    return sum(seconds for name, seconds in cpu_s.items() if "::" not in name and name != "loadtest-client")
+
+
 def merge(runs: list[PathRun]) -> PathRun:
     total = PathRun()
     for run in runs:
@@ -262,10 +300,8 @@ def report(kvlane: PathRun, direct: PathRun) -> dict[str, Any]:
     }
 
 
-async def run(options: Options) -> dict[str, Any]:
-    from kvlane.tiny_model import default_cache_dir, ensure_tiny_model
-
-    model_dir = ensure_tiny_model(options.model_dir or default_cache_dir())
+async def run_level(options: Options, model_dir: Path) -> dict[str, Any]:
+    """Both servers started anew, one fresh round, then warm rounds, at `options.concurrency` streams."""
     launcher = Launcher(Path(tempfile.mkdtemp(prefix="kvlane-vllm-bench-")), base_env={**os.environ, **ENGINE_ENV})
     direct_port = free_port()
     try:
@@ -276,23 +312,36 @@ async def run(options: Options) -> dict[str, Any]:
         direct_url = f"http://{HOST}:{direct_port}"
         await wait_http_ok(f"{direct_url}/health", direct, 600)
         kvlane_processes = [*fleet.services(), *fleet.servers]
-        warm = make_prompts(options, 10_000)[: options.concurrency]
-        await closed_loop(fleet.base_url, warm, options)
-        await closed_loop(direct_url, warm, options)
-        kvlane_runs, direct_runs = [], []
+        runs: dict[str, list[PathRun]] = {"kvlane": [], "direct": []}
+        phases: dict[str, dict[str, Any]] = {}
         for index in range(options.rounds):
             prompts = make_prompts(options, index)
             order = [("kvlane", fleet.base_url), ("direct", direct_url)]
             for name, url in order if index % 2 == 0 else reversed(order):
                 processes, others = (kvlane_processes, [direct]) if name == "kvlane" else ([direct], kvlane_processes)
                 result = await measured(url, prompts, options, processes, others)
-                (kvlane_runs if name == "kvlane" else direct_runs).append(result)
-                print(f"round {index} {name}: {result.completion_tokens / result.wall_s:.0f} tok/s, "
+                runs[name].append(result)
+                print(f"c={options.concurrency} round {index} {name}: {result.completion_tokens / result.wall_s:.0f} tok/s, "
                       f"{result.errors} errors, cpu {result.cpu_s}, other server {result.other_cpu_s}", flush=True)
+            if index == 0:
+                phases["fresh"] = report(runs["kvlane"][0], runs["direct"][0])
+        if options.rounds > 1:
+            phases["warm"] = report(merge(runs["kvlane"][1:]), merge(runs["direct"][1:]))
+        return phases
     finally:
         launcher.stop_all()
-    results = report(merge(kvlane_runs), merge(direct_runs))
-    results["options"] = {k: str(v) if isinstance(v, Path) else v for k, v in asdict(options).items()}
+
+
+async def run(options: Options) -> dict[str, Any]:
+    from kvlane.tiny_model import default_cache_dir, ensure_tiny_model
+
+    model_dir = ensure_tiny_model(options.model_dir or default_cache_dir())
+    levels = {}
+    for concurrency in options.levels:
+        level = replace(options, concurrency=concurrency, requests=max(options.requests, 4 * concurrency))
+        levels[str(concurrency)] = await run_level(level, model_dir)
+    results: dict[str, Any] = {"concurrency": levels}
+    results["options"] = {k: str(v) if isinstance(v, Path) else v for k, v in asdict(options).items() if k != "concurrency"}
     results["machine"] = machine_info() | {"vllm": metadata.version("vllm-cpu") if _has("vllm-cpu") else metadata.version("vllm")}
     results["finished_at"] = dt.datetime.now(dt.UTC).isoformat()
     return results
@@ -308,22 +357,26 @@ def _has(distribution: str) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m loadtest.vllm_vs_direct", description=__doc__.split("\n")[0])
-    for name in ("concurrency", "requests", "rounds", "prompt_tokens", "max_tokens", "seed"):
+    parser.add_argument("--concurrency", default=",".join(map(str, Options.levels)),
+                        help="concurrent streams, comma-separated levels (default %(default)s)")
+    for name in ("requests", "rounds", "prompt_tokens", "max_tokens", "seed"):
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(Options, name))
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--model-dir", type=Path, help="the tiny model's directory (default: kvlane's cache)")
     args = parser.parse_args(argv)
-    options = Options(**{k: v for k, v in vars(args).items()})
+    levels = tuple(int(level) for level in args.concurrency.split(","))
+    options = Options(levels=levels, **{k: v for k, v in vars(args).items() if k != "concurrency"})
     results = asyncio.run(run(options))
     options.out.parent.mkdir(parents=True, exist_ok=True)
     options.out.write_text(json.dumps(results, indent=2))
-    k, d = results["kvlane"], results["direct"]
-    print(f"throughput  kvlane {k['throughput_tok_s']:.0f} tok/s   direct {d['throughput_tok_s']:.0f} tok/s   "
-          f"ratio {results['throughput_ratio']:.3f}")
-    for metric in ("ttft", "itl"):
-        print(f"{metric:<5} p50 kvlane {k[metric]['p50_ms']:.1f} ms direct {d[metric]['p50_ms']:.1f} ms | "
-              f"p99 kvlane {k[metric]['p99_ms']:.1f} ms direct {d[metric]['p99_ms']:.1f} ms")
-    print(f"cpu seconds  kvlane {k['cpu_s']}\n             direct {d['cpu_s']}")
+    print(f"{'streams':>7} {'phase':<6} {'tok/s kvlane':>12} {'direct':>7} {'ratio':>6} {'TTFT p50 +ms':>12} {'ITL p50 +ms':>11}"
+          f" {'front-end CPU s kvlane':>22} {'direct':>7}")
+    for concurrency, phases in results["concurrency"].items():
+        for phase, r in phases.items():
+            k, d = r["kvlane"], r["direct"]
+            print(f"{concurrency:>7} {phase:<6} {k['throughput_tok_s']:>12.0f} {d['throughput_tok_s']:>7.0f} "
+                  f"{r['throughput_ratio']:>6.3f} {r['ttft_diff_ms']['p50_ms']:>12.1f} {r['itl_diff_ms']['p50_ms']:>11.2f}"
+                  f" {front_end_cpu(k['cpu_s']):>22.2f} {front_end_cpu(d['cpu_s']):>7.2f}")
     print(f"written to {options.out}")
     return 0
 

@@ -45,6 +45,7 @@ from services.balancer.trackers import ArrivalRate
 from shared.bus import Bus
 from shared.cluster import ClusterView
 from shared.config import BalancerSettings
+from shared.coalescer import Coalescer
 from shared.periodic import Periodic
 
 log = structlog.get_logger("kvlane.balancer")
@@ -88,6 +89,8 @@ class BalancerService:
         self._gauged_chains: set[str] = set()
         self._store_degraded = False
         self._route_subscription = None
+        # Slots of finished requests are freed here at once and in the global store a batch at a time.
+        self._finished: Coalescer[tuple[str, str | None]] = Coalescer("slot-releases", self._release_globally)
 
     async def start(self) -> None:
         bus = self._bus
@@ -113,6 +116,7 @@ class BalancerService:
             with contextlib.suppress(Exception):
                 await self._route_subscription.unsubscribe()
         await self._ticker.stop()
+        await self._finished.close()
         for request_id in list(self._waiters):
             self.router.queue.remove(request_id)
             self._resolve(request_id, self.router.refusal("balancer_stopping", "the balancer is shutting down"))
@@ -256,7 +260,21 @@ class BalancerService:
     # --- events ---------------------------------------------------------------------
 
     async def _on_finished(self, event: RequestFinished, msg: Msg) -> None:
-        await self._release(event.request_id, event.worker_id)
+        self.router.table.release(event.request_id, event.worker_id)
+        self._finished.put((event.request_id, event.worker_id))
+
+    async def _release_globally(self, releases: list[tuple[str, str | None]]) -> None:
+        """Free finished requests' slots in the store, then give them to queued requests."""
+        try:
+            released = await self._store.release_many(releases)
+        except _STORE_ERRORS as exc:
+            log.debug("slot_release_failed", requests=len(releases), error=str(exc))
+            self._store_degraded = True
+            released = []
+        for chain_used in released:
+            if chain_used is not None:
+                self.router.table.set_global_used(*chain_used)
+        # Not before the store freed them: another replica could not take them yet, nor could this one.
         self._schedule_drain()
 
     async def _on_withdrawn(self, event: RouteWithdrawn, msg: Msg) -> None:

@@ -69,6 +69,10 @@ class SlotStore(Protocol):
         With `worker_id`, only a slot on that worker's chain (see `SlotTable.release`)."""
         ...
 
+    async def release_many(self, releases: Sequence[tuple[str, str | None]]) -> list[tuple[str, int] | None]:
+        """`release` for each (request_id, worker_id), in one round trip."""
+        ...
+
     async def usage(self, chain_ids: Sequence[str], now: float) -> dict[str, int]:
         """Slots in use per chain, counting only unexpired reservations."""
         ...
@@ -80,6 +84,9 @@ class LocalSlotStore:
 
     async def release(self, request_id: str, worker_id: str | None = None) -> tuple[str, int] | None:
         return None
+
+    async def release_many(self, releases: Sequence[tuple[str, str | None]]) -> list[tuple[str, int] | None]:
+        return [None] * len(releases)
 
     async def usage(self, chain_ids: Sequence[str], now: float) -> dict[str, int]:
         return {}
@@ -108,11 +115,17 @@ class RedisSlotStore:
         return bool(taken), int(used)
 
     async def release(self, request_id: str, worker_id: str | None = None) -> tuple[str, int] | None:
-        reply = await self._release(keys=[request_slot_key(request_id)], args=[request_id, self._chain_prefix, worker_id or ""])
-        if not reply:
-            return None
-        chain_id, used = reply
-        return (chain_id.decode() if isinstance(chain_id, bytes) else chain_id), int(used)
+        return _released(await self._release(**self._release_call(request_id, worker_id)))
+
+    async def release_many(self, releases: Sequence[tuple[str, str | None]]) -> list[tuple[str, int] | None]:
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for request_id, worker_id in releases:
+                await self._release(**self._release_call(request_id, worker_id), client=pipe)
+            replies = await pipe.execute()
+        return [_released(reply) for reply in replies]
+
+    def _release_call(self, request_id: str, worker_id: str | None) -> dict:
+        return {"keys": [request_slot_key(request_id)], "args": [request_id, self._chain_prefix, worker_id or ""]}
 
     async def usage(self, chain_ids: Sequence[str], now: float) -> dict[str, int]:
         if not chain_ids:
@@ -122,3 +135,10 @@ class RedisSlotStore:
                 pipe.zcount(chain_slots_key(chain_id), f"({int(now * 1000)}", "+inf")
             counts = await pipe.execute()
         return dict(zip(chain_ids, (int(c) for c in counts), strict=True))
+
+
+def _released(reply) -> tuple[str, int] | None:
+    if not reply:
+        return None
+    chain_id, used = reply
+    return (chain_id.decode() if isinstance(chain_id, bytes) else chain_id), int(used)

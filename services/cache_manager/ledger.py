@@ -157,11 +157,18 @@ class BlockLedger:
     async def release(self, request_id: str, worker_id: str | None = None) -> int | None:
         """Blocks returned, or None when no such lease exists (released twice, reaped, or held on
         another node than `worker_id`: the late end of an attempt resumed elsewhere)."""
-        freed = await self._release(
-            keys=[lease_key(request_id), _LEASES],
-            args=[request_id, f"{_PREFIX}:used:", f"{_PREFIX}:node_leases:", worker_id or ""],
-        )
-        return None if freed < 0 else int(freed)
+        return _freed(await self._release(**self._release_call(request_id, worker_id)))
+
+    async def release_many(self, releases: list[tuple[str, str | None]]) -> list[int | None]:
+        """`release` for each (request_id, worker_id), in one round trip."""
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for request_id, worker_id in releases:
+                await self._release(**self._release_call(request_id, worker_id), client=pipe)
+            return [_freed(freed) for freed in await pipe.execute()]
+
+    def _release_call(self, request_id: str, worker_id: str | None) -> dict:
+        return {"keys": [lease_key(request_id), _LEASES],
+                "args": [request_id, f"{_PREFIX}:used:", f"{_PREFIX}:node_leases:", worker_id or ""]}
 
     async def renew(self, progress: list[tuple[str, int]]) -> int:
         if not progress:
@@ -214,3 +221,7 @@ class BlockLedger:
                 )
             )
         return leases
+
+
+def _freed(reply: int) -> int | None:
+    return None if reply < 0 else int(reply)

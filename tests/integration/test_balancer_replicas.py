@@ -15,7 +15,8 @@ import redis.asyncio as redis
 from contracts import subjects
 from contracts.messages import Heartbeat
 from kvlane.fleet import with_overrides
-from kvlane.launcher import free_port, wait_services_ready
+from kvlane.launcher import Launcher, free_port, wait_services_ready
+from services.balancer.slot_store import RedisSlotStore
 from shared.config import to_env
 from tests.integration.conftest import MODEL, _stop, launch
 
@@ -85,3 +86,23 @@ async def test_three_replicas_never_oversubscribe_a_chain(tmp_path: Path) -> Non
         await client.aclose()
     finally:
         _stop(fleet)
+
+
+async def test_slot_store_releases_a_batch_in_one_pipeline(tmp_path: Path) -> None:
+    launcher = Launcher(tmp_path)
+    port = free_port()
+    launcher.start_redis(port)
+    client = redis.Redis(port=port)
+    try:
+        store = RedisSlotStore(client)
+        far = 4_000_000_000.0
+        for request_id, chain in (("r1", "w0@1"), ("r2", "w0@1"), ("r3", "w1@1")):
+            assert (await store.reserve(request_id, chain, SLOTS, far))[0]
+        assert not (await store.reserve("r4", "w0@1", SLOTS, far))[0]  # w0's two slots are taken
+        released = await store.release_many([("r1", "w0"), ("r3", "w9"), ("r2", None), ("r1", None), ("never", None)])
+        # r3 is held on another worker's chain than the one that says it finished: kept.
+        assert released == [("w0@1", 1), None, ("w0@1", 0), None, None]
+        assert await store.usage(["w0@1", "w1@1"], 0.0) == {"w0@1": 0, "w1@1": 1}
+    finally:
+        await client.aclose()
+        launcher.stop_all()

@@ -68,6 +68,15 @@ class LedgerMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self.leases)
     @rule(data=st.data())
+    def release_batch(self, data) -> None:
+        rids = data.draw(st.lists(st.sampled_from(sorted(self.leases)), min_size=1, max_size=4, unique=True))
+        expected = [self.leases.pop(rid)[1] for rid in rids]
+        # One pipeline; an id twice in a batch, or one never leased, frees nothing the second time.
+        freed = self.run(self.ledger.release_many([(rid, None) for rid in rids] + [(rids[0], None), ("never", None)]))
+        assert freed == [*expected, None, None]
+
+    @precondition(lambda self: self.leases)
+    @rule(data=st.data())
     def expire(self, data) -> None:
         rid = data.draw(st.sampled_from(sorted(self.leases)))
         # Backdate the lease, as if its holder had stopped renewing long ago.
