@@ -23,7 +23,7 @@ _PREFIX = f"{subjects.REDIS_PREFIX}:cache"
 _LEASES = f"{_PREFIX}:leases"
 
 # KEYS: usage hash, lease hash, expiry zset, node lease set
-# ARGV: blocks, pool, general capacity, short capacity, expires_at_ms, lease fields...
+# ARGV: blocks, pool ('general', 'short' or 'short_first'), general capacity, short capacity, expires_at_ms, lease fields...
 _ALLOCATE = """
 if redis.call('EXISTS', KEYS[2]) == 1 then
   local holder = redis.call('HGET', KEYS[2], 'worker_id')
@@ -37,18 +37,24 @@ if redis.call('EXISTS', KEYS[2]) == 1 then
   redis.call('DEL', KEYS[2])
 end
 local blocks = tonumber(ARGV[1])
-local field = 'used_' .. ARGV[2]
-local capacity = ARGV[2] == 'short' and tonumber(ARGV[4]) or tonumber(ARGV[3])
-local used = tonumber(redis.call('HGET', KEYS[1], field) or '0')
-if used + blocks > capacity then
-  return {0, ARGV[2], capacity - used}
+-- 'short_first': the short pool if the blocks fit there, else the general one (allocator.pool_for).
+local pools = ARGV[2] == 'short_first' and {'short', 'general'} or {ARGV[2]}
+local left = 0
+for _, pool in ipairs(pools) do
+  local field = 'used_' .. pool
+  local capacity = pool == 'short' and tonumber(ARGV[4]) or tonumber(ARGV[3])
+  local used = tonumber(redis.call('HGET', KEYS[1], field) or '0')
+  if used + blocks <= capacity then
+    redis.call('HINCRBY', KEYS[1], field, blocks)
+    redis.call('HSET', KEYS[2], 'worker_id', ARGV[6], 'blocks', blocks, 'pool', pool, 'priority', ARGV[7],
+               'max_tokens', ARGV[8], 'generated', 0, 'granted_at', ARGV[9])
+    redis.call('ZADD', KEYS[3], ARGV[5], ARGV[10])
+    redis.call('SADD', KEYS[4], ARGV[10])
+    return {2, pool, blocks}
+  end
+  left = capacity - used
 end
-redis.call('HINCRBY', KEYS[1], field, blocks)
-redis.call('HSET', KEYS[2], 'worker_id', ARGV[6], 'blocks', blocks, 'pool', ARGV[2], 'priority', ARGV[7],
-           'max_tokens', ARGV[8], 'generated', 0, 'granted_at', ARGV[9])
-redis.call('ZADD', KEYS[3], ARGV[5], ARGV[10])
-redis.call('SADD', KEYS[4], ARGV[10])
-return {2, ARGV[2], blocks}
+return {0, ARGV[2], left}
 """
 
 # KEYS: lease hash, expiry zset; ARGV: request id, usage key prefix, node set prefix, node ('' = any)

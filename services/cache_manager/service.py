@@ -138,6 +138,12 @@ class CacheManagerService:
         demand = Demand(request.request_id, request.prompt_tokens, request.max_tokens, request.priority)
         cached = self.index.match(request.block_hashes)
         self._observe_prefix(request)
+        if request.worker_id is not None:
+            # One node, nothing to rank: the ledger's script checks room and picks the pool itself,
+            # so the usual case costs one round trip; only a refusal reads usage (and may preempt).
+            granted = await self._reserve_on(request, demand, heartbeats[request.worker_id], cached)
+            if granted is not None:
+                return granted
         for _ in range(_RESERVE_ATTEMPTS):
             nodes = await self._capacities(wanted, heartbeats)
             plans = rank(demand, nodes, cached, settings)
@@ -159,6 +165,22 @@ class CacheManagerService:
                 return allocation
         self._metrics.allocations.labels("no_capacity").inc()
         return ErrorReply(code="no_capacity", message="no node has room for this request's KV blocks", status=503, retry_after_s=1.0)
+
+    async def _reserve_on(self, request: AllocateRequest, demand: Demand, heartbeat: Heartbeat,
+                          cached: dict[str, int]) -> Allocation | None:
+        settings = self._settings
+        worker_id, block_size = heartbeat.registration.worker_id, heartbeat.registration.block_size
+        node = NodeCapacity(worker_id, heartbeat.stats.kv_blocks_total, block_size)
+        cached_blocks = min(cached.get(worker_id, 0), demand.prompt_tokens // block_size)
+        blocks = need_blocks(demand, block_size, cached_blocks, settings)
+        short = node.short_pool(settings)
+        reservation = await self._ledger.reserve(
+            request.request_id, worker_id, blocks, "short_first" if is_short(demand, settings) else "general",
+            node.blocks_total - short, short, request.priority, request.max_tokens,
+        )
+        if not reservation.granted:
+            return None
+        return self._granted(request, worker_id, reservation.blocks, cached_blocks, reservation.pool)
 
     async def _capacities(self, worker_ids: list[str], heartbeats: dict[str, Heartbeat]) -> list[NodeCapacity]:
         usage = await self._ledger.usage(worker_ids)

@@ -47,16 +47,28 @@ class LedgerMachine(RuleBasedStateMachine):
     def run(self, coro):
         return self.loop.run_until_complete(coro)
 
-    @rule(node=st.sampled_from(sorted(CAPACITY)), blocks=st.integers(1, 15), short=st.booleans())
-    def allocate(self, node: str, blocks: int, short: bool) -> None:
+    @rule(node=st.sampled_from(sorted(CAPACITY)), blocks=st.integers(1, 15), pool=st.sampled_from(["general", "short", "short_first"]))
+    def allocate(self, node: str, blocks: int, pool: str) -> None:
         if node not in self.live_nodes:
             return
         self.counter += 1
         rid = f"r{self.counter}"
         general, short_cap = CAPACITY[node]
-        result = self.run(self.ledger.reserve(rid, node, blocks, "short" if short else "general", general, short_cap, 1.0, 10))
+        free = self.free(node)
+        result = self.run(self.ledger.reserve(rid, node, blocks, pool, general, short_cap, 1.0, 10))
+        # Granted exactly when the blocks fit; short_first prefers the short pool, as allocator.pool_for does.
+        fits = {p: blocks <= free[p] for p in ("general", "short")}
+        expected = {"general": "general" if fits["general"] else None, "short": "short" if fits["short"] else None,
+                    "short_first": "short" if fits["short"] else "general" if fits["general"] else None}[pool]
+        assert (result.pool if result.granted else None) == expected
         if result.granted:
             self.leases[rid] = (node, blocks, result.pool)
+
+    def free(self, node: str) -> dict[str, int]:
+        general, short = CAPACITY[node]
+        mine = [(b, p) for n, b, p in self.leases.values() if n == node]
+        return {"general": general - sum(b for b, p in mine if p == "general"),
+                "short": short - sum(b for b, p in mine if p == "short")}
 
     @precondition(lambda self: self.leases)
     @rule(data=st.data())
