@@ -21,6 +21,7 @@ from typing import Protocol
 import redis.asyncio as redis
 
 from contracts import subjects
+from shared.redis_scripts import run_batch
 
 _RESERVE = """
 local t = redis.call('TIME')
@@ -115,17 +116,15 @@ class RedisSlotStore:
         return bool(taken), int(used)
 
     async def release(self, request_id: str, worker_id: str | None = None) -> tuple[str, int] | None:
-        return _released(await self._release(**self._release_call(request_id, worker_id)))
+        keys, args = self._release_call(request_id, worker_id)
+        return _released(await self._release(keys=keys, args=args))
 
     async def release_many(self, releases: Sequence[tuple[str, str | None]]) -> list[tuple[str, int] | None]:
-        async with self._redis.pipeline(transaction=False) as pipe:
-            for request_id, worker_id in releases:
-                await self._release(**self._release_call(request_id, worker_id), client=pipe)
-            replies = await pipe.execute()
-        return [_released(reply) for reply in replies]
+        calls = [self._release_call(request_id, worker_id) for request_id, worker_id in releases]
+        return [_released(reply) for reply in await run_batch(self._redis, self._release, calls)]
 
-    def _release_call(self, request_id: str, worker_id: str | None) -> dict:
-        return {"keys": [request_slot_key(request_id)], "args": [request_id, self._chain_prefix, worker_id or ""]}
+    def _release_call(self, request_id: str, worker_id: str | None) -> tuple[list, list]:
+        return [request_slot_key(request_id)], [request_id, self._chain_prefix, worker_id or ""]
 
     async def usage(self, chain_ids: Sequence[str], now: float) -> dict[str, int]:
         if not chain_ids:

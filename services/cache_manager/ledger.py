@@ -18,6 +18,7 @@ import redis.asyncio as redis
 
 from contracts import subjects
 from services.cache_manager.allocator import RunningLease
+from shared.redis_scripts import run_batch
 
 _PREFIX = f"{subjects.REDIS_PREFIX}:cache"
 _LEASES = f"{_PREFIX}:leases"
@@ -163,18 +164,16 @@ class BlockLedger:
     async def release(self, request_id: str, worker_id: str | None = None) -> int | None:
         """Blocks returned, or None when no such lease exists (released twice, reaped, or held on
         another node than `worker_id`: the late end of an attempt resumed elsewhere)."""
-        return _freed(await self._release(**self._release_call(request_id, worker_id)))
+        keys, args = self._release_call(request_id, worker_id)
+        return _freed(await self._release(keys=keys, args=args))
 
     async def release_many(self, releases: list[tuple[str, str | None]]) -> list[int | None]:
         """`release` for each (request_id, worker_id), in one round trip."""
-        async with self._redis.pipeline(transaction=False) as pipe:
-            for request_id, worker_id in releases:
-                await self._release(**self._release_call(request_id, worker_id), client=pipe)
-            return [_freed(freed) for freed in await pipe.execute()]
+        calls = [self._release_call(request_id, worker_id) for request_id, worker_id in releases]
+        return [_freed(freed) for freed in await run_batch(self._redis, self._release, calls)]
 
-    def _release_call(self, request_id: str, worker_id: str | None) -> dict:
-        return {"keys": [lease_key(request_id), _LEASES],
-                "args": [request_id, f"{_PREFIX}:used:", f"{_PREFIX}:node_leases:", worker_id or ""]}
+    def _release_call(self, request_id: str, worker_id: str | None) -> tuple[list, list]:
+        return [lease_key(request_id), _LEASES], [request_id, f"{_PREFIX}:used:", f"{_PREFIX}:node_leases:", worker_id or ""]
 
     async def renew(self, progress: list[tuple[str, int]]) -> int:
         if not progress:
