@@ -5,11 +5,12 @@ Two measurements:
 * pure core: `Router.admit` on a snapshot of N nodes (measured speeds,
   cached prefixes in the prefix index), then the slot's release, in one
   process; no I/O.
-* through NATS: a real nats-server, redis-server and balancer process
-  (slots in Redis, the default), N fake-but-real workers heartbeating on
-  NATS; route requests over request/reply, each followed by its
-  RequestFinished. Latency from sequential requests, decisions per second
-  from `--concurrency` requests in flight.
+* through NATS: a real nats-server, redis-server, balancer and
+  cache-manager process (slots in Redis and a KV allocation per decision,
+  the defaults; `--no-kv` leaves the cache-manager out), N fake-but-real
+  workers heartbeating on NATS; route requests over request/reply, each
+  followed by its RequestFinished. Latency from sequential requests,
+  decisions per second from `--concurrency` requests in flight.
 
     python -m benchmarks.balancer_bench [--quick] [--policies jffc,least_loaded]
 
@@ -107,7 +108,8 @@ def _summary(latencies: list[float], per_second: float) -> dict:
     }
 
 
-async def bench_nats(policy: str, sizes: tuple[int, ...], sequential: int, concurrent: int, concurrency: int, log_dir: Path) -> dict:
+async def bench_nats(policy: str, sizes: tuple[int, ...], sequential: int, concurrent: int, concurrency: int, log_dir: Path,
+                     allocate_kv: bool = True) -> dict:
     launcher = Launcher(log_dir / policy)
     nats_port, redis_port = free_port(), free_port()
     results: dict[int, dict] = {}
@@ -119,9 +121,11 @@ async def bench_nats(policy: str, sizes: tuple[int, ...], sequential: int, concu
             redis=RedisSettings(url=f"redis://127.0.0.1:{redis_port}/0"),
             logging=LoggingSettings(level="warning"),
             cluster=ClusterSettings(heartbeat_interval_s=1.0, heartbeat_ttl_s=30.0, resync_interval_s=30.0),
-            balancer=BalancerSettings(policy=policy),  # type: ignore[arg-type]
+            balancer=BalancerSettings(policy=policy, allocate_kv=allocate_kv),  # type: ignore[arg-type]
         )
         balancer = launcher.start_service("balancer", to_env(config))
+        if allocate_kv:
+            launcher.start_service("cache_manager", to_env(config))
         nc = await nats.connect(config.nats.url)
         encode = msgspec.msgpack.encode
         decoder = msgspec.msgpack.Decoder(RouteReply)
@@ -188,12 +192,13 @@ def main() -> None:
     parser.add_argument("--sizes", default=",".join(map(str, SIZES)))
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--skip-nats", action="store_true")
+    parser.add_argument("--no-kv", action="store_true", help="through NATS without the cache-manager's KV allocation")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "balancer_bench.json"))
     args = parser.parse_args()
     policies = [p for p in args.policies.split(",") if p]
     sizes = tuple(int(s) for s in args.sizes.split(","))
     core_decisions, sequential, concurrent = (300, 100, 300) if args.quick else (3000, 400, 2000)
-    report: dict = {"sizes": sizes, "core": {}, "nats": {}, "concurrency": args.concurrency}
+    report: dict = {"sizes": sizes, "core": {}, "nats": {}, "concurrency": args.concurrency, "allocate_kv": not args.no_kv}
     print("pure core (admit + release, no I/O):")
     for policy in policies:
         report["core"][policy] = {}
@@ -201,10 +206,12 @@ def main() -> None:
             r = report["core"][policy][nodes] = bench_core(policy, nodes, core_decisions)
             print(f"  core {policy:17s} {nodes:4d} nodes  p50 {r['p50_us']:8.1f} us  p99 {r['p99_us']:8.1f} us  {r['decisions_per_s']:7d}/s", flush=True)
     if not args.skip_nats:
-        print(f"through NATS (real balancer process, slots in Redis, {args.concurrency} in flight for throughput):")
+        kv = "no KV allocation" if args.no_kv else "a KV allocation from the cache-manager per decision"
+        print(f"through NATS (real balancer process, slots in Redis, {kv}, {args.concurrency} in flight for throughput):")
         with tempfile.TemporaryDirectory(prefix="kvlane-bench-") as log_dir:
             for policy in policies:
-                report["nats"][policy] = asyncio.run(bench_nats(policy, sizes, sequential, concurrent, args.concurrency, Path(log_dir)))
+                report["nats"][policy] = asyncio.run(
+                    bench_nats(policy, sizes, sequential, concurrent, args.concurrency, Path(log_dir), not args.no_kv))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))

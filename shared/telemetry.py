@@ -40,7 +40,11 @@ class Telemetry:
         exporter = exporter or _exporter(settings)
         if exporter is not None:
             self._provider.add_span_processor(BatchSpanProcessor(exporter))
-        self.tracer = self._provider.get_tracer("kvlane")
+            self.tracer = self._provider.get_tracer("kvlane")
+        else:
+            # Spans nobody exports cost a few percent of a busy service's CPU. The no-op tracer
+            # still passes an incoming `traceparent` on, so a trace begun elsewhere continues.
+            self.tracer = trace.NoOpTracerProvider().get_tracer("kvlane")
         self._propagator = TraceContextTextMapPropagator()
 
     def inject(self, headers: dict[str, str] | None = None, context: Context | None = None) -> dict[str, str]:

@@ -6,7 +6,6 @@ import asyncio
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-import msgspec
 import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
@@ -114,13 +113,11 @@ async def test_outbox_batches_one_steps_frames_per_receiver_in_order(nats_server
     for receiver in receivers:
         await receiver.start()
     batches: list[StreamBatch] = []
-    decoder = msgspec.msgpack.Decoder(StreamMessage)
 
-    async def count(msg) -> None:
-        batches.append(decoder.decode(msg.data))
+    async def count(message: StreamMessage, msg) -> None:
+        batches.append(message)
 
-    await receiver_bus._nc.subscribe("kvlane.v1.stream.*.*", cb=count)
-    await receiver_bus.flush()
+    await receiver_bus.subscribe("kvlane.v1.stream.*.*", StreamMessage, count, traced=False)
     outbox = StreamOutbox(worker)
     # Three requests per receiver, ten engine steps: each step's frames leave together.
     opened = [receiver.open(f"req{r}-{i}") for r, receiver in enumerate(receivers) for i in range(3)]
