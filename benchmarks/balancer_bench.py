@@ -124,12 +124,14 @@ async def bench_nats(policy: str, sizes: tuple[int, ...], sequential: int, concu
             balancer=BalancerSettings(policy=policy, allocate_kv=allocate_kv),  # type: ignore[arg-type]
         )
         balancer = launcher.start_service("balancer", to_env(config))
-        if allocate_kv:
-            launcher.start_service("cache_manager", to_env(config))
         nc = await nats.connect(config.nats.url)
         encode = msgspec.msgpack.encode
         decoder = msgspec.msgpack.Decoder(RouteReply)
-        await _wait_for_balancer(nc, balancer)
+        await _wait_for(nc, balancer, subjects.BALANCER_STATUS, {"type": "balancer_status_request"})
+        if allocate_kv:
+            # Up before the heartbeats below, or it would not know the nodes it is asked to allocate on.
+            cache_manager = launcher.start_service("cache_manager", to_env(config))
+            await _wait_for(nc, cache_manager, subjects.CACHE_REQUEST, {"type": "status"})
         counter = 0
 
         async def route_once() -> float:
@@ -173,16 +175,16 @@ async def bench_nats(policy: str, sizes: tuple[int, ...], sequential: int, concu
     return results
 
 
-async def _wait_for_balancer(nc, balancer) -> None:
+async def _wait_for(nc, service, subject: str, status_request: dict) -> None:
     for _ in range(200):
-        if not balancer.alive():
-            raise RuntimeError(f"balancer exited:\n{balancer.log_tail()}")
+        if not service.alive():
+            raise RuntimeError(f"{service.name} exited:\n{service.log_tail()}")
         try:
-            await nc.request(subjects.BALANCER_STATUS, msgspec.msgpack.encode({"type": "balancer_status_request"}), timeout=0.5)
+            await nc.request(subject, msgspec.msgpack.encode(status_request), timeout=0.5)
             return
         except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
             await asyncio.sleep(0.1)
-    raise RuntimeError("balancer did not come up")
+    raise RuntimeError(f"{service.name} did not come up")
 
 
 def main() -> None:
