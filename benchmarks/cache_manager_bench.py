@@ -36,7 +36,7 @@ from contracts import subjects
 from contracts.cache import AllocateRequest, CacheReply, LookupRequest, ReleaseRequest
 from contracts.messages import EngineStats, Heartbeat, WorkerRegistration
 from kvlane.launcher import Launcher, free_port
-from services.cache_manager.allocator import Demand, NodeCapacity, rank
+from shared.kv_allocation import Demand, NodeCapacity, rank
 from shared.config import CacheManagerSettings, KvlaneConfig, NatsSettings, RedisSettings, to_env
 from shared.prefix_index import PrefixIndex
 from shared.state import ClusterState, connect_redis

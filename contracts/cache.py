@@ -53,6 +53,22 @@ class Allocation(Struct, tag="allocation", tag_field="type"):
 AllocateReply = Allocation | ErrorReply
 
 
+class RoutedPrefix(Struct, array_like=True, gc=False):
+    model: str
+    block_hashes: list[int]
+    prefix_token_ids: list[int]
+
+
+class PrefixesRouted(Struct, tag="prefixes_routed", tag_field="type"):
+    """Prompts a balancer placed with KV leases it took from the ledger itself (one batch per burst).
+
+    Those never reach the cache-manager as an `AllocateRequest`, so this is
+    how it still counts their prefixes for pre-warming.
+    """
+
+    prefixes: list[RoutedPrefix]
+
+
 class ReleaseRequest(Struct, tag="release", tag_field="type"):
     request_id: RequestId
 

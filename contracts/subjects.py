@@ -26,6 +26,7 @@ HEALTH_ALL = f"{PREFIX}.health.*"
 
 CACHE_REQUEST = f"{PREFIX}.cache.request"
 CACHE_RENEW = f"{PREFIX}.cache.renew"
+CACHE_ROUTED = f"{PREFIX}.cache.routed"
 CACHE_QUEUE_GROUP = "kvlane-cache-manager"
 REQUEST_FINISHED = f"{PREFIX}.events.finished"
 

@@ -17,6 +17,7 @@ from services.balancer.snapshot import SnapshotBuilder
 from services.balancer.speed import StepModel
 from services.balancer.status import SlotRates
 from services.balancer.trackers import QueueGrowth, SpeedTracker
+from shared.block_ledger import BlockLedger
 from shared.config import BalancerSettings, KvlaneConfig
 from shared.metrics_http import serve_metrics
 from shared.prefix_index import PrefixIndex
@@ -57,7 +58,10 @@ async def main(config: KvlaneConfig, stop: asyncio.Event) -> None:
     async with service_context(config, "balancer", balancer_id) as ctx:
         store = RedisSlotStore(ctx.redis) if settings.slots.store == "redis" else LocalSlotStore()
         metrics = BalancerMetrics()
-        allocator = KvAllocator(ctx.bus, settings.allocate_timeout_s) if settings.allocate_kv else None
+        allocator = None
+        if settings.allocate_kv:
+            ledger = BlockLedger(ctx.redis, config.cache_manager.lease_ttl_s)
+            allocator = KvAllocator(ctx.bus, settings.allocate_timeout_s, ledger, config.cache_manager)
         service = BalancerService(
             ctx.bus, ctx.view, build_router(settings, model), store, settings, metrics, SlotRates(model, settings.slots), allocator, balancer_id
         )

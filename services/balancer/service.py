@@ -117,6 +117,8 @@ class BalancerService:
                 await self._route_subscription.unsubscribe()
         await self._ticker.stop()
         await self._finished.close()
+        if self._allocator is not None:
+            await self._allocator.close()
         for request_id in list(self._waiters):
             self.router.queue.remove(request_id)
             self._resolve(request_id, self.router.refusal("balancer_stopping", "the balancer is shutting down"))
@@ -191,7 +193,7 @@ class BalancerService:
         if used >= 0:
             self.router.table.set_global_used(chain.chain_id, used)
         if self._allocator is not None:
-            allocation = await self._allocator.allocate(placement.request, chain.worker_id)
+            allocation = await self._allocator.allocate(placement.request, chain)
             if isinstance(allocation, ErrorReply) and allocation.code == "state_unavailable":
                 # Redis is down: the ledger cannot be consulted, so, as with
                 # slots, availability wins; the engine's own KV admission

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 
-from services.cache_manager.ledger import BlockLedger
+from shared.block_ledger import BlockLedger
 from services.cache_manager.metrics import CacheMetrics
 from services.cache_manager.service import CacheManagerService
 from shared.config import KvlaneConfig

@@ -27,6 +27,7 @@ from contracts.cache import (
     LookupReply,
     LookupRequest,
     NodeUsage,
+    PrefixesRouted,
     Released,
     ReleaseRequest,
     RenewLeases,
@@ -42,14 +43,14 @@ from contracts.messages import (
     SamplingParams,
     WorkerLeft,
 )
-from services.cache_manager.allocator import Demand, NodeCapacity, choose_victims, is_short, need_blocks, rank
-from services.cache_manager.ledger import BlockLedger
 from services.cache_manager.metrics import CacheMetrics
 from services.cache_manager.prewarm import HotPrefixTracker, plan_prewarms
+from shared.block_ledger import BlockLedger
 from shared.bus import Bus
 from shared.cluster import ClusterView
 from shared.config import CacheManagerSettings
 from shared.coalescer import Coalescer
+from shared.kv_allocation import Demand, NodeCapacity, ask_on_node, choose_victims, is_short, need_blocks, rank
 from shared.periodic import Periodic
 from shared.prefix_index import PrefixIndex
 
@@ -89,6 +90,7 @@ class CacheManagerService:
         queue = subjects.CACHE_QUEUE_GROUP
         await self._bus.subscribe(subjects.CACHE_REQUEST, CacheRequest, self._on_request, queue=queue, concurrent=True)
         await self._bus.subscribe(subjects.CACHE_RENEW, RenewLeases, self._on_renew, queue=queue, traced=False)
+        await self._bus.subscribe(subjects.CACHE_ROUTED, PrefixesRouted, self._on_routed, queue=queue, traced=False)
         # Every replica keeps its own index, so these are broadcast (no queue).
         await self._bus.subscribe(subjects.KV_EVENTS_ALL, KvEvents, self._on_kv_events, traced=False)
         await self._bus.subscribe(subjects.REQUEST_FINISHED, RequestFinished, self._on_finished, queue=queue, traced=False)
@@ -137,7 +139,7 @@ class CacheManagerService:
 
         demand = Demand(request.request_id, request.prompt_tokens, request.max_tokens, request.priority)
         cached = self.index.match(request.block_hashes)
-        self._observe_prefix(request)
+        self._observe_prefix(request.model, request.block_hashes, request.prefix_token_ids)
         if request.worker_id is not None:
             # One node, nothing to rank: the ledger's script checks room and picks the pool itself,
             # so the usual case costs one round trip; only a refusal reads usage (and may preempt).
@@ -168,19 +170,14 @@ class CacheManagerService:
 
     async def _reserve_on(self, request: AllocateRequest, demand: Demand, heartbeat: Heartbeat,
                           cached: dict[str, int]) -> Allocation | None:
-        settings = self._settings
-        worker_id, block_size = heartbeat.registration.worker_id, heartbeat.registration.block_size
-        node = NodeCapacity(worker_id, heartbeat.stats.kv_blocks_total, block_size)
-        cached_blocks = min(cached.get(worker_id, 0), demand.prompt_tokens // block_size)
-        blocks = need_blocks(demand, block_size, cached_blocks, settings)
-        short = node.short_pool(settings)
-        reservation = await self._ledger.reserve(
-            request.request_id, worker_id, blocks, "short_first" if is_short(demand, settings) else "general",
-            node.blocks_total - short, short, request.priority, request.max_tokens,
-        )
+        worker_id = heartbeat.registration.worker_id
+        ask = ask_on_node(demand, heartbeat.stats.kv_blocks_total, heartbeat.registration.block_size,
+                          cached.get(worker_id, 0), self._settings)
+        reservation = await self._ledger.reserve(request.request_id, worker_id, ask.blocks, ask.pool, ask.general_capacity,
+                                                 ask.short_capacity, request.priority, request.max_tokens)
         if not reservation.granted:
             return None
-        return self._granted(request, worker_id, reservation.blocks, cached_blocks, reservation.pool)
+        return self._granted(request, worker_id, reservation.blocks, ask.cached_blocks, reservation.pool)
 
     async def _capacities(self, worker_ids: list[str], heartbeats: dict[str, Heartbeat]) -> list[NodeCapacity]:
         usage = await self._ledger.usage(worker_ids)
@@ -268,6 +265,10 @@ class CacheManagerService:
         except (RedisError, OSError) as exc:
             log.warning("lease_renew_failed", worker_id=renew.worker_id, error=str(exc))
 
+    async def _on_routed(self, routed: PrefixesRouted, msg: Msg) -> None:
+        for prefix in routed.prefixes:
+            self._observe_prefix(prefix.model, prefix.block_hashes, prefix.prefix_token_ids)
+
     async def _on_finished(self, event: RequestFinished, msg: Msg) -> None:
         self._finished.put((event.request_id, event.worker_id))
 
@@ -321,17 +322,16 @@ class CacheManagerService:
         if self._settings.prewarm:
             await self._prewarm(now)
 
-    def _observe_prefix(self, request: AllocateRequest) -> None:
-        if not self._settings.prewarm or not request.prefix_token_ids or not request.block_hashes:
+    def _observe_prefix(self, model: str, block_hashes: list[int], prefix_token_ids: list[int]) -> None:
+        if not self._settings.prewarm or not prefix_token_ids or not block_hashes:
             return
-        heartbeats = self._view.routable(self._clock(), request.model)
+        heartbeats = self._view.routable(self._clock(), model)
         if not heartbeats:
             return
         block_size = heartbeats[0].registration.block_size
-        depth = min(len(request.block_hashes), len(request.prefix_token_ids) // block_size)
+        depth = min(len(block_hashes), len(prefix_token_ids) // block_size)
         if depth:
-            self._hot.observe(tuple(request.block_hashes[:depth]), tuple(request.prefix_token_ids[: depth * block_size]),
-                              self._clock())
+            self._hot.observe(tuple(block_hashes[:depth]), tuple(prefix_token_ids[: depth * block_size]), self._clock())
 
     async def _prewarm(self, now: float) -> None:
         self._prewarming = {k: t for k, t in self._prewarming.items() if t > now}

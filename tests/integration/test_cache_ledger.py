@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvlane.launcher import Launcher, free_port
-from services.cache_manager.ledger import BlockLedger, lease_key
+from shared.block_ledger import BlockLedger, lease_key
 
 pytestmark = pytest.mark.integration
 

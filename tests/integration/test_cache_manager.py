@@ -9,6 +9,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+import aiohttp
 import msgspec
 import nats
 import pytest
@@ -23,9 +24,10 @@ from contracts.cache import (
     CacheStatusRequest,
     LookupReply,
     LookupRequest,
+    PrefixesRouted,
 )
 from contracts.messages import ErrorReply, GenerateRequest, SamplingParams
-from services.cache_manager.ledger import BlockLedger, lease_key
+from shared.block_ledger import BlockLedger, lease_key
 from tests.integration.conftest import MODEL, launch
 
 pytestmark = pytest.mark.integration
@@ -144,4 +146,43 @@ async def test_bad_input_gets_error_replies_and_the_service_keeps_serving(tmp_pa
         await nc.close()
         assert all(p.alive() for p in fleet.services())
     finally:
+        fleet.stop()
+
+
+async def test_the_balancer_leases_kv_itself_and_reports_what_it_placed(tmp_path: Path) -> None:
+    """The chosen node has room: the lease comes from the ledger in the balancer's own round trip (the
+    cache-manager is stopped meanwhile and need not answer), and the placed prefix goes to it for pre-warming."""
+    fleet = launch(tmp_path, workers=1, speed=0.2)
+    nc = await nats.connect(fleet.config.nats.url)
+    client = redis.Redis.from_url(fleet.config.redis.url)
+    routed: list[PrefixesRouted] = []
+
+    async def on_routed(msg) -> None:
+        routed.append(msgspec.msgpack.decode(msg.data, type=PrefixesRouted))
+
+    await nc.subscribe(subjects.CACHE_ROUTED, cb=on_routed)
+    await nc.flush()
+    await nc.flush()
+    prompt = "a shared system prompt that fills a few kv blocks " * 8
+    try:
+        fleet.cache_managers[0].signal(signal.SIGSTOP)
+        async with aiohttp.ClientSession() as session:
+            body = {"model": MODEL, "prompt": prompt, "max_tokens": 40, "stream": True}
+            async with session.post(f"{fleet.base_url}/v1/completions", json=body) as response:
+                assert response.status == 200
+                request_id = response.headers["X-Request-Id"]
+                # While it streams, its lease is in the ledger, on its node.
+                lease = await client.hgetall(lease_key(request_id))
+                assert lease[b"worker_id"] == b"w0" and int(lease[b"blocks"]) > 0
+                text = b"".join([chunk async for chunk in response.content.iter_any()])
+        assert b"[DONE]" in text
+        async with asyncio.timeout(10):
+            while not routed:
+                await asyncio.sleep(0.05)
+        (prefix,) = routed[0].prefixes
+        assert prefix.model == MODEL and prefix.block_hashes and prefix.prefix_token_ids
+    finally:
+        fleet.cache_managers[0].signal(signal.SIGCONT)
+        await client.aclose()
+        await nc.close()
         fleet.stop()

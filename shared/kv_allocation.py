@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from typing import Literal
 from msgspec import Struct
 
 from contracts.cache import Pool
@@ -81,6 +82,31 @@ def pool_for(node: NodeCapacity, blocks: int, short: bool, policy: CacheManagerS
     if blocks <= free_general:
         return "general"
     return None
+
+
+class NodeAsk(Struct, frozen=True):
+    """What to ask the ledger for on one given node: it checks room and picks the pool itself."""
+
+    blocks: int
+    cached_blocks: int
+    pool: Literal["general", "short_first"]
+    general_capacity: int
+    short_capacity: int
+
+
+def ask_on_node(demand: Demand, blocks_total: int, block_size: int, cached_blocks: int, policy: CacheManagerSettings) -> NodeAsk:
+    """The reservation for `demand` on one node chosen already (nothing to rank), as `rank` would plan it there."""
+    node = NodeCapacity("", blocks_total, block_size)
+    cached_blocks = min(cached_blocks, demand.prompt_tokens // block_size)
+    short = node.short_pool(policy)
+    return NodeAsk(
+        blocks=need_blocks(demand, block_size, cached_blocks, policy),
+        cached_blocks=cached_blocks,
+        # The ledger's "short_first" is `pool_for`'s order: the short pool if it fits there, else the general one.
+        pool="short_first" if is_short(demand, policy) else "general",
+        general_capacity=blocks_total - short,
+        short_capacity=short,
+    )
 
 
 def length_penalty(prompt_tokens: int, policy: CacheManagerSettings) -> float:

@@ -17,7 +17,7 @@ import msgspec
 import redis.asyncio as redis
 
 from contracts import subjects
-from services.cache_manager.allocator import RunningLease
+from shared.kv_allocation import RunningLease
 from shared.redis_scripts import run_batch
 
 _PREFIX = f"{subjects.REDIS_PREFIX}:cache"
