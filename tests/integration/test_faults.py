@@ -213,16 +213,24 @@ async def test_slow_node_is_marked_and_avoided_then_comes_back(tmp_path: Path) -
             victim.signal(signal.SIGCONT)
             back = await wait_until_async(lambda: health_state(fleet, "w0"), {"healthy"}, 20)
             finished.events.clear()
-            await asyncio.sleep(3.0)
+            # It may have been measured slow while it crawled; idle, that estimate drifts back to its
+            # peers' heartbeat by heartbeat (SpeedTracker._relax_idle), and then it shares the load
+            # again. So its return is waited for, within a bound, not sampled in a fixed window.
+            try:
+                regained = await wait_until(lambda: finished.workers()["w0"] >= 10, 20)
+            except AssertionError:
+                regained = None
             share_after = finished.share("w0")
             stop.set()
             await asyncio.wait_for(load, 60)
             print(result.report("worker SIGSTOP (crawling node)", marked) + f" marked_after={marked:.2f}s "
-                  f"share_while_slow={share_while_slow:.2f} recovered_after={back:.2f}s share_after={share_after:.2f}")
+                  f"share_while_slow={share_while_slow:.2f} recovered_after={back:.2f}s "
+                  f"regained_after={'never' if regained is None else f'{regained:.2f}s'} "
+                  f"share_after={share_after:.2f}")
             assert result.lost == 0 and not result.failed, result.failed[:3]
             assert not result.wrong
             assert share_while_slow < 0.1, "traffic still flows to the crawling node"
-            assert share_after > 0.1, "the recovered node got no traffic back"
+            assert regained is not None, "the recovered node got no traffic back within 20 s"
             assert time.monotonic() - slowed < 90
     finally:
         fleet.stop()
