@@ -53,8 +53,8 @@ from shared.bus import Bus, BusError
 from shared.config import ClusterSettings, WorkerSettings
 from shared.periodic import Periodic
 from shared.runner import announce_ready
-from shared.stream_outbox import StreamOutbox
 from shared.state import ClusterState
+from shared.stream_outbox import StreamOutbox
 
 log = structlog.get_logger("kvlane.worker")
 
