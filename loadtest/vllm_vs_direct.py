@@ -152,18 +152,23 @@ def tree_cpu_seconds(name: str, pid: int) -> dict[str, float]:
     server) shows apart from the engine's.
     """
     seconds: dict[str, float] = {}
+    for proc in process_tree(pid):
+        try:
+            times = proc.cpu_times()
+            label = name if proc.pid == pid else f"{name}/{proc.name()}"
+            seconds[label] = seconds.get(label, 0.0) + times.user + times.system
+        except psutil.NoSuchProcess:
+            continue
+    return seconds
+
+
+def process_tree(pid: int) -> list[psutil.Process]:
+    """The process and its descendants; empty once it is gone."""
     try:
         root = psutil.Process(pid)
-        for proc in [root, *root.children(recursive=True)]:
-            try:
-                times = proc.cpu_times()
-                label = name if proc.pid == pid else f"{name}/{proc.name()}"
-                seconds[label] = seconds.get(label, 0.0) + times.user + times.system
-            except psutil.NoSuchProcess:
-                continue
+        return [root, *root.children(recursive=True)]
     except psutil.NoSuchProcess:
-        pass
-    return seconds
+        return []
 
 
 def cpu_sample(processes: list[Process]) -> dict[str, float]:
@@ -173,17 +178,6 @@ def cpu_sample(processes: list[Process]) -> dict[str, float]:
     times = os.times()
     sample["loadtest-client"] = times.user + times.system
     return sample
-
-
-def tree_of(processes: list[Process]) -> list[psutil.Process]:
-    tree = []
-    for process in processes:
-        try:
-            root = psutil.Process(process.pid)
-            tree += [root, *root.children(recursive=True)]
-        except psutil.NoSuchProcess:
-            continue
-    return tree
 
 
 def signal_tree(tree: list[psutil.Process], stop: bool) -> None:
@@ -198,7 +192,7 @@ async def measured(base_url: str, prompts: list[list[int]], options: Options, pr
                    others: list[Process]) -> PathRun:
     # The other server is stopped meanwhile: an idle vLLM engine still polls (a core's worth of
     # CPU here), which would slow whichever path is measured by chance, not by its own cost.
-    paused = tree_of(others)
+    paused = [proc for process in others for proc in process_tree(process.pid)]
     signal_tree(paused, stop=True)
     try:
         # Let the previous phase's engine settle (and this path's heartbeats refresh after its own pause).

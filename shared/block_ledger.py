@@ -17,7 +17,7 @@ import msgspec
 import redis.asyncio as redis
 
 from contracts import subjects
-from shared.kv_allocation import RunningLease
+from shared.kv_allocation import NodeAsk, RunningLease
 from shared.redis_scripts import run_batch
 
 _PREFIX = f"{subjects.REDIS_PREFIX}:cache"
@@ -160,6 +160,11 @@ class BlockLedger:
         )
         pool_name = got_pool.decode() if isinstance(got_pool, bytes) else got_pool
         return Reservation(granted=code > 0, pool=pool_name, blocks=int(count), already_held=code == 1)
+
+    async def reserve_asked(self, request_id: str, worker_id: str, ask: NodeAsk, priority: float, max_tokens: int) -> Reservation:
+        """`reserve` what `kv_allocation.ask_on_node` planned for a node chosen already."""
+        return await self.reserve(request_id, worker_id, ask.blocks, ask.pool, ask.general_capacity, ask.short_capacity,
+                                  priority, max_tokens)
 
     async def release(self, request_id: str, worker_id: str | None = None) -> int | None:
         """Blocks returned, or None when no such lease exists (released twice, reaped, or held on

@@ -36,9 +36,6 @@ class Coalescer(Generic[T]):
             self._task = asyncio.get_running_loop().create_task(self._run(), name=self._name)
         self._wake.set()
 
-    def __len__(self) -> int:
-        return len(self._items)
-
     async def _run(self) -> None:
         while not self._closed:
             await self._wake.wait()

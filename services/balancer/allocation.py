@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 
+import structlog
 from redis.exceptions import RedisError
 
 from contracts import subjects
@@ -26,6 +27,8 @@ from shared.bus import Bus, BusError, NoResponders
 from shared.coalescer import Coalescer
 from shared.config import CacheManagerSettings
 from shared.kv_allocation import Demand, ask_on_node
+
+log = structlog.get_logger("kvlane.balancer")
 
 
 class KvAllocator:
@@ -53,8 +56,7 @@ class KvAllocator:
         demand = Demand(request.request_id, request.prompt_tokens, request.max_tokens, _weight(request))
         ask = ask_on_node(demand, node.kv_blocks_total, node.block_size, chain.cached_blocks, self._cache_settings)
         try:
-            reservation = await ledger.reserve(request.request_id, node.worker_id, ask.blocks, ask.pool, ask.general_capacity,
-                                               ask.short_capacity, demand.priority, request.max_tokens)
+            reservation = await ledger.reserve_asked(request.request_id, node.worker_id, ask, demand.priority, request.max_tokens)
         except (RedisError, OSError) as exc:
             return ErrorReply(code="state_unavailable", message=f"Redis unavailable: {exc}", status=503, retry_after_s=1.0)
         if not reservation.granted:
@@ -85,8 +87,8 @@ class KvAllocator:
     async def _report_routed(self, prefixes: list[RoutedPrefix]) -> None:
         try:
             await self._bus.publish(subjects.CACHE_ROUTED, PrefixesRouted(prefixes), traced=False)
-        except Exception:  # pre-warming misses one burst; routing goes on
-            pass
+        except Exception as exc:  # pre-warming misses one burst; routing goes on
+            log.warning("routed_prefixes_lost", prefixes=len(prefixes), error=str(exc))
 
 
 def _weight(request: RouteRequest) -> float:

@@ -173,8 +173,7 @@ class CacheManagerService:
         worker_id = heartbeat.registration.worker_id
         ask = ask_on_node(demand, heartbeat.stats.kv_blocks_total, heartbeat.registration.block_size,
                           cached.get(worker_id, 0), self._settings)
-        reservation = await self._ledger.reserve(request.request_id, worker_id, ask.blocks, ask.pool, ask.general_capacity,
-                                                 ask.short_capacity, request.priority, request.max_tokens)
+        reservation = await self._ledger.reserve_asked(request.request_id, worker_id, ask, request.priority, request.max_tokens)
         if not reservation.granted:
             return None
         return self._granted(request, worker_id, reservation.blocks, ask.cached_blocks, reservation.pool)
