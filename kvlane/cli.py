@@ -12,6 +12,7 @@ from pathlib import Path
 from rich.console import Console
 
 from kvlane.fleet import start_fleet, with_overrides
+from kvlane.fleet_mix import fleet_nodes, parse_fleet
 from kvlane.launcher import LaunchError, Launcher
 from shared.config import ConfigError, KvlaneConfig, WorkerSettings, load_config
 
@@ -34,10 +35,22 @@ def _up(args: argparse.Namespace, console: Console) -> int:
     else:
         workers, prefill, decode = args.workers, 0, 0
         shape = f"{workers} {args.engine} worker(s)"
+    mix = []
+    if args.fleet:
+        if args.engine != "sim" or args.mode != "aggregated":
+            console.print("[red]--fleet mixes sim profiles: it needs --engine sim and --mode aggregated[/]")
+            return 2
+        try:
+            mix = fleet_nodes(parse_fleet(args.fleet))
+        except ValueError as exc:
+            console.print(f"[red]--fleet: {exc}[/]")
+            return 2
+        workers, shape = len(mix), f"{len(mix)} sim workers ({args.fleet})"
     console.print(f"[bold]kvlane up[/]: {shape}, logs in {log_dir}")
     try:
         ready_timeout = args.ready_timeout or (VLLM_READY_TIMEOUT_S if args.engine == "vllm" else 60.0)
-        fleet = start_fleet(launcher, config, workers, ready_timeout=ready_timeout, prefill_workers=prefill, decode_workers=decode)
+        fleet = start_fleet(launcher, config, workers, ready_timeout=ready_timeout, prefill_workers=prefill,
+                            decode_workers=decode, mix=mix)
     except (LaunchError, ValueError) as exc:
         console.print(f"[red]failed to start:[/] {exc}")
         return 1
@@ -128,6 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--workers", type=int, default=2, help="aggregated workers (aggregated mode)")
     up.add_argument("--prefill-workers", type=int, default=1, help="prefill workers (disaggregated mode)")
     up.add_argument("--decode-workers", type=int, default=1, help="decode workers (disaggregated mode)")
+    up.add_argument("--fleet", help="sim workers of several kinds, PROFILE[@SPEED]:COUNT,... (replaces --workers)")
     up.add_argument("--port", type=int, default=8000)
     up.add_argument("--host", default="127.0.0.1")
     up.add_argument("--config", help="TOML configuration file")
@@ -150,6 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
     status.set_defaults(handler=_status)
     # `kvlane bench` has its own parser (loadtest/bench.py); everything after the word goes to it.
     commands.add_parser("bench", help="run a workload against fresh sim fleets, one per routing policy", add_help=False)
+    commands.add_parser("simulate", help="the same comparison in virtual time, in one process (no servers)", add_help=False)
     return parser
 
 
@@ -159,6 +174,10 @@ def main(argv: list[str] | None = None) -> None:
         from loadtest.bench import main as bench_main
 
         sys.exit(bench_main(argv[1:]))
+    if argv[:1] == ["simulate"]:
+        from loadtest.simulate import main as simulate_main
+
+        sys.exit(simulate_main(argv[1:]))
     if argv[:1] == ["calibrate"]:
         # Like bench: its own parser in loadtest/calibrate.py takes everything after the word.
         from loadtest.calibrate import main as calibrate_main

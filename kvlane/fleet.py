@@ -3,12 +3,14 @@ one balancer, N workers and one ingress, all configured from one config."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from urllib.parse import urlparse
 
 import msgspec
 
 from contracts.messages import WorkerRole
+from kvlane.fleet_mix import FleetNode
 from kvlane.launcher import Launcher, Process, url_reachable, wait_ready, wait_services_ready
 from shared.config import KvlaneConfig, to_env
 
@@ -25,9 +27,15 @@ class Fleet:
     workers: list[Process] = field(default_factory=list)
     ingress: Process | None = None
 
-    def add_worker(self, worker_id: str, role: WorkerRole = "aggregated") -> Process:
-        """Start one worker; a prefill or decode worker runs as its own service."""
+    def add_worker(self, worker_id: str, role: WorkerRole = "aggregated", kind: FleetNode | None = None) -> Process:
+        """Start one worker; a prefill or decode worker runs as its own service.
+
+        `kind` gives a sim worker its own profile and a fraction of the configured speed (a mixed fleet).
+        """
         env = to_env(self.config) | {"KVLANE__WORKER__WORKER_ID": f'"{worker_id}"'}
+        if kind is not None:
+            sim = self.config.worker.sim
+            env |= {"KVLANE__WORKER__SIM__PROFILE": f'"{kind.profile}"', "KVLANE__WORKER__SIM__SPEED": repr(sim.speed * kind.speed)}
         service = "worker" if role == "aggregated" else f"{role}_worker"
         process = self.launcher.start_service(service, env, name=f"worker-{worker_id}")
         self.workers.append(process)
@@ -80,9 +88,15 @@ def start_fleet(
     health_prober: bool = True,
     prefill_workers: int = 0,
     decode_workers: int = 0,
+    mix: Sequence[FleetNode] = (),
 ) -> Fleet:
     """Servers, routing, then `workers` aggregated workers (w0, w1...), prefill
-    workers (p0...) and decode workers (d0...), then ingress; returns once all serve."""
+    workers (p0...) and decode workers (d0...), then ingress; returns once all serve.
+
+    With `mix`, the aggregated workers are those nodes, each with its own sim profile and speed.
+    """
+    if mix:
+        workers = len(mix)
     host = "127.0.0.1" if config.ingress.host in ("0.0.0.0", "") else config.ingress.host
     fleet = Fleet(launcher, config, f"http://{host}:{config.ingress.port}")
     try:
@@ -95,9 +109,11 @@ def start_fleet(
             fleet.health_probers.append(launcher.start_service("health_prober", env, name="health-prober"))
         # Routing must be up before the first request can arrive.
         wait_services_ready([*fleet.balancers, *fleet.cache_managers], ready_timeout)
+        kinds = {node.worker_id: node for node in mix}
         for prefix, role, count in (("w", "aggregated", workers), ("p", "prefill", prefill_workers), ("d", "decode", decode_workers)):
             for index in range(count):
-                fleet.add_worker(f"{prefix}{index}", role)
+                worker_id = f"{prefix}{index}"
+                fleet.add_worker(worker_id, role, kinds.get(worker_id))
         fleet.ingress = launcher.start_service("ingress", env)
         wait_ready(fleet.base_url, ready_timeout, fleet.services(), min_workers=workers + prefill_workers + decode_workers)
     except BaseException:

@@ -28,8 +28,10 @@ from pathlib import Path
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
 from rich.console import Console
 
+from kvlane.fleet_mix import fleet_nodes, parse_fleet
 from loadtest.bench_report import print_report, rate_label, write_json, write_plots
 from loadtest.bench_run import FleetSpec, PlannedRun, PolicyRejected, RunSpec, fleet_config, run_each
 from loadtest.driver import DriveLimits
@@ -47,14 +49,19 @@ MAX_REQUESTS = 50_000  # per run, whatever the duration and rate say
 DEFAULT_MAX_RUN_S = 600.0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvlane bench", description=__doc__.split("\n\n")[0],
+def build_parser(prog: str = "kvlane bench", description: str = __doc__.split("\n\n")[0],
+                 live: bool = True) -> argparse.ArgumentParser:
+    """The options `kvlane bench` and `kvlane simulate` share; `live` adds the ones only a live fleet has."""
+    parser = argparse.ArgumentParser(prog=prog, description=description,
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     fleet = parser.add_argument_group("fleet")
     fleet.add_argument("--policies", default=",".join(ALL_POLICIES), help="comma-separated balancer policies")
-    fleet.add_argument("--workers", type=int, default=4)
+    fleet.add_argument("--workers", type=int, default=4, help="nodes, all of --profile (unless --fleet)")
     fleet.add_argument("--profile", default="h100-80g-llama3-8b", help="sim step-time profile")
-    fleet.add_argument("--speed", type=float, default=1.0, help="sim speed: simulated seconds per real second")
+    fleet.add_argument("--fleet", help="node kinds, PROFILE[@SPEED]:COUNT,... (replaces --workers/--profile); "
+                                       "SPEED below 1 makes stragglers")
+    if live:
+        fleet.add_argument("--speed", type=float, default=1.0, help="sim speed: simulated seconds per real second")
     fleet.add_argument("--max-model-len", type=int, default=4096, help="sim context length (prompts are clamped to it)")
     fleet.add_argument("--num-blocks", type=int, help="sim KV blocks per worker (default: sim default, raised for long contexts)")
     work = parser.add_argument_group("workload")
@@ -83,13 +90,14 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("--tpot-slo-ms", type=float, default=100.0)
     load.add_argument("--seed", type=int, default=0)
     out = parser.add_argument_group("output")
-    out.add_argument("--out", type=Path, help="results directory (default loadtest/results/bench-<timestamp>/)")
-    out.add_argument("--log-dir", type=Path, help="fleet logs (default: a temporary directory)")
+    out.add_argument("--out", type=Path, help=f"results directory (default loadtest/results/{prog.split()[-1]}-<timestamp>/)")
+    if live:
+        out.add_argument("--log-dir", type=Path, help="fleet logs (default: a temporary directory)")
     out.add_argument("--quiet", action="store_true", help="no table or progress bar")
     return parser
 
 
-def _loads(args: argparse.Namespace) -> list[float | None]:
+def loads(args: argparse.Namespace) -> list[float | None]:
     if args.concurrency is not None:
         if args.rate is not None or args.rates:
             raise ValueError("--concurrency (closed loop) excludes --rate/--rates")
@@ -108,7 +116,7 @@ def _loads(args: argparse.Namespace) -> list[float | None]:
     return rates
 
 
-def _workload(args: argparse.Namespace, rate: float | None, max_requests: int) -> WorkloadSpec:
+def workload_for(args: argparse.Namespace, rate: float | None, max_requests: int) -> WorkloadSpec:
     if args.concurrency is not None:
         arrival = ArrivalSpec(mode="closed")
     elif rate is None:
@@ -124,7 +132,7 @@ def _workload(args: argparse.Namespace, rate: float | None, max_requests: int) -
     )
 
 
-def _max_requests(args: argparse.Namespace, rate: float | None) -> int:
+def max_requests_for(args: argparse.Namespace, rate: float | None) -> int:
     if args.requests is not None:
         return min(args.requests, MAX_REQUESTS)
     if args.duration is None:
@@ -138,8 +146,9 @@ def _max_requests(args: argparse.Namespace, rate: float | None) -> int:
 
 def plan_runs(args: argparse.Namespace, log_root: Path) -> tuple[list[RunSpec], dict[str, str]]:
     """Every (rate, policy) run, plus the policies the current config rejects (name -> reason)."""
-    fleet = FleetSpec(workers=args.workers, profile=args.profile, speed=args.speed, seed=args.seed,
-                      max_model_len=args.max_model_len, num_blocks=args.num_blocks)
+    mix = tuple(fleet_nodes(parse_fleet(args.fleet))) if args.fleet else ()
+    fleet = FleetSpec(workers=len(mix) or args.workers, profile=args.profile, speed=args.speed, seed=args.seed,
+                      max_model_len=args.max_model_len, num_blocks=args.num_blocks, mix=mix)
     slo = Slo(ttft_s=args.ttft_slo_ms / 1000.0, tpot_s=args.tpot_slo_ms / 1000.0)
     issue_for = min(args.duration or args.max_run_time, args.max_run_time)
     limits = DriveLimits(issue_for_s=issue_for, hard_stop_s=issue_for + args.request_timeout + 5.0,
@@ -152,8 +161,8 @@ def plan_runs(args: argparse.Namespace, log_root: Path) -> tuple[list[RunSpec], 
         except PolicyRejected as exc:
             rejected[policy] = str(exc)
     runs = []
-    for rate in _loads(args):
-        workload = _workload(args, rate, _max_requests(args, rate))
+    for rate in loads(args):
+        workload = workload_for(args, rate, max_requests_for(args, rate))
         workload.check()
         for policy in policies:
             if policy not in rejected:
@@ -211,8 +220,8 @@ def main(argv: list[str] | None = None) -> int:
         "parameters": {
             "policies": [p.strip() for p in args.policies.split(",") if p.strip()],
             "rejected_policies": rejected,
-            "fleet": asdict(runs[0].fleet) if runs else None,
-            "workload": _jsonable(asdict(runs[0].workload)) if runs else None,
+            "fleet": jsonable(asdict(runs[0].fleet)) if runs else None,
+            "workload": jsonable(asdict(runs[0].workload)) if runs else None,
             "loads": [rate_label(r, args.concurrency) for r in dict.fromkeys(_rate_of(s) for s in runs)],
             "slo": {"ttft_ms": args.ttft_slo_ms, "tpot_ms": args.tpot_slo_ms},
             "request_timeout_s": args.request_timeout,
@@ -238,11 +247,15 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if failed else 0
 
 
-def _jsonable(data: Any) -> Any:
+def jsonable(data: Any) -> Any:
     if isinstance(data, dict):
-        return {k: _jsonable(v) for k, v in data.items()}
+        return {k: jsonable(v) for k, v in data.items()}
+    if isinstance(data, (list, tuple)):
+        return [jsonable(v) for v in data]
     if isinstance(data, Path):
         return str(data)
+    if isinstance(data, msgspec.Struct):
+        return msgspec.to_builtins(data)
     return data
 
 

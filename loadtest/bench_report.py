@@ -41,9 +41,10 @@ def rate_label(rate: float | None, concurrency: int | None) -> str:
 def comparison_table(results: dict[str, Any]) -> Table:
     params = results["parameters"]
     slo = params["slo"]
-    table = Table(title=f"kvlane bench: {(params['workload'] or {}).get('kind')}, "
-                        f"{(params['fleet'] or {}).get('workers')} workers, "
-                        f"SLO TTFT {slo['ttft_ms']:g} ms / TPOT {slo['tpot_ms']:g} ms (wall clock)")
+    fleet = params["fleet"] or {}
+    table = Table(title=f"{results['benchmark'].replace('-', ' ')}: {(params['workload'] or {}).get('kind')}, "
+                        f"{fleet.get('nodes') or fleet.get('workers')} workers, "
+                        f"SLO TTFT {slo['ttft_ms']:g} ms / TPOT {slo['tpot_ms']:g} ms ({clock(results)})")
     for column in ("policy", "load", "ok/sent", "goodput r/s", "thru r/s", "out tok/s", "TTFT p50", "TTFT p99",
                    "TPOT p50", "TPOT p99", "hit rate", "load CV"):
         table.add_column(column, justify="left" if column in ("policy", "load") else "right")
@@ -66,10 +67,14 @@ def comparison_table(results: dict[str, Any]) -> Table:
     return table
 
 
+def clock(results: dict[str, Any]) -> str:
+    """Which clock the run's times are on."""
+    return "simulated time" if results["benchmark"] == "kvlane-simulate" else "wall clock"
+
+
 def print_report(results: dict[str, Any], console: Console) -> None:
     console.print(comparison_table(results))
-    speed = (results["parameters"]["fleet"] or {}).get("speed")
-    console.print(f"[dim]latencies in ms, wall clock; the sim ran at speed {speed} (simulated s per real s)[/]")
+    console.print(f"[dim]latencies in ms; {results['parameters']['units']}[/]")
 
 
 def write_json(results: dict[str, Any], out_dir: Path) -> Path:
@@ -109,7 +114,7 @@ def write_plots(results: dict[str, Any], out_dir: Path) -> list[Path]:
                 fractions = [(i + 1) / len(values) for i in range(len(values))]
                 panel.step(values, fractions, where="post", label=run["policy"])
         panel.set_xscale("log")
-        panel.set_xlabel("TTFT (ms, wall clock, log scale)")
+        panel.set_xlabel(f"TTFT (ms, {clock(results)}, log scale)")
         panel.set_ylabel("fraction of requests")
         panel.set_title(f"TTFT CDF, {rate_label(*load)}")
         panel.grid(True, which="both", alpha=0.3)

@@ -22,6 +22,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from kvlane.fleet import Fleet, start_fleet, with_overrides
+from kvlane.fleet_mix import FleetNode
 from kvlane.launcher import Launcher, free_port
 from loadtest.client import RequestRecord, StreamingClient
 from loadtest.driver import DriveLimits, WorkloadDriver
@@ -63,9 +64,13 @@ class FleetSpec:
     decode_workers: int = 0
     # Further config fields, applied last: {"worker.sim": {"kv_link": "pcie5"}, "balancer.disaggregation": {...}}.
     overrides: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # A mixed fleet: these nodes are the aggregated workers, each with its own profile and speed.
+    mix: tuple[FleetNode, ...] = ()
 
     def worker_ids(self) -> list[str]:
         """The ids start_fleet gives the workers."""
+        if self.mix:
+            return [node.worker_id for node in self.mix]
         return [f"{prefix}{index}" for prefix, count in
                 (("w", self.workers), ("p", self.prefill_workers), ("d", self.decode_workers)) for index in range(count)]
 
@@ -116,7 +121,7 @@ def fleet_config(fleet: FleetSpec, policy: str, request_timeout_s: float) -> Kvl
 class PlannedRun(NamedTuple):
     label: str  # progress line
     header: dict[str, Any]  # what identifies the run in the results
-    spec: RunSpec
+    spec: Any  # RunSpec, or what the `run` given to run_each takes
 
 
 def run_each(
@@ -125,23 +130,28 @@ def run_each(
     quiet: bool,
     after_each: Callable[[list[dict[str, Any]]], None] = lambda done: None,
     derive: Callable[[PlannedRun, dict[str, Any]], dict[str, Any]] = lambda item, run: run,
+    run: Callable[[Any, Callable[[RequestRecord], None]], dict[str, Any]] | None = None,
 ) -> list[dict[str, Any]]:
-    """`run_once` for each planned run, with a progress bar; `derive` adds figures to a run's result.
+    """`run` (default `run_once`) for each planned run, with a progress bar; `derive` adds figures to a run's result.
 
     A run that fails is recorded with its error and the sweep goes on:
     one broken policy or layout must not cost the others.
     """
+    run = run or run_once
     results: list[dict[str, Any]] = []
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console, disable=quiet, transient=False) as progress:
         for item in planned:
             task = progress.add_task(item.label, total=item.spec.workload.max_requests)
             try:
-                run = derive(item, run_once(item.spec, lambda record: progress.advance(task)))
-                results.append(item.header | run)
-                progress.update(task, total=run["summary"]["requests"], completed=run["summary"]["requests"])
+                outcome = derive(item, run(item.spec, lambda record: progress.advance(task)))
+                results.append(item.header | outcome)
+                progress.update(task, total=outcome["summary"]["requests"], completed=outcome["summary"]["requests"])
             except Exception as exc:  # noqa: BLE001 - see the docstring
-                results.append(item.header | {"error": f"{type(exc).__name__}: {exc}"[:2000], "log_dir": str(item.spec.log_dir)})
+                failure = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
+                if hasattr(item.spec, "log_dir"):
+                    failure["log_dir"] = str(item.spec.log_dir)
+                results.append(item.header | failure)
                 progress.update(task, description=f"{item.label} [red]failed[/]")
             after_each(results)
     return results
@@ -155,7 +165,8 @@ def run_once(spec: RunSpec, on_record: Callable[[RequestRecord], None]) -> dict[
     started = time.monotonic()
     try:
         fleet = start_fleet(launcher, config, spec.fleet.workers, ready_timeout=spec.fleet.ready_timeout_s,
-                            prefill_workers=spec.fleet.prefill_workers, decode_workers=spec.fleet.decode_workers)
+                            prefill_workers=spec.fleet.prefill_workers, decode_workers=spec.fleet.decode_workers,
+                            mix=spec.fleet.mix)
         startup_s = time.monotonic() - started
         records, runs, kv_pulls = _run_async(_measure(fleet, spec, on_record))
         dead = [f"{p.name} (exit {p.popen.returncode})" for p in fleet.services() if not p.alive()]

@@ -180,3 +180,40 @@ def choose_victims(
         victims.append(lease)
         room += lease.blocks
     return victims if room >= needed_blocks else None
+
+
+class PreemptionPlan(Struct, frozen=True):
+    worker_id: str
+    pool: Pool
+    blocks: int
+    cached_blocks: int
+    victims: list[RunningLease]
+
+
+def plan_preemption(
+    demand: Demand,
+    nodes: Sequence[tuple[NodeCapacity, Sequence[RunningLease]]],
+    cached: Mapping[str, int],
+    policy: CacheManagerSettings,
+) -> PreemptionPlan | None:
+    """Where preempting frees room for `demand` at the least cost (blocks taken back), or None.
+
+    `nodes` pairs each candidate node's usage with its running leases. A
+    short request may preempt in the short pool or the general one.
+    """
+    short = is_short(demand, policy)
+    best: PreemptionPlan | None = None
+    best_cost = 0
+    for node, leases in nodes:
+        cached_blocks = min(cached.get(node.worker_id, 0), demand.prompt_tokens // node.block_size)
+        blocks = need_blocks(demand, node.block_size, cached_blocks, policy)
+        free_general, free_short = node.free(policy)
+        pools: tuple[tuple[Pool, int], ...] = (("short", free_short), ("general", free_general)) if short else (("general", free_general),)
+        for pool, free in pools:
+            victims = choose_victims([a for a in leases if a.pool == pool], blocks, free, demand.priority, policy)
+            if victims is None:
+                continue
+            cost = sum(a.blocks for a in victims)
+            if best is None or cost < best_cost:
+                best, best_cost = PreemptionPlan(node.worker_id, pool, blocks, cached_blocks, victims), cost
+    return best

@@ -50,7 +50,7 @@ from shared.bus import Bus
 from shared.cluster import ClusterView
 from shared.config import CacheManagerSettings
 from shared.coalescer import Coalescer
-from shared.kv_allocation import Demand, NodeCapacity, ask_on_node, choose_victims, is_short, need_blocks, rank
+from shared.kv_allocation import Demand, NodeCapacity, ask_on_node, plan_preemption, rank
 from shared.periodic import Periodic
 from shared.prefix_index import PrefixIndex
 
@@ -206,37 +206,24 @@ class CacheManagerService:
         self, request: AllocateRequest, demand: Demand, wanted: list[str], heartbeats: dict[str, Heartbeat], cached: dict[str, int],
     ) -> Allocation | None:
         settings = self._settings
-        short = is_short(demand, settings)
-        best: tuple[float, NodeCapacity, str, int, list] | None = None
-        for node in await self._capacities(wanted, heartbeats):
-            cached_blocks = min(cached.get(node.worker_id, 0), demand.prompt_tokens // node.block_size)
-            blocks = need_blocks(demand, node.block_size, cached_blocks, settings)
-            leases = await self._ledger.leases_on(node.worker_id)
-            free_general, free_short = node.free(settings)
-            for pool, free in (("short", free_short), ("general", free_general)) if short else (("general", free_general),):
-                victims = choose_victims([a for a in leases if a.pool == pool], blocks, free, request.priority, settings)
-                if victims is None:
-                    continue
-                cost = sum(a.blocks for a in victims)
-                if best is None or cost < best[0]:
-                    best = (cost, node, pool, blocks, victims)
-        if best is None:
+        nodes = [(node, await self._ledger.leases_on(node.worker_id)) for node in await self._capacities(wanted, heartbeats)]
+        plan = plan_preemption(demand, nodes, cached, settings)
+        if plan is None:
             return None
-        _, node, pool, blocks, victims = best
-        for victim in victims:
+        node = next(node for node, _ in nodes if node.worker_id == plan.worker_id)
+        for victim in plan.victims:
             await self._ledger.release(victim.request_id)
             await self._bus.publish(heartbeats[node.worker_id].registration.inbox, AbortRequest(victim.request_id, reason="preempted"))
             self._metrics.preempted()
             log.info("preempted", victim=victim.request_id, for_request=request.request_id, worker_id=node.worker_id)
         reservation = await self._ledger.reserve(
-            request.request_id, node.worker_id, blocks, pool, node.blocks_total - node.short_pool(settings),
+            request.request_id, node.worker_id, plan.blocks, plan.pool, node.blocks_total - node.short_pool(settings),
             node.short_pool(settings), request.priority, request.max_tokens,
         )
         if not reservation.granted:
             return None
-        cached_blocks = min(cached.get(node.worker_id, 0), demand.prompt_tokens // node.block_size)
-        return self._granted(request, node.worker_id, reservation.blocks, cached_blocks, reservation.pool,
-                             [v.request_id for v in victims])
+        return self._granted(request, node.worker_id, reservation.blocks, plan.cached_blocks, reservation.pool,
+                             [v.request_id for v in plan.victims])
 
     async def status(self) -> CacheStatus:
         live = sorted(hb.registration.worker_id for hb in self._view.live(self._clock()))

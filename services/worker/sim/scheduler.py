@@ -253,6 +253,10 @@ class SimScheduler:
     def has_work(self) -> bool:
         return bool(self._running or self._waiting)
 
+    def live_requests(self) -> list[str]:
+        """Ids of the requests queued or running, in no particular order."""
+        return list(self._live)
+
     def cached_prompt_tokens(self, request_id: str) -> int:
         """Prompt tokens that hit the prefix cache when the request was first admitted.
 

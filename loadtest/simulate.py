@@ -1,0 +1,205 @@
+"""`kvlane simulate`: routing policies compared on the same fleet and workload, in virtual time.
+
+The fleet runs as a discrete-event simulation in this one process
+(`loadtest/simulation/`): kvlane's own routing, allocation, health and sim
+scheduler code, with the messages between them delayed by modelled
+latencies, and no NATS, Redis or subprocesses. A run is deterministic for
+its seed, and its latencies are simulated seconds, free of this machine's
+noise. Options, results.json layout, table and plots are `kvlane bench`'s,
+plus fleets of mixed node kinds, nodes that fail or join mid-run, and the
+modelled latencies.
+
+    kvlane simulate --fleet h100-80g-llama3-8b:8,a100-80g-llama3-8b:8 --rates 40,80 --duration 60
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import sys
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import msgspec
+from rich.console import Console
+
+from kvlane.fleet import with_overrides
+from kvlane.fleet_mix import FleetNode, NodeKind, describe, fleet_nodes, parse_fleet
+from loadtest.bench import RESULTS_DIR, build_parser as bench_parser, jsonable, loads, max_requests_for, workload_for
+from loadtest.bench_report import print_report, rate_label, write_json, write_plots
+from loadtest.bench_run import FleetSpec, PlannedRun, run_each
+from loadtest.client import RequestRecord
+from loadtest.driver import DriveLimits
+from loadtest.metrics import Slo, summarize
+from loadtest.overhead import machine_info
+from loadtest.simulation.world import Latencies, NodeChange, Simulation, SimulationSpec, result_summary
+from loadtest.workloads import WorkloadSpec
+from shared.config import ConfigError, KvlaneConfig, load_config
+
+UNITS = "simulated time: every latency and rate is in simulated seconds (the fleet ran in virtual time)"
+
+
+@dataclass(frozen=True)
+class SimRun:
+    policy: str
+    workload: WorkloadSpec
+    config: KvlaneConfig
+    nodes: tuple[FleetNode, ...]
+    slo: Slo
+    limits: DriveLimits
+    request_timeout_s: float
+    latencies: Latencies
+    changes: tuple[NodeChange, ...]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = bench_parser("kvlane simulate", __doc__.split("\n\n")[0], live=False)
+    sim = parser.add_argument_group("simulation")
+    sim.add_argument("--config", type=Path, help="TOML configuration: its balancer, cache_manager, cluster, health "
+                                                 "and worker.sim sections apply as they would live")
+    sim.add_argument("--hop-ms", type=float, default=Latencies.hop_s * 1000,
+                     help="one message between services (route request, reply, stream frame, event)")
+    sim.add_argument("--decision-ms", type=float, default=Latencies.decision_s * 1000,
+                     help="the balancer's own time per route decision")
+    sim.add_argument("--fail", action="append", default=[], metavar="T=WORKER",
+                     help="node WORKER fails at simulated second T (repeatable)")
+    sim.add_argument("--join", action="append", default=[], metavar="T=PROFILE[@SPEED]",
+                     help="a new node of PROFILE joins at simulated second T (repeatable)")
+    return parser
+
+
+def node_changes(fails: list[str], joins: list[str], first_new_index: int) -> tuple[NodeChange, ...]:
+    """`--fail`/`--join` values as changes; joined nodes are numbered on from the fleet's."""
+    changes = []
+    for value in fails:
+        at, worker_id = _timed(value, "--fail", "T=WORKER")
+        changes.append(NodeChange(at, worker_id))
+    for index, value in enumerate(joins):
+        at, kind = _timed(value, "--join", "T=PROFILE[@SPEED]")
+        parsed = parse_fleet(f"{kind}:1")[0]
+        changes.append(NodeChange(at, f"w{first_new_index + index}", parsed.profile, parsed.speed))
+    return tuple(sorted(changes, key=lambda c: c.at_s))
+
+
+def _timed(value: str, option: str, shape: str) -> tuple[float, str]:
+    at, sep, what = value.partition("=")
+    try:
+        seconds = float(at)
+    except ValueError:
+        seconds = -1.0
+    if not sep or not what or seconds < 0:
+        raise ValueError(f"{option} {value!r}: expected {shape} with T >= 0 seconds")
+    return seconds, what
+
+
+def simulation_config(base: KvlaneConfig, fleet: FleetSpec, policy: str, request_timeout_s: float) -> KvlaneConfig:
+    """The live bench's settings (`bench_run.fleet_config`) on top of `base`, without servers or ports."""
+    return with_overrides(base, balancer={"policy": policy}, ingress={"request_timeout_s": request_timeout_s},
+                          **{"worker.sim": fleet.sim_settings()})
+
+
+def plan(args: argparse.Namespace) -> tuple[list[SimRun], dict[str, Any]]:
+    kinds = parse_fleet(args.fleet) if args.fleet else [NodeKind(args.profile, args.workers)]
+    nodes = tuple(fleet_nodes(kinds))
+    fleet = FleetSpec(workers=len(nodes), profile=kinds[0].profile, seed=args.seed, max_model_len=args.max_model_len,
+                      num_blocks=args.num_blocks)
+    changes = node_changes(args.fail, args.join, len(nodes))
+    unknown = [c.worker_id for c in changes if not c.profile and c.worker_id not in {n.worker_id for n in nodes}]
+    if unknown:
+        raise ValueError(f"--fail names nodes the fleet does not have: {', '.join(unknown)}")
+    base = load_config(args.config) if args.config else KvlaneConfig()
+    slo = Slo(ttft_s=args.ttft_slo_ms / 1000.0, tpot_s=args.tpot_slo_ms / 1000.0)
+    issue_for = min(args.duration or args.max_run_time, args.max_run_time)
+    limits = DriveLimits(issue_for_s=issue_for, hard_stop_s=issue_for + args.request_timeout + 5.0,
+                         concurrency=args.concurrency)
+    latencies = Latencies(hop_s=args.hop_ms / 1000.0, decision_s=args.decision_ms / 1000.0)
+    if min(latencies.hop_s, latencies.decision_s) < 0:
+        raise ValueError("--hop-ms and --decision-ms must not be negative")
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    runs = []
+    for rate in loads(args):
+        workload = workload_for(args, rate, max_requests_for(args, rate))
+        workload.check()
+        for policy in policies:
+            try:
+                config = simulation_config(base, fleet, policy, args.request_timeout)
+            except (msgspec.ValidationError, KeyError, TypeError) as exc:
+                raise ValueError(f"policy {policy!r}: {exc}") from None
+            runs.append(SimRun(policy, workload, config, nodes, slo, limits, args.request_timeout, latencies, changes))
+    fleet_info = jsonable(fleet.sim_settings()) | {"workers": len(nodes), "nodes": describe(kinds),
+                                                    "mix": [msgspec.to_builtins(n) for n in nodes]}
+    return runs, fleet_info
+
+
+def run_one(run: SimRun, on_record: Callable[[RequestRecord], None]) -> dict[str, Any]:
+    spec = SimulationSpec(run.config, run.nodes, run.workload, run.limits, run.request_timeout_s, run.latencies, run.changes)
+    result = Simulation(spec, on_record).run()
+    worker_ids = [n.worker_id for n in run.nodes] + [c.worker_id for c in run.changes if c.profile]
+    return {
+        "policy": run.policy,
+        "summary": summarize(result.records, run.slo, result.runs, worker_ids),
+        "simulation": result_summary(result),
+        "records": [r.to_json() for r in result.records],
+    }
+
+
+def _rate_of(run: SimRun) -> float | None:
+    return run.workload.arrival.rate if run.workload.arrival.mode != "closed" else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Exit 0 when every run completed, 1 otherwise, 2 on bad options."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    console = Console() if sys.stdout.isatty() else Console(width=160)
+    if args.workers < 1:
+        parser.error("--workers must be at least 1")
+    started = dt.datetime.now(dt.timezone.utc)
+    try:
+        runs, fleet_info = plan(args)
+    except (ValueError, OSError, ConfigError) as exc:
+        console.print(f"[red]{exc}[/]")
+        return 2
+    out_dir = args.out or RESULTS_DIR / f"simulate-{started.strftime('%Y%m%d-%H%M%S')}"
+    results: dict[str, Any] = {
+        "benchmark": "kvlane-simulate",
+        "timestamp": started.isoformat(),
+        "machine": machine_info(),
+        "parameters": {
+            "policies": list(dict.fromkeys(r.policy for r in runs)),
+            "rejected_policies": {},
+            "fleet": fleet_info,
+            "workload": jsonable(asdict(runs[0].workload)) if runs else None,
+            "loads": [rate_label(r, args.concurrency) for r in dict.fromkeys(_rate_of(s) for s in runs)],
+            "slo": {"ttft_ms": args.ttft_slo_ms, "tpot_ms": args.tpot_slo_ms},
+            "request_timeout_s": args.request_timeout,
+            "latencies_ms": {"hop": args.hop_ms, "decision": args.decision_ms},
+            "node_changes": [asdict(c) for c in runs[0].changes] if runs else [],
+            "units": UNITS,
+            "argv": list(sys.argv[1:] if argv is None else argv),
+        },
+        "runs": [],
+    }
+    out_dir.mkdir(parents=True, exist_ok=True)
+    planned = [
+        PlannedRun(f"{run.policy:<17} {rate_label(_rate_of(run), run.limits.concurrency)}",
+                   {"policy": run.policy, "rate": _rate_of(run), "concurrency": run.limits.concurrency}, run)
+        for run in runs
+    ]
+    results["runs"] = run_each(planned, console, args.quiet, lambda done: write_json(results | {"runs": done}, out_dir),
+                               run=run_one)
+    json_path = write_json(results, out_dir)
+    plots = write_plots(results, out_dir)
+    if not args.quiet:
+        print_report(results, console)
+        events = sum(r["simulation"]["events"] for r in results["runs"] if "simulation" in r)
+        wall = sum(r["simulation"]["wall_s"] for r in results["runs"] if "simulation" in r)
+        console.print(f"{events} simulated events in {wall:.1f} s ({events / wall if wall else 0:.0f} events/s); "
+                      f"results: [bold]{json_path}[/]; plots: {', '.join(p.name for p in plots) or 'none'}")
+    return 1 if any("error" in run for run in results["runs"]) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

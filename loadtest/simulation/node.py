@@ -1,0 +1,120 @@
+"""One simulated node: the sim engine's real `SimScheduler`, stepping in virtual time.
+
+As the live sim engine's loop: a step is decided when it starts (the batch
+is what was admitted by then), lasts the profile's step time divided by the
+node's speed, and its tokens are delivered when it ends; a request that
+arrives meanwhile joins the next step. The node also keeps what its worker
+would report: heartbeat statistics (rates since the previous heartbeat)
+and prefix-cache changes since the previous KV-event batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from contracts.messages import EngineStats, Heartbeat, WorkerRegistration
+from loadtest.simulation.events import EventQueue
+from services.worker.engines.base import KvCacheDelta, net_kv_delta
+from services.worker.sim import SimRequest, SimScheduler, StepOutcome
+from services.worker.sim.profile import StepTimeProfile
+from shared.config import SimSettings
+
+StepListener = Callable[["SimNode", StepOutcome], None]
+
+
+class SimNode:
+    def __init__(
+        self,
+        registration: WorkerRegistration,
+        profile: StepTimeProfile,
+        speed: float,
+        settings: SimSettings,
+        output_token_range: tuple[int, int],
+        events: EventQueue,
+        on_step: StepListener,
+    ) -> None:
+        self.registration = registration
+        self.worker_id = registration.worker_id
+        self.profile = profile
+        self.speed = speed
+        self.scheduler = SimScheduler(
+            num_blocks=settings.num_blocks,
+            block_size=settings.block_size,
+            max_num_seqs=settings.max_num_seqs,
+            max_batched_tokens=settings.max_batched_tokens,
+            profile=profile,
+            output_token_range=output_token_range,
+            record_kv_events=True,
+        )
+        self.alive = True
+        self._events = events
+        self._on_step = on_step
+        self._stepping = False
+        self._step_ends_at = 0.0
+        self._heartbeat_seq = 0
+        self._prefill_tokens = 0
+        self._decode_tokens = 0
+        self._rates_since = events.now
+
+    def add(self, request: SimRequest) -> None:
+        """Queue a request (ValueError when the engine can never run it) and make sure a step comes."""
+        self.scheduler.add(request)
+        if not self._stepping:
+            self._stepping = True
+            # Requests that arrive at the same instant share the first step.
+            self._events.after(0.0, self._step)
+
+    def abort(self, request_id: str) -> None:
+        self.scheduler.abort(request_id)
+
+    def fail(self) -> list[str]:
+        """The node dies: it never steps, beats or answers again. Returns the requests it held."""
+        self.alive = False
+        return self.scheduler.live_requests()
+
+    def _step(self) -> None:
+        if not self.alive:
+            return
+        if not self.scheduler.has_work():
+            self._stepping = False
+            return
+        outcome = self.scheduler.step()
+        duration = outcome.duration_s / self.speed
+        self._step_ends_at = self._events.now + duration
+        self._events.after(duration, self._deliver, outcome)
+
+    def _deliver(self, outcome: StepOutcome) -> None:
+        if not self.alive:
+            return
+        self._prefill_tokens += outcome.prefill_tokens
+        self._decode_tokens += outcome.decode_seqs
+        self._on_step(self, outcome)
+        self._step()
+
+    def busy_for(self) -> float:
+        """Seconds until the step under way ends (0 when idle)."""
+        return max(0.0, self._step_ends_at - self._events.now) if self._stepping else 0.0
+
+    def heartbeat(self) -> Heartbeat:
+        s = self.scheduler.stats()
+        now = self._events.now
+        elapsed = max(now - self._rates_since, 1e-9)
+        stats = EngineStats(
+            running=s.running,
+            waiting=s.waiting,
+            kv_blocks_total=s.blocks_total,
+            kv_blocks_used=s.blocks_used,
+            prefix_query_tokens=s.prefix_query_tokens,
+            prefix_hit_tokens=s.prefix_hit_tokens,
+            preemptions=s.preemptions,
+            prefill_tokens_per_s=self._prefill_tokens / elapsed,
+            decode_tokens_per_s=self._decode_tokens / elapsed,
+            kv_held_blocks=s.blocks_held,
+        )
+        self._prefill_tokens = self._decode_tokens = 0
+        self._rates_since = now
+        self._heartbeat_seq += 1
+        return Heartbeat(self.registration, stats, sent_at=now, seq=self._heartbeat_seq)
+
+    def kv_delta(self) -> KvCacheDelta:
+        return net_kv_delta((e.kind == "stored", e.block_hash) for e in self.scheduler.drain_kv_events())

@@ -1,0 +1,496 @@
+"""A kvlane fleet in virtual time: clients, ingress, one balancer, the KV ledger, health, and N sim nodes.
+
+Everything that decides is kvlane's own code: the ingress's request
+preparation (`services.ingress.prompts.prepare`: chat template, context
+limits, block hashes), the balancer's `Router` with its policies, slot
+table and central queue, the cache-manager's allocation and preemption
+core (`shared.kv_allocation`), the health prober's verdict state machine,
+and one `SimScheduler` per node. What is modelled instead of run is the
+I/O between them: every message takes `Latencies.hop_s`, every route
+decision `decision_s`; heartbeats, KV-event batches and health probes
+come at the live intervals (`cluster.*`, `health.*`), so routing sees
+signals exactly as stale as it would live.
+
+Clients follow `loadtest.driver`: open loop (sessions at their arrival
+times) or closed loop, turns of a session one after another, a
+conversation's next prompt holding the answers it received. Each request
+ends exactly once, as a `RequestRecord` whose times are simulated seconds.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from contracts import subjects
+from contracts.messages import ErrorReply, KvEvents, RouteRequest, WorkerRegistration
+from contracts.openai_api import ChatCompletionRequest, CompletionRequest
+from kvlane.fleet_mix import FleetNode
+from loadtest.client import RequestRecord
+from loadtest.driver import CANCELLED, DriveLimits, request_body
+from loadtest.metrics import WorkerRun
+from loadtest.simulation.balancer import SimBalancer
+from loadtest.simulation.events import EventQueue
+from loadtest.simulation.ledger import MemoryLedger, SimAllocator
+from loadtest.simulation.node import SimNode
+from loadtest.workloads import Session, WorkloadSpec, sessions
+from services.balancer.router import Placement
+from services.health_prober.health import NodeHealth
+from services.ingress.errors import ApiError
+from services.ingress.prompts import PreparedRequest, prepare
+from services.worker.sim import SimRequest, StepOutcome
+from services.worker.sim.profile import get_profile
+from shared.config import KvlaneConfig
+from shared.tokenizer import SimTokenizer
+
+
+@dataclass(frozen=True)
+class Latencies:
+    # One NATS message: route request, its reply, the hand-over to the worker, a stream frame, an event.
+    hop_s: float = 0.00015
+    # The balancer's own time per route decision, with its slot and lease round trips to Redis.
+    decision_s: float = 0.0005
+
+
+@dataclass(frozen=True)
+class NodeChange:
+    """A node that fails (`profile` empty) or joins (a new node of `profile` at `speed`) at `at_s`."""
+
+    at_s: float
+    worker_id: str
+    profile: str = ""
+    speed: float = 1.0
+
+
+@dataclass(frozen=True)
+class SimulationSpec:
+    config: KvlaneConfig
+    nodes: tuple[FleetNode, ...]
+    workload: WorkloadSpec
+    limits: DriveLimits
+    request_timeout_s: float
+    latencies: Latencies = Latencies()
+    changes: tuple[NodeChange, ...] = ()
+    # Assert slot and KV capacity after every event (tests; slows the run).
+    check_invariants: bool = False
+
+
+@dataclass
+class SimulationResult:
+    records: list[RequestRecord]
+    runs: dict[str, WorkerRun]
+    simulated_s: float
+    events: int
+    wall_s: float
+    counters: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def events_per_s(self) -> float:
+        return self.events / self.wall_s if self.wall_s > 0 else 0.0
+
+
+class InvariantBroken(AssertionError):
+    pass
+
+
+class _Flight:
+    """One request from the client's side: its record, what ingress knows, where it runs now."""
+
+    __slots__ = ("record", "session", "turn", "history", "prepared", "output", "worker_id", "excluded",
+                 "migrations", "preemptions", "dispatches", "accepted_at", "done")
+
+    def __init__(self, record: RequestRecord, session: Session, turn: int, history: list[tuple[str, str]],
+                 prepared: PreparedRequest) -> None:
+        self.record = record
+        self.session = session
+        self.turn = turn
+        self.history = history
+        self.prepared = prepared
+        self.output: list[int] = []
+        self.worker_id: str | None = None
+        self.excluded: list[str] = []
+        self.migrations = 0
+        self.preemptions = 0
+        self.dispatches = 0
+        self.accepted_at = 0.0
+        self.done = False
+
+
+class Simulation:
+    def __init__(self, spec: SimulationSpec, on_record: Callable[[RequestRecord], None] = lambda record: None) -> None:
+        self._spec = spec
+        self._config = spec.config
+        self._lat = spec.latencies
+        self._on_record = on_record
+        self._events = EventQueue()
+        self._tokenizer = SimTokenizer()
+        self._rng = random.Random(f"{spec.workload.seed}:simulation")
+        allocator = SimAllocator(MemoryLedger(), spec.config.cache_manager) if spec.config.balancer.allocate_kv else None
+        self._allocator = allocator
+        self.balancer = SimBalancer(spec.config, self._events, allocator, self._generated, self)
+        self.nodes: dict[str, SimNode] = {}
+        self._health: dict[str, NodeHealth] = {}
+        self._flights: dict[str, _Flight] = {}
+        self._records: list[RequestRecord] = []
+        self._runs: dict[str, WorkerRun] = {}
+        self._request_seq = 0
+        self._open_sessions = 0
+        self._arrivals_done = False
+        self._sessions: Iterator[Session] = iter(())
+        self._origin = 0.0
+        # Per node: a KV-event batch is scheduled; batches sent so far.
+        self._kv_flush_due: dict[str, bool] = {}
+        self._kv_seqs: dict[str, int] = {}
+        self.counters = {"migrations": 0, "lease_preemptions": 0, "dispatch_retries": 0, "node_failures": 0, "node_joins": 0}
+
+    # --- the run --------------------------------------------------------------------
+
+    def run(self) -> SimulationResult:
+        started = time.perf_counter()
+        spec, events = self._spec, self._events
+        for node in spec.nodes:
+            self._add_node(node.worker_id, node.profile, node.speed)
+        for change in spec.changes:
+            events.at(change.at_s, self._change, change)
+        self.balancer.start()
+        self._sessions = sessions(spec.workload)
+        # Clients start once every node has been heard (the live bench waits for a served request too).
+        start = self._config.cluster.heartbeat_interval_s + 2 * self._lat.hop_s
+        self._origin = start
+        if spec.limits.concurrency is None:
+            events.at(start, self._next_arrival)
+        else:
+            for _ in range(spec.limits.concurrency):
+                self._open_sessions += 1
+                events.at(start, self._closed_client_next)
+        check = self._check_invariants if spec.check_invariants else None
+        events.run(until=start + spec.limits.hard_stop_s, done=self._all_done, after_each=check)
+        for flight in list(self._flights.values()):
+            self._fail(flight, CANCELLED)
+        simulated_s = events.now - start
+        # Messages still on their way (the last RequestFinished) land, so the final state is settled.
+        events.run(until=events.now + 4 * self._lat.hop_s + self._lat.decision_s, after_each=check)
+        return SimulationResult(self._records, self._runs, simulated_s, events.processed,
+                                time.perf_counter() - started,
+                                self.counters | {"route_decisions": self.balancer.decisions,
+                                                 "kv_refusals": self.balancer.kv_refusals,
+                                                 "lease_preemptions": self._allocator.preemptions if self._allocator else 0})
+
+    def _all_done(self) -> bool:
+        return self._arrivals_done and self._open_sessions == 0
+
+    def _now(self) -> float:
+        """Client time: seconds since the clients started."""
+        return self._events.now - self._origin
+
+    # --- nodes ----------------------------------------------------------------------
+
+    def _add_node(self, worker_id: str, profile_name: str, speed: float) -> None:
+        sim = self._config.worker.sim
+        registration = WorkerRegistration(
+            worker_id=worker_id, role="aggregated", model=self._config.worker.model, engine="sim",
+            inbox=subjects.worker_inbox(worker_id), block_size=sim.block_size, max_model_len=sim.max_model_len,
+            tokenizer="sim", started_at=self._events.now, host="simulated", max_num_seqs=sim.max_num_seqs,
+        )
+        node = SimNode(registration, get_profile(profile_name), speed, sim, self._tokenizer.output_token_range,
+                       self._events, self._on_step)
+        self.nodes[worker_id] = node
+        self._health[worker_id] = NodeHealth(worker_id, self._config.health, self._events.now)
+        self._kv_flush_due[worker_id] = False
+        self._kv_seqs[worker_id] = 0
+        self._events.after(0.0, self._beat, node)
+        # Live probes are out of phase with each other; so are these, reproducibly.
+        self._events.after(self._rng.uniform(0, self._config.health.probe_interval_s), self._probe, node)
+
+    def _change(self, change: NodeChange) -> None:
+        if change.profile:
+            self.counters["node_joins"] += 1
+            self._add_node(change.worker_id, change.profile, change.speed)
+            return
+        node = self.nodes.get(change.worker_id)
+        if node is None or not node.alive:
+            return
+        self.counters["node_failures"] += 1
+        for request_id in node.fail():
+            flight = self._flights.get(request_id)
+            if flight is not None and flight.worker_id == node.worker_id:
+                # Ingress notices at its next liveness check of the worker.
+                self._events.after(self._config.ingress.liveness_check_s, self._worker_lost, flight, node.worker_id)
+
+    def _beat(self, node: SimNode) -> None:
+        if not node.alive:
+            return
+        heartbeat = node.heartbeat()
+        self._events.after(self._lat.hop_s, self.balancer.on_heartbeat, heartbeat)
+        self._events.after(self._config.cluster.heartbeat_interval_s, self._beat, node)
+
+    def _flush_kv(self, node: SimNode) -> None:
+        self._kv_flush_due[node.worker_id] = False
+        if not node.alive:
+            return
+        delta = node.kv_delta()
+        if delta:
+            self._kv_seqs[node.worker_id] += 1
+            batch = KvEvents(node.worker_id, self._kv_seqs[node.worker_id], node.registration.block_size,
+                             delta.stored, delta.removed, delta.cleared)
+            self._events.after(self._lat.hop_s, self.balancer.on_kv_events, batch)
+
+    def _probe(self, node: SimNode) -> None:
+        """The health prober's one-token probe: it waits for the step under way, then takes one step."""
+        settings = self._config.health
+        health = self._health[node.worker_id]
+        now = self._events.now
+        if node.alive:
+            stats = node.scheduler.stats()
+            step = node.profile.step_seconds(1, stats.running + 1, stats.blocks_used * node.registration.block_size)
+            latency: float | None = node.busy_for() + step / node.speed + 2 * self._lat.hop_s
+            if latency > settings.probe_timeout_s:
+                latency = float("inf")
+            health.observe_probe(latency, now, queued=stats.waiting > 0)
+        else:
+            health.observe_probe(None, now)
+        self._events.after(self._lat.hop_s, self.balancer.on_health, health.verdict(now))
+        if node.alive or health.state != "unhealthy":
+            self._events.after(settings.probe_interval_s, self._probe, node)
+
+    def _on_step(self, node: SimNode, outcome: StepOutcome) -> None:
+        now, hop = self._events.now, self._lat.hop_s
+        if not self._kv_flush_due[node.worker_id]:
+            self._kv_flush_due[node.worker_id] = True
+            interval = self._config.cluster.kv_events_interval_s
+            self._events.at((now // interval + 1) * interval, self._flush_kv, node)
+        flights = self._flights
+        for request_id, token in outcome.emitted:
+            flight = flights.get(request_id)
+            if flight is None or flight.worker_id != node.worker_id:
+                continue
+            flight.output.append(token)
+            record = flight.record
+            seen = now + hop - self._origin
+            if record.first_token_s is None:
+                record.first_token_s = seen
+            record.token_times_s.append(seen)
+        for info in outcome.finished_info:
+            flight = flights.get(info.request_id)
+            if flight is None or flight.worker_id != node.worker_id:
+                continue
+            record = flight.record
+            record.end_s = now + hop - self._origin
+            record.status = 200
+            record.finish_reason = "length"
+            record.completion_tokens = len(flight.output)
+            record.cached_tokens = info.cached_prompt_tokens
+            self._runs[info.request_id] = WorkerRun(node.worker_id, now - flight.accepted_at, "length")
+            self._events.after(hop, self.balancer.on_finished, info.request_id, node.worker_id)
+            self._end(flight, client_delay=hop)
+
+    def _generated(self, request_id: str) -> int:
+        flight = self._flights.get(request_id)
+        return len(flight.output) if flight is not None else 0
+
+    # --- clients --------------------------------------------------------------------
+
+    def _next_arrival(self) -> None:
+        session = next(self._sessions, None)
+        if session is None or session.arrival_s > self._spec.limits.issue_for_s:
+            self._arrivals_done = True
+            return
+        self._events.at(self._origin + session.arrival_s, self._arrive, session)
+
+    def _arrive(self, session: Session) -> None:
+        self._open_sessions += 1
+        self._start_turn(session, 0, [], session.arrival_s)
+        self._next_arrival()
+
+    def _closed_client_next(self) -> None:
+        session = next(self._sessions, None) if self._now() < self._spec.limits.issue_for_s else None
+        if session is None:
+            self._arrivals_done = True
+            self._open_sessions -= 1
+            return
+        self._start_turn(session, 0, [], self._now())
+
+    def _session_over(self) -> None:
+        if self._spec.limits.concurrency is None:
+            self._open_sessions -= 1
+        else:
+            self._closed_client_next()
+
+    def _start_turn(self, session: Session, turn: int, history: list[tuple[str, str]], scheduled_s: float) -> None:
+        spec = session.turns[turn]
+        record = RequestRecord(session.session_id, session.group, turn, session.api, spec.max_tokens, scheduled_s)
+        record.sent_s = self._now()
+        self._records.append(record)
+        self._request_seq += 1
+        record.request_id = f"sim-{self._request_seq}"
+        body = request_body(session, history, spec.text) | {
+            "model": self._config.worker.model, "max_tokens": spec.max_tokens, "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        try:
+            request = msgspec.convert(body, ChatCompletionRequest if session.api == "chat" else CompletionRequest)
+            prepared = prepare(request, self._registration(), self._tokenizer, self._config.ingress.max_tokens_default)
+        except ApiError as exc:
+            record.status = exc.status
+            record.error = f"http_{exc.status}: {exc.message}"[:200]
+            self._finish_record(record)
+            self._session_over()
+            return
+        flight = _Flight(record, session, turn, history, prepared)
+        record.prompt_tokens = len(prepared.prompt_token_ids)
+        self._flights[record.request_id] = flight
+        self._events.after(self._spec.request_timeout_s, self._time_out, flight)
+        self._route(flight)
+
+    def _registration(self) -> WorkerRegistration:
+        return next(iter(self.nodes.values())).registration
+
+    def _route(self, flight: _Flight) -> None:
+        prepared, produced = flight.prepared, len(flight.output)
+        route = RouteRequest(
+            request_id=flight.record.request_id or "",
+            model=prepared.model,
+            prompt_tokens=len(prepared.prompt_token_ids) + produced,
+            max_tokens=prepared.sampling.max_tokens - produced,
+            deadline=self._origin + flight.record.sent_s + self._spec.request_timeout_s,
+            block_hashes=prepared.block_hashes,
+            exclude_workers=list(flight.excluded),
+            priority=prepared.priority,
+        )
+        flight.worker_id = None
+        self._events.after(self._lat.hop_s + self._lat.decision_s, self.balancer.route, route)
+
+    # RouteListener: what the balancer answers.
+
+    def placed(self, placement: Placement) -> None:
+        flight = self._flights.get(placement.request_id)
+        if self._spec.check_invariants and placement.chain.slots_used >= placement.chain.node.slots_total:
+            raise InvariantBroken(f"{placement.request_id} placed on full chain {placement.chain.chain_id}")
+        if flight is None:
+            # The client left while the decision was being made.
+            self.balancer.withdraw(placement.request_id)
+            return
+        # The decision goes back to ingress, which hands the request to the worker.
+        self._events.after(2 * self._lat.hop_s, self._dispatch, flight, placement.chain.worker_id)
+
+    def refused(self, request_id: str, reply: ErrorReply) -> None:
+        flight = self._flights.get(request_id)
+        if flight is not None:
+            self._events.after(self._lat.hop_s, self._fail, flight, f"http_{reply.status}: {reply.code}", reply.status)
+
+    def preempted(self, request_id: str) -> None:
+        flight = self._flights.get(request_id)
+        if flight is None or flight.worker_id is None:
+            return
+        node = self.nodes[flight.worker_id]
+        self._events.after(self._lat.hop_s, node.abort, request_id)
+        if flight.preemptions >= self._config.ingress.preemption_resumes:
+            self._events.after(2 * self._lat.hop_s, self._fail, flight, f"http_503: preempted {flight.preemptions} times", 503)
+            return
+        flight.preemptions += 1
+        self.counters["lease_preemptions"] += 1
+        flight.worker_id = None
+        self._events.after(2 * self._lat.hop_s, self._reroute, flight)
+
+    def _reroute(self, flight: _Flight) -> None:
+        if not flight.done:
+            self._route(flight)
+
+    def _dispatch(self, flight: _Flight, worker_id: str) -> None:
+        if flight.done:
+            self.balancer.withdraw(flight.record.request_id or "")
+            return
+        node = self.nodes[worker_id]
+        if not node.alive:
+            # No responders on its inbox: ingress routes again without it.
+            flight.dispatches += 1
+            if flight.dispatches >= self._config.ingress.dispatch_attempts:
+                self._fail(flight, "http_503: no worker accepted the request", 503)
+                return
+            self.counters["dispatch_retries"] += 1
+            flight.excluded.append(worker_id)
+            self._route(flight)
+            return
+        prepared = flight.prepared
+        seed = self._config.worker.sim.seed if prepared.sampling.seed is None else prepared.sampling.seed
+        try:
+            node.add(SimRequest(flight.record.request_id or "", prepared.prompt_token_ids, prepared.sampling.max_tokens,
+                                seed, list(flight.output)))
+        except ValueError as exc:
+            self._fail(flight, f"http_400: {exc}"[:200], 400)
+            return
+        flight.worker_id = worker_id
+        flight.accepted_at = self._events.now
+
+    def _worker_lost(self, flight: _Flight, worker_id: str) -> None:
+        if flight.done or flight.worker_id != worker_id:
+            return
+        if flight.migrations >= self._config.ingress.migration_attempts:
+            self._fail(flight, "stream_error: worker_lost")
+            return
+        flight.migrations += 1
+        self.counters["migrations"] += 1
+        flight.excluded.append(worker_id)
+        self._route(flight)
+
+    def _time_out(self, flight: _Flight) -> None:
+        if not flight.done:
+            self._fail(flight, f"timeout after {self._spec.request_timeout_s:g}s")
+
+    def _fail(self, flight: _Flight, error: str, status: int | None = None) -> None:
+        if flight.done:
+            return
+        record = flight.record
+        record.error = error
+        record.status = status if status is not None else record.status or (200 if flight.output else None)
+        request_id = record.request_id or ""
+        if flight.worker_id is not None:
+            node = self.nodes[flight.worker_id]
+            if node.alive:
+                node.abort(request_id)
+        self.balancer.withdraw(request_id)
+        self._end(flight)
+
+    def _end(self, flight: _Flight, client_delay: float = 0.0) -> None:
+        """The request is over; its client goes on `client_delay` later, when it hears so."""
+        flight.done = True
+        record = flight.record
+        del self._flights[record.request_id or ""]
+        record.text = "".join(self._tokenizer.token_text(t) for t in flight.output)
+        self._finish_record(record)
+        session, turn = flight.session, flight.turn + 1
+        if record.ok and turn < len(session.turns):
+            history = flight.history + [(session.turns[flight.turn].text, record.text)]
+            self._events.after(client_delay + session.think_time_s, self._next_turn, session, turn, history)
+        else:
+            self._events.after(client_delay, self._session_over)
+
+    def _next_turn(self, session: Session, turn: int, history: list[tuple[str, str]]) -> None:
+        self._start_turn(session, turn, history, self._now())
+
+    def _finish_record(self, record: RequestRecord) -> None:
+        self._on_record(record)
+
+    # --- checks ---------------------------------------------------------------------
+
+    def _check_invariants(self) -> None:
+        policy = self._config.cache_manager
+        for worker_id, node in self.nodes.items():
+            stats = node.scheduler.stats()
+            if stats.blocks_used > stats.blocks_total:
+                raise InvariantBroken(f"{worker_id}: {stats.blocks_used} KV blocks used of {stats.blocks_total}")
+            if self._allocator is not None:
+                general, short = self._allocator.ledger.used(worker_id)
+                short_total = int(stats.blocks_total * policy.short_pool_share)
+                if general > stats.blocks_total - short_total or short > short_total:
+                    raise InvariantBroken(f"{worker_id}: leases of {general}+{short} blocks exceed the pools")
+
+
+def result_summary(result: SimulationResult) -> dict[str, Any]:
+    return {"simulated_s": result.simulated_s, "events": result.events, "wall_s": result.wall_s,
+            "events_per_s": result.events_per_s, **result.counters}

@@ -1,0 +1,168 @@
+"""`kvlane simulate`'s fleet in virtual time: determinism, every request ends once, capacity, failures, mixed fleets."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from kvlane.fleet import with_overrides
+from kvlane.fleet_mix import NodeKind, fleet_nodes, parse_fleet
+from loadtest.client import RequestRecord
+from loadtest.driver import DriveLimits
+from loadtest.metrics import Slo, summarize
+from loadtest.simulate import main as simulate_main, node_changes
+from loadtest.simulation.events import EventQueue
+from loadtest.simulation.world import NodeChange, Simulation, SimulationResult, SimulationSpec
+from loadtest.workloads import ArrivalSpec, WorkloadSpec
+from shared.config import KvlaneConfig
+
+H100 = "h100-80g-llama3-8b"
+SLO = Slo(ttft_s=1.0, tpot_s=0.1)
+
+
+def spec(policy: str = "jffc_per_request", fleet: str = f"{H100}:4", rate: float = 40.0, requests: int = 300,
+         kind: str = "shared-prefix", num_blocks: int = 4096, changes: tuple[NodeChange, ...] = (),
+         concurrency: int | None = None, **workload: object) -> SimulationSpec:
+    config = with_overrides(KvlaneConfig(), balancer={"policy": policy},
+                            **{"worker.sim": {"profile": H100, "num_blocks": num_blocks}})
+    arrival = ArrivalSpec(mode="closed") if concurrency else ArrivalSpec(mode="poisson", rate=rate)
+    work = WorkloadSpec(kind=kind, seed=3, max_requests=requests, arrival=arrival, **workload)  # type: ignore[arg-type]
+    return SimulationSpec(config, tuple(fleet_nodes(parse_fleet(fleet))), work,
+                          DriveLimits(issue_for_s=300.0, hard_stop_s=400.0, concurrency=concurrency), 120.0,
+                          changes=changes, check_invariants=True)
+
+
+def run(simulation_spec: SimulationSpec) -> tuple[SimulationResult, Counter[str], Simulation]:
+    """The result, how often each request id ended, and the simulation's final state."""
+    ended: Counter[str] = Counter()
+    simulation = Simulation(simulation_spec, lambda record: ended.update([record.request_id or ""]))
+    return simulation.run(), ended, simulation
+
+
+def test_event_queue_runs_in_time_order_and_ties_in_scheduling_order() -> None:
+    events = EventQueue()
+    seen: list[tuple[float, str]] = []
+    events.at(2.0, lambda: seen.append((events.now, "late")))
+    events.at(1.0, lambda: seen.append((events.now, "first")))
+    events.at(1.0, lambda: (seen.append((events.now, "second")), events.after(0.5, lambda: seen.append((events.now, "spawned")))))
+    events.run()
+    assert seen == [(1.0, "first"), (1.0, "second"), (1.5, "spawned"), (2.0, "late")]
+    events.at(0.0, lambda: seen.append((events.now, "past")))  # never before now
+    events.run()
+    assert seen[-1] == (2.0, "past")
+
+
+def test_same_seed_gives_identical_records() -> None:
+    first, _, _ = run(spec(requests=200))
+    second, _, _ = run(spec(requests=200))
+    assert json.dumps([r.to_json() for r in first.records]) == json.dumps([r.to_json() for r in second.records])
+    assert first.runs == second.runs and first.events == second.events
+
+
+def test_every_request_ends_exactly_once_under_overload_with_small_kv_caches() -> None:
+    # 4x what the fleet serves and KV for a few requests per node: queueing, KV refusals, engine preemption.
+    result, ended, simulation = run(spec(rate=400.0, requests=600, num_blocks=400, groups=64))
+    records = result.records
+    assert len(records) == 600
+    assert set(ended) == {r.request_id for r in records} and set(ended.values()) == {1}
+    assert all(r.ok or r.error for r in records)
+    assert sum(r.ok for r in records) > 300
+    # The leases, not the engines, bound KV: placements the ledger refused, none the engine had to preempt.
+    assert result.counters["kv_refusals"] > 0
+    stats = [node.scheduler.stats() for node in simulation.nodes.values()]
+    assert sum(s.preemptions for s in stats) == 0
+    assert all(s.running == s.waiting == 0 for s in stats)
+    assert len(simulation.balancer.router.table) == 0 and len(simulation.balancer.router.queue) == 0
+
+
+def test_multi_turn_conversations_carry_their_answers() -> None:
+    records = run(spec(kind="multi-turn", requests=40, rate=4.0, turns=4, groups=2))[0].records
+    by_conversation: dict[str, list[RequestRecord]] = {}
+    for record in records:
+        by_conversation.setdefault(record.session_id, []).append(record)
+    for turns in by_conversation.values():
+        prompts = [r.prompt_tokens or 0 for r in sorted(turns, key=lambda r: r.turn)]
+        # Each turn's prompt holds the previous one plus its answer (128 tokens) and a new question.
+        assert all(later > earlier + 128 for earlier, later in zip(prompts, prompts[1:]))
+    assert all(r.ok for r in records)
+    assert sum(r.cached_tokens or 0 for r in records if r.turn > 0) > 0
+
+
+def test_a_failed_node_s_requests_migrate_and_a_joining_node_takes_work() -> None:
+    changes = (NodeChange(3.0, "w1"), NodeChange(5.0, "w4", H100))
+    result, ended, simulation = run(spec(rate=40.0, requests=500, changes=changes))
+    assert set(ended.values()) == {1} and all(r.ok for r in result.records)
+    assert simulation.counters["migrations"] > 0 and simulation.counters["node_failures"] == 1
+    per_worker = summarize(result.records, SLO, result.runs)["requests_per_worker"]
+    assert per_worker["w4"] > 0
+    # Requests that finished on w1 did so before it failed; none was sent there after its heartbeats stopped for good.
+    assert max(r.end_s or 0 for r in result.records if result.runs[r.request_id or ""].worker_id == "w1") < 3.0 + 0.1
+
+
+def test_round_robin_loses_to_least_loaded_on_a_fleet_with_stragglers() -> None:
+    # Two nodes at a tenth of the speed: a request there misses the TPOT SLO.
+    fleet = f"{H100}:2,{H100}@0.1:2"
+    summaries = {}
+    for policy in ("round_robin", "least_loaded"):
+        result = run(spec(policy=policy, fleet=fleet, rate=20.0, requests=1000, groups=16))[0]
+        summaries[policy] = summarize(result.records, SLO, result.runs)
+    round_robin, least_loaded = summaries["round_robin"], summaries["least_loaded"]
+    assert least_loaded["slo_attainment"] > round_robin["slo_attainment"] + 0.1
+    assert least_loaded["goodput_rps"] > 1.2 * round_robin["goodput_rps"]
+    slow = ("w2", "w3")
+    assert sum(least_loaded["requests_per_worker"][w] for w in slow) < sum(round_robin["requests_per_worker"][w] for w in slow)
+
+
+def test_closed_loop_keeps_the_given_number_of_requests_in_flight() -> None:
+    result, ended, _ = run(spec(concurrency=8, requests=100))
+    records = result.records
+    assert len(records) == 100 and set(ended.values()) == {1}
+    events = sorted([(r.sent_s, 1) for r in records] + [(r.end_s or 0.0, -1) for r in records])
+    in_flight = peak = 0
+    for _, change in events:
+        in_flight += change
+        peak = max(peak, in_flight)
+    assert peak == 8
+
+
+@pytest.mark.parametrize("text, error", [
+    ("", "empty"), ("h100-80g-llama3-8b", "PROFILE"), ("h100-80g-llama3-8b:0", "at least 1"),
+    ("h100-80g-llama3-8b@0:2", "SPEED positive"), ("h100-80g-llama3-8b:x", "integer"), ("no-such-gpu:2", "unknown"),
+])
+def test_bad_fleet_values_are_refused_with_the_reason(text: str, error: str) -> None:
+    with pytest.raises(ValueError, match=error):
+        parse_fleet(text)
+
+
+def test_fleet_values_name_nodes_in_order() -> None:
+    kinds = parse_fleet(f"{H100}:2, a100-80g-llama3-8b@0.5:1")
+    assert kinds == [NodeKind(H100, 2), NodeKind("a100-80g-llama3-8b", 1, 0.5)]
+    assert [(n.worker_id, n.profile, n.speed) for n in fleet_nodes(kinds)] == [
+        ("w0", H100, 1.0), ("w1", H100, 1.0), ("w2", "a100-80g-llama3-8b", 0.5)]
+    assert [c.worker_id for c in node_changes(["9=w0"], [f"4={H100}@0.5"], 3)] == ["w3", "w0"]
+    with pytest.raises(ValueError, match="T=WORKER"):
+        node_changes(["w0"], [], 3)
+
+
+@pytest.mark.parametrize("argv", [
+    ["--fleet", "no-such-gpu:2", "--rate", "1"],
+    ["--fail", "1=w9", "--rate", "1"],
+    ["--rate", "-1"],
+    ["--hop-ms", "-1", "--rate", "1"],
+])
+def test_simulate_refuses_bad_options_with_exit_2(argv: list[str], tmp_path: Path) -> None:
+    assert simulate_main([*argv, "--out", str(tmp_path), "--quiet"]) == 2
+
+
+def test_simulate_writes_the_bench_results_layout(tmp_path: Path) -> None:
+    argv = ["--policies", "round_robin,jffc", "--rates", "20,40", "--requests", "60", "--out", str(tmp_path), "--quiet"]
+    assert simulate_main(argv) == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["benchmark"] == "kvlane-simulate" and results["parameters"]["fleet"]["workers"] == 4
+    assert [(r["policy"], r["rate"]) for r in results["runs"]] == [
+        ("round_robin", 20.0), ("jffc", 20.0), ("round_robin", 40.0), ("jffc", 40.0)]
+    assert all(r["summary"]["succeeded"] == 60 and r["simulation"]["events"] > 0 for r in results["runs"])
+    assert {p.name for p in tmp_path.glob("*.png")} == {"ttft_cdf.png", "goodput.png", "goodput_vs_rate.png"}
