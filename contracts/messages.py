@@ -277,6 +277,18 @@ class RequestFinished(Struct, tag="finished", tag_field="type"):
 # --- cluster state ----------------------------------------------------------------
 
 
+NonNegativeSeconds = Annotated[float, Meta(ge=0.0)]
+
+
+class StepTime(Struct, frozen=True):
+    """A node's forward-pass time, in seconds: `a + b*prefill_tokens + c*decode_seqs + d*kv_tokens` per step."""
+
+    a: NonNegativeSeconds
+    b: NonNegativeSeconds
+    c: NonNegativeSeconds
+    d: NonNegativeSeconds = 0.0
+
+
 class WorkerRegistration(Struct, frozen=True):
     worker_id: WorkerId
     role: WorkerRole
@@ -290,6 +302,9 @@ class WorkerRegistration(Struct, frozen=True):
     host: str = ""
     # Most sequences the engine batches at once; 0 = not reported.
     max_num_seqs: Annotated[int, Meta(ge=0)] = 0
+    # What a step costs on this node, when the worker knows (a sim profile,
+    # or one `kvlane calibrate` fitted); balancers cost requests with it.
+    step_time: StepTime | None = None
 
 
 class EngineStats(Struct):

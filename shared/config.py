@@ -168,6 +168,12 @@ class ScoreSettings(_Section):
     fast_forward_utilisation: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.65
 
 
+class JffcPerRequestSettings(_Section):
+    # Weight of the delay a placement adds to the requests already running
+    # on the node, beside the request's own completion time; 0 ignores it.
+    imposed_delay_weight: Annotated[float, Meta(ge=0.0)] = 1.0
+
+
 class DisaggregationSettings(_Section):
     # Conditional disaggregation: a request whose uncached prompt part on
     # the chosen decode node is shorter than this is prefilled there, not
@@ -195,6 +201,7 @@ class BalancerSettings(_Section):
     prefix_affinity: PrefixAffinitySettings = msgspec.field(default_factory=PrefixAffinitySettings)
     kv_cost: KvCostSettings = msgspec.field(default_factory=KvCostSettings)
     score: ScoreSettings = msgspec.field(default_factory=ScoreSettings)
+    jffc_per_request: JffcPerRequestSettings = msgspec.field(default_factory=JffcPerRequestSettings)
     disaggregation: DisaggregationSettings = msgspec.field(default_factory=DisaggregationSettings)
 
 
@@ -281,6 +288,11 @@ class WorkerSettings(_Section):
     model: str = "kvlane-sim"
     engine: Literal["sim", "vllm"] = "sim"
     role: Literal["aggregated", "prefill", "decode"] = "aggregated"
+    # The step-time profile this worker advertises to balancers (a name, or
+    # file:<path> written by `kvlane calibrate`). Empty: a sim worker
+    # advertises its own profile, a vLLM worker none (balancers then measure
+    # it against balancer.speed.fallback_profile).
+    step_profile: str = ""
     drain_timeout_s: PositiveFloat = 30.0
     # A prefill node holds a prompt's KV this long for its decode node to pull
     # it; blocks nobody pulled (the decode node died) are freed then.

@@ -28,7 +28,7 @@ from typing import Any
 import msgspec
 
 from contracts import subjects
-from contracts.messages import ErrorReply, KvEvents, RouteRequest, WorkerRegistration
+from contracts.messages import ErrorReply, KvEvents, RouteRequest, StepTime, WorkerRegistration
 from contracts.openai_api import ChatCompletionRequest, CompletionRequest
 from kvlane.fleet_mix import FleetNode
 from loadtest.client import RequestRecord
@@ -192,13 +192,15 @@ class Simulation:
 
     def _add_node(self, worker_id: str, profile_name: str, speed: float) -> None:
         sim = self._config.worker.sim
+        profile = get_profile(profile_name)
         registration = WorkerRegistration(
             worker_id=worker_id, role="aggregated", model=self._config.worker.model, engine="sim",
             inbox=subjects.worker_inbox(worker_id), block_size=sim.block_size, max_model_len=sim.max_model_len,
             tokenizer="sim", started_at=self._events.now, host="simulated", max_num_seqs=sim.max_num_seqs,
+            # As a live sim worker advertises its profile (`services.worker.main.advertised_step_time`).
+            step_time=StepTime(a=profile.a, b=profile.b, c=profile.c, d=profile.d),
         )
-        node = SimNode(registration, get_profile(profile_name), speed, sim, self._tokenizer.output_token_range,
-                       self._events, self._on_step)
+        node = SimNode(registration, profile, speed, sim, self._tokenizer.output_token_range, self._events, self._on_step)
         self.nodes[worker_id] = node
         self._health[worker_id] = NodeHealth(worker_id, self._config.health, self._events.now)
         self._kv_flush_due[worker_id] = False

@@ -10,7 +10,7 @@ node this step completes the chain:
   saves, as Dynamo and llm-d also decide);
 * otherwise the prefill node that would finish the prompt first: its
   backlog of prefill work plus the prompt part it does not hold cached,
-  at its measured speed. Prefill nodes are a pipeline stage, not slot
+  at its own step time and measured speed. Prefill nodes are a pipeline stage, not slot
   holders: their KV is held only until the decode node pulls it.
 
 No live prefill node means local prefill: a chain degrades to one node
@@ -24,10 +24,9 @@ from collections.abc import Sequence
 from services.balancer.snapshot import ChainState
 
 
-def prefill_finish_s(candidate: ChainState, prompt_tokens: int, seconds_per_token: float) -> float:
+def prefill_finish_s(candidate: ChainState, prompt_tokens: int) -> float:
     """When `candidate` would have prefilled the prompt, from now."""
-    speed = candidate.node.speed if candidate.node.speed > 0 else 1.0
-    return candidate.prefill_backlog_s + candidate.uncached_tokens(prompt_tokens) * seconds_per_token / speed
+    return candidate.prefill_backlog_s + candidate.uncached_tokens(prompt_tokens) * candidate.node.model.b
 
 
 def choose_prefill(
@@ -35,7 +34,6 @@ def choose_prefill(
     prompt_tokens: int,
     candidates: Sequence[ChainState],
     min_remote_prefill_tokens: int,
-    seconds_per_token: float,
 ) -> ChainState | None:
     """The prefill node for a request placed on `chain`; None: `chain` runs it all."""
     if chain.node.role != "decode" or not candidates:
@@ -43,5 +41,5 @@ def choose_prefill(
     if chain.uncached_tokens(prompt_tokens) < min_remote_prefill_tokens:
         return None
     # Idle nodes all finish "now": the one with less in hand wins, not the first by name.
-    return min(candidates, key=lambda c: (prefill_finish_s(c, prompt_tokens, seconds_per_token),
+    return min(candidates, key=lambda c: (prefill_finish_s(c, prompt_tokens),
                                           c.node.running + c.node.waiting, c.worker_id))

@@ -41,7 +41,7 @@ def build_router(settings: BalancerSettings, model: StepModel) -> Router:
     speed = SpeedTracker(model, settings.speed.smoothing, settings.speed.equal_within)
     builder = SnapshotBuilder(settings, speed, QueueGrowth(settings.speed.smoothing))
     return Router(
-        make_policy(settings.policy, settings, model),
+        make_policy(settings.policy, settings),
         builder,
         PrefixIndex(settings.prefix_index_max_blocks),
         SlotTable(),
@@ -63,7 +63,7 @@ async def main(config: KvlaneConfig, stop: asyncio.Event) -> None:
             ledger = BlockLedger(ctx.redis, config.cache_manager.lease_ttl_s)
             allocator = KvAllocator(ctx.bus, settings.allocate_timeout_s, ledger, config.cache_manager)
         service = BalancerService(
-            ctx.bus, ctx.view, build_router(settings, model), store, settings, metrics, SlotRates(model, settings.slots), allocator, balancer_id
+            ctx.bus, ctx.view, build_router(settings, model), store, settings, metrics, SlotRates(settings.slots), allocator, balancer_id
         )
         metrics_runner = None
         try:

@@ -73,8 +73,7 @@ class Router:
         prefill = None
         if chain.node.role == "decode":
             candidates = self.builder.prefill_candidates(request, heartbeats, cached)
-            prefill = choose_prefill(chain, request.prompt_tokens, candidates,
-                                     self._disaggregation.min_remote_prefill_tokens, self.builder.seconds_per_prompt_token)
+            prefill = choose_prefill(chain, request.prompt_tokens, candidates, self._disaggregation.min_remote_prefill_tokens)
         self.builder.note_sent(prefill or chain, request)
         return Placement(request, chain, prefill)
 

@@ -17,9 +17,10 @@ from collections.abc import Callable, Iterable, Mapping
 
 from msgspec import Struct
 
-from contracts.messages import Heartbeat, RouteRequest
+from contracts.messages import Heartbeat, RouteRequest, WorkerRegistration
 from services.balancer.backlog import PrefillBacklog
 from services.balancer.chains import kv_slots
+from services.balancer.speed import StepModel
 from services.balancer.trackers import QueueGrowth, SpeedTracker
 from shared.config import BalancerSettings
 
@@ -44,7 +45,11 @@ class NodeFacts(Struct, frozen=True):
     kv_blocks_used: int
     gpu_utilization: float | None
     slots_total: int
-    speed: float  # relative to the fallback profile
+    # What a step costs on this node now: its advertised (or the fallback)
+    # step time at its measured speed. Policies cost requests with it.
+    model: StepModel
+    # Comparable across nodes: the fallback profile's typical step time over this node's (2.0: twice as fast).
+    speed: float
     speed_measured: bool
     health_weight: float
     queue_growth_per_s: float
@@ -104,6 +109,11 @@ class ClusterSnapshot(Struct, frozen=True):
         return [c for c in self.chains if c.free_slots > 0]
 
 
+def _drain_per_s(model: StepModel) -> float:
+    """Prompt tokens per second a node of this step time prefills."""
+    return 1.0 / model.b if model.b > 0 else float("inf")
+
+
 def chain_id_of(heartbeat: Heartbeat) -> str:
     """Slot-ledger key of a worker's chain: a restarted worker (new `started_at`) starts with no reservations."""
     registration = heartbeat.registration
@@ -139,32 +149,27 @@ class SnapshotBuilder:
         # The node's cached facts carry its heartbeat's sent_at, so they are rebuilt at the next snapshot.
         worker_id = heartbeat.registration.worker_id
         self._growth.observe(worker_id, heartbeat.sent_at, heartbeat.stats.waiting)
-        self._backlog.observe(worker_id, heartbeat.sent_at, heartbeat.stats.waiting, self._drain_per_s(worker_id), self.clock())
-
-    @property
-    def seconds_per_prompt_token(self) -> float:
-        """Prefill cost of one token on a node of speed 1."""
-        return self._speed.model.b
+        drain = _drain_per_s(self._effective_model(heartbeat.registration))
+        self._backlog.observe(worker_id, heartbeat.sent_at, heartbeat.stats.waiting, drain, self.clock())
 
     def note_sent(self, chain: ChainState, request: RouteRequest) -> None:
         """`request`'s prompt is prefilled on `chain`'s node: its uncached part joins that node's backlog."""
-        worker_id = chain.worker_id
-        self._backlog.add(worker_id, chain.uncached_tokens(request.prompt_tokens), self._drain_per_s(worker_id), self.clock())
+        self._backlog.add(chain.worker_id, chain.uncached_tokens(request.prompt_tokens), _drain_per_s(chain.node.model), self.clock())
         if self._slots.learn_request_size:
             size = request.prompt_tokens + request.max_tokens
             self._typical_tokens += _REQUEST_SIZE_SMOOTHING * (size - self._typical_tokens)
 
     def note_undone(self, chain: ChainState, request: RouteRequest) -> None:
-        worker_id = chain.worker_id
-        self._backlog.withdraw(worker_id, chain.uncached_tokens(request.prompt_tokens), self._drain_per_s(worker_id), self.clock())
+        self._backlog.withdraw(chain.worker_id, chain.uncached_tokens(request.prompt_tokens), _drain_per_s(chain.node.model), self.clock())
 
-    def _drain_per_s(self, worker_id: str) -> float:
-        """Prompt tokens per second the node prefills, from the step model and its measured speed."""
-        per_token = self._speed.model.b
-        if per_token <= 0:
-            return float("inf")
-        factor = self._speed.factor(worker_id)
-        return (factor if factor is not None else self._speed.typical_factor()) / per_token
+    def _relative_speed(self, model: StepModel) -> float:
+        reference, own = self._speed.model.reference_seconds(), model.reference_seconds()
+        return reference / own if reference > 0 and own > 0 else 1.0
+
+    def _effective_model(self, registration: WorkerRegistration) -> StepModel:
+        """The node's step time at its measured speed (an unmeasured node is taken as typical)."""
+        factor = self._speed.factor(registration.worker_id)
+        return self._speed.model_for(registration).scaled(factor if factor is not None else self._speed.typical_factor())
 
     def set_health_weight(self, worker_id: str, weight: float) -> None:
         """A prober's verdict: 1.0 healthy, lower is less attractive, 0 takes the node out of routing."""
@@ -191,6 +196,7 @@ class SnapshotBuilder:
         registration, stats = heartbeat.registration, heartbeat.stats
         measured = self._speed.factor(worker_id)
         growth = self._growth.rate(worker_id)
+        model = self._effective_model(registration)
         facts = NodeFacts(
             worker_id=worker_id,
             role=registration.role,
@@ -203,7 +209,8 @@ class SnapshotBuilder:
             kv_blocks_used=stats.kv_blocks_used,
             gpu_utilization=stats.gpu_utilization,
             slots_total=self._slots_of(heartbeat),
-            speed=measured if measured is not None else self._speed.typical_factor(),
+            model=model,
+            speed=self._relative_speed(model),
             speed_measured=measured is not None,
             health_weight=self.health_weight(worker_id),
             queue_growth_per_s=growth,
@@ -260,7 +267,6 @@ class SnapshotBuilder:
             facts = self.facts(heartbeat)
             if facts.health_weight <= 0:
                 continue
-            backlog_tokens = self._backlog.tokens(facts.worker_id, self._drain_per_s(facts.worker_id), now)
-            backlog_s = backlog_tokens * self._speed.model.b / facts.speed if facts.speed > 0 else 0.0
+            backlog_s = self._backlog.tokens(facts.worker_id, _drain_per_s(facts.model), now) * facts.model.b
             states.append(ChainState(facts, slots_used(facts.chain_id), cached_blocks.get(facts.worker_id, 0), backlog_s))
         return states

@@ -10,27 +10,25 @@ from contracts.messages import Heartbeat
 from services.balancer.bounds import ChainRate, recommend_slots, response_bounds
 from services.balancer.router import Router
 from services.balancer.snapshot import GENERATING_ROLES, NodeFacts
-from services.balancer.speed import StepModel
 from shared.config import SlotSettings
 
 
 class SlotRates:
     """Per-slot service rate of a chain for a typical request, at a given occupancy."""
 
-    def __init__(self, model: StepModel, slots: SlotSettings) -> None:
-        self._model = model
+    def __init__(self, slots: SlotSettings) -> None:
         self._prompt = slots.typical_prompt_tokens
         self._output = slots.typical_output_tokens
 
     def rate(self, facts: NodeFacts, occupied_slots: int) -> float:
         batch = max(1, occupied_slots)
-        seconds = self._model.request_seconds(
+        seconds = facts.model.request_seconds(
             uncached_tokens=self._prompt,
             prompt_tokens=self._prompt,
             output_tokens=self._output,
             batch=batch,
             node_kv_tokens=(batch - 1) * (self._prompt + self._output / 2),
-            factor=facts.speed,
+            factor=1.0,
         )
         return 1.0 / seconds if seconds > 0 else math.inf
 

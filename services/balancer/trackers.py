@@ -2,8 +2,8 @@
 
 * `QueueGrowth`: how fast each node's waiting queue grows, so a node whose
   queue is filling is penalised before the queue is long.
-* `SpeedTracker`: each node's speed relative to the fallback step-time
-  profile, from measured token rates. Throughput alone is not speed (an idle
+* `SpeedTracker`: each node's speed relative to its step-time model (the
+  one it advertises, else the fallback profile), from measured token rates. Throughput alone is not speed (an idle
   node measures 0 tok/s), so only intervals during which the node was busy
   count (running at this heartbeat AND the previous one: a node that was
   idle for part of the interval would look slow, and then get less work,
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
-from contracts.messages import Heartbeat
+from contracts.messages import Heartbeat, WorkerRegistration
 from services.balancer.speed import StepModel
 
 
@@ -52,7 +52,7 @@ class QueueGrowth:
 
 class SpeedTracker:
     def __init__(self, model: StepModel, smoothing: float, equal_within: float = 0.0) -> None:
-        self.model = model
+        self.model = model  # the fallback, for nodes that advertise no step time
         self._smoothing = smoothing
         self._equal_within = equal_within
         self._factor: dict[str, float] = {}
@@ -65,6 +65,7 @@ class SpeedTracker:
         if self._seen.get(worker_id) == heartbeat.sent_at:
             return
         self._seen[worker_id] = heartbeat.sent_at
+        model = self.model_for(heartbeat.registration)
         busy_throughout = worker_id in self._was_busy
         if stats.running > 0:
             self._was_busy.add(worker_id)
@@ -75,11 +76,11 @@ class SpeedTracker:
             return
         steps_per_s = stats.decode_tokens_per_s / stats.running
         kv_tokens = stats.kv_blocks_used * heartbeat.registration.block_size
-        predicted_busy = self.model.busy_seconds(steps_per_s, stats.prefill_tokens_per_s, stats.running, kv_tokens)
+        predicted_busy = model.busy_seconds(steps_per_s, stats.prefill_tokens_per_s, stats.running, kv_tokens)
         if predicted_busy <= 0:
             return
         # Busy nodes step back to back: one second of wall time held
-        # `predicted_busy` seconds of fallback-profile work.
+        # `predicted_busy` seconds of work as the node's model prices it.
         factor = predicted_busy
         previous = self._factor.get(worker_id)
         self._factor[worker_id] = factor if previous is None else previous + self._smoothing * (factor - previous)
@@ -99,12 +100,16 @@ class SpeedTracker:
         self._factor[worker_id] = previous + self._smoothing * (median - previous)
         self._tiers = None
 
+    def model_for(self, registration: WorkerRegistration) -> StepModel:
+        """The node's own step time when it advertises one, else the fallback profile's."""
+        return StepModel.of(registration.step_time) if registration.step_time is not None else self.model
+
     def measured(self, worker_id: str) -> float | None:
         """The node's own smoothed measurement, None until measured."""
         return self._factor.get(worker_id)
 
     def factor(self, worker_id: str) -> float | None:
-        """Speed relative to the fallback profile (2.0 = twice as fast), None until measured.
+        """Speed relative to the node's model (2.0 = twice as fast), None until measured.
 
         Nodes whose measurements are within `equal_within` of each other
         share one speed (their median), so policies that rank by speed treat

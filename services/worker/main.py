@@ -15,10 +15,11 @@ import msgspec
 import structlog
 
 from contracts import subjects
-from contracts.messages import WorkerRegistration, WorkerRole
+from contracts.messages import StepTime, WorkerRegistration, WorkerRole
 from services.worker.amx import request_amx_permission
 from services.worker.engines.base import Engine, EngineConfigError, EngineFacts
 from services.worker.engines.sim import SimEngine
+from services.worker.sim.profile import get_profile
 from services.worker.service import WorkerService
 from shared.bus import Bus
 from shared.config import KvlaneConfig, WorkerSettings
@@ -51,6 +52,20 @@ def build_engine(settings: WorkerSettings) -> tuple[Engine, EngineFacts]:
         raise EngineConfigError(str(exc.args[0])) from None
 
 
+def advertised_step_time(settings: WorkerSettings) -> StepTime | None:
+    """What a step costs here in wall seconds: `worker.step_profile`, else a sim worker's own profile."""
+    name = settings.step_profile or (settings.sim.profile if settings.engine == "sim" else "")
+    if not name:
+        return None
+    try:
+        profile = get_profile(name)
+    except KeyError as exc:
+        raise EngineConfigError(f"worker.step_profile: {exc.args[0]}") from None
+    # A sim worker runs its profile `speed` times faster than the GPU it models.
+    speed = settings.sim.speed if settings.engine == "sim" else 1.0
+    return StepTime(a=profile.a / speed, b=profile.b / speed, c=profile.c / speed, d=profile.d / speed)
+
+
 def _fail(message: str) -> NoReturn:
     # One line that names the problem, and exit 2 as for any configuration error.
     print(f"kvlane worker: {message}", file=sys.stderr, flush=True)
@@ -75,6 +90,7 @@ async def main(config: KvlaneConfig, stop: asyncio.Event) -> None:
     request_amx_permission()
     try:
         engine, facts = build_engine(settings)
+        step_time = advertised_step_time(settings)
     except EngineConfigError as exc:
         _fail(str(exc))
     registration = WorkerRegistration(
@@ -89,6 +105,7 @@ async def main(config: KvlaneConfig, stop: asyncio.Event) -> None:
         started_at=time.time(),
         host=f"{socket.gethostname()}:{os.getpid()}",
         max_num_seqs=settings.sim.max_num_seqs if settings.engine == "sim" else 0,
+        step_time=step_time,
     )
     telemetry = Telemetry(config.tracing, "worker")
     redis_client = connect_redis(config.redis)

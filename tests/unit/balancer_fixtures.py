@@ -60,7 +60,7 @@ def node(
     return NodeFacts(
         worker_id=worker_id, role=role, chain_id=f"{worker_id}@0", inbox=f"inbox.{worker_id}", block_size=16, running=running,
         waiting=waiting, kv_blocks_total=kv_total, kv_blocks_used=kv_used, gpu_utilization=gpu, slots_total=slots,
-        speed=speed, speed_measured=True, health_weight=health, queue_growth_per_s=growth / 2.0, growth_penalty=growth,
+        model=TINY.scaled(speed), speed=speed, speed_measured=True, health_weight=health, queue_growth_per_s=growth / 2.0, growth_penalty=growth,
         sent_at=NOW_WALL,
     )
 
@@ -90,4 +90,4 @@ def settings(policy: str = "jffc_per_request", **slots: object) -> BalancerSetti
 def router(policy: str = "jffc_per_request", queue_length: int = 64, **slots: object) -> Router:
     s = settings(policy, **slots)
     builder = SnapshotBuilder(s, SpeedTracker(TINY, s.speed.smoothing, s.speed.equal_within), QueueGrowth(s.speed.smoothing))
-    return Router(make_policy(policy, s, TINY), builder, PrefixIndex(), SlotTable(), CentralQueue(queue_length), s.queue)
+    return Router(make_policy(policy, s), builder, PrefixIndex(), SlotTable(), CentralQueue(queue_length), s.queue)

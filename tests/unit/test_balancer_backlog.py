@@ -73,7 +73,7 @@ def test_an_undone_placement_leaves_no_backlog() -> None:
 
 
 def test_per_request_jffc_counts_the_backlog_as_time_before_its_prefill() -> None:
-    policy = JffcPerRequest(TINY)
+    policy = JffcPerRequest()
     req = request(prompt=2048, output=16, blocks=128)
     idle = chain("a")
     queued = msgspec.structs.replace(chain("a"), prefill_backlog_s=0.5)

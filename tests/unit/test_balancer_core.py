@@ -19,7 +19,7 @@ from services.balancer.slot_table import SlotTable
 from services.balancer.status import SlotRates
 from shared.cluster import ClusterView
 from shared.config import QueueSettings
-from tests.unit.balancer_fixtures import NOW_WALL, TINY, heartbeat, request, router, settings as balancer_settings
+from tests.unit.balancer_fixtures import NOW_WALL, heartbeat, request, router, settings as balancer_settings
 
 # --- SlotTable ----------------------------------------------------------------------
 
@@ -168,7 +168,7 @@ def make_balancer(*heartbeats, policy: str = "jffc_per_request", max_wait_s: flo
     mono, wall = Clock(NOW_MONO), Clock(NOW_WALL)
     s = balancer_settings(policy, **slots)
     service = BalancerService(
-        None, view, core, LocalSlotStore(), s, BalancerMetrics(), SlotRates(TINY, s.slots), clock=mono, wall_clock=wall  # type: ignore[arg-type]
+        None, view, core, LocalSlotStore(), s, BalancerMetrics(), SlotRates(s.slots), clock=mono, wall_clock=wall  # type: ignore[arg-type]
     )
     return service, mono, wall
 

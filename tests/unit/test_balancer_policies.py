@@ -16,7 +16,7 @@ from tests.unit.balancer_fixtures import TINY, chain, request, settings as balan
 
 
 def choose(policy_name: str, snap, req=None, **overrides) -> str | None:
-    policy = make_policy(policy_name, balancer_settings(policy_name, **overrides), TINY)
+    policy = make_policy(policy_name, balancer_settings(policy_name, **overrides))
     chosen = policy.choose(req or request(), snap)
     return None if chosen is None else chosen.worker_id
 
@@ -58,7 +58,7 @@ def test_jffc_takes_the_fastest_free_chain_and_skips_full_ones() -> None:
 
 
 def test_per_request_estimate_adds_prefill_transfer_and_decode() -> None:
-    policy = JffcPerRequest(TINY)
+    policy = JffcPerRequest(imposed_delay_weight=0.0)
     req = request(prompt=320, output=10, blocks=20)
     cold = chain("a", running=1)
     warm = chain("a", running=1, cached=10)  # 160 of 320 prompt tokens cached
@@ -67,6 +67,21 @@ def test_per_request_estimate_adds_prefill_transfer_and_decode() -> None:
     assert policy.expected_seconds(req, warm) == pytest.approx(TINY.a + TINY.b * 160 + decode)
     fast = chain("a", running=1, speed=2.0)
     assert policy.expected_seconds(req, fast) == pytest.approx(policy.expected_seconds(req, cold) / 2)
+
+
+def test_per_request_cost_adds_the_delay_imposed_on_the_running_batch() -> None:
+    req = request(prompt=320, output=10, blocks=20)
+    alone = JffcPerRequest(imposed_delay_weight=0.0)
+    social = JffcPerRequest()
+    # Each of the 3 running requests waits for the 320-token prefill and shares 5 of the 10 decode steps.
+    imposed = 3 * (TINY.b * 320 + TINY.c * 5)
+    busy = chain("a", running=3)
+    assert social.expected_seconds(req, busy) == pytest.approx(alone.expected_seconds(req, busy) + imposed)
+    assert social.expected_seconds(req, chain("a")) == pytest.approx(alone.expected_seconds(req, chain("a")))
+    # Alone, the busy node's 2x speed wins; counting the delay to its batch of 6, the idle node does.
+    fast_busy, idle = chain("fast", running=6, speed=2.0), chain("idle")
+    assert alone.choose(req, snapshot(fast_busy, idle)).worker_id == "fast"
+    assert social.choose(req, snapshot(fast_busy, idle)).worker_id == "idle"
 
 
 def test_health_weight_and_queue_growth_make_a_node_less_attractive() -> None:
@@ -106,7 +121,7 @@ def test_score_fast_forwards_to_the_cache_node_while_it_is_not_busy() -> None:
 
 def test_round_robin_cycles_over_free_chains() -> None:
     snap = snapshot(chain("a"), chain("b", used=8), chain("c"), chain("d"))
-    policy = make_policy("round_robin", balancer_settings("round_robin"), TINY)
+    policy = make_policy("round_robin", balancer_settings("round_robin"))
     picks = [policy.choose(request(), snap).worker_id for _ in range(6)]
     assert Counter(picks) == {"a": 2, "c": 2, "d": 2}
     assert all(x != y for x, y in zip(picks, picks[1:]))
@@ -115,7 +130,7 @@ def test_round_robin_cycles_over_free_chains() -> None:
 def test_random_and_power_of_two_are_seeded() -> None:
     snap = snapshot(*(chain(n, used=i % 3) for i, n in enumerate("abcdefgh")))
     for name in ("random", "power_of_two"):
-        first, second = (make_policy(name, balancer_settings(name), TINY) for _ in range(2))
+        first, second = (make_policy(name, balancer_settings(name)) for _ in range(2))
         picks = [first.choose(request(), snap).worker_id for _ in range(20)]
         assert picks == [second.choose(request(), snap).worker_id for _ in range(20)]
         assert len(set(picks)) > 2
@@ -125,7 +140,7 @@ def test_random_and_power_of_two_are_seeded() -> None:
 
 
 def test_least_loaded_ties_rotate_and_kv_breaks_ties() -> None:
-    policy = make_policy("least_loaded", balancer_settings("least_loaded"), TINY)
+    policy = make_policy("least_loaded", balancer_settings("least_loaded"))
     tied = snapshot(chain("a", running=1), chain("b", running=1), chain("c", running=1), chain("d", running=9))
     picks = [policy.choose(request(), tied).worker_id for _ in range(9)]
     assert Counter(picks) == {"a": 3, "b": 3, "c": 3}
@@ -135,9 +150,9 @@ def test_least_loaded_ties_rotate_and_kv_breaks_ties() -> None:
 
 def test_make_policy_knows_every_name() -> None:
     for name in POLICY_NAMES:
-        assert make_policy(name, balancer_settings(name), TINY).name == name
+        assert make_policy(name, balancer_settings(name)).name == name
     with pytest.raises(ValueError, match="unknown routing policy"):
-        make_policy("nope", balancer_settings(), TINY)
+        make_policy("nope", balancer_settings())
 
 
 chain_specs = st.lists(
@@ -154,7 +169,7 @@ def test_no_policy_ever_picks_a_full_chain(specs, policy_name: str, cached: int)
         for i, (slots, used, running, speed, health) in enumerate(specs)
     ]
     snap = snapshot(*chains, request_blocks=4)
-    chosen = make_policy(policy_name, balancer_settings(policy_name), TINY).choose(request(), snap)
+    chosen = make_policy(policy_name, balancer_settings(policy_name)).choose(request(), snap)
     if any(c.free_slots > 0 for c in chains):
         assert chosen is not None and chosen.free_slots > 0
     else:

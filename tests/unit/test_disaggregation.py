@@ -14,7 +14,7 @@ from contracts.messages import GenerateRequest, KvRef, SamplingParams, WorkerReq
 from services.balancer.disaggregation import choose_prefill, prefill_finish_s
 from services.worker.sim import SimRequest, get_profile
 from services.worker.sim.links import NAMED_LINKS, get_link, kv_bytes_per_token
-from tests.unit.balancer_fixtures import NOW_WALL, chain, heartbeat, request, router
+from tests.unit.balancer_fixtures import NOW_WALL, TINY, chain, heartbeat, request, router
 from tests.unit.test_sim_scheduler import make_scheduler, run_all
 
 # --- links and KV sizes -----------------------------------------------------------
@@ -91,22 +91,22 @@ def test_import_into_a_full_pool_imports_nothing() -> None:
 def test_only_decode_chains_get_a_prefill_node_and_only_for_long_uncached_prompts() -> None:
     decode = chain("d0", role="decode")
     prefill = [chain("p0", role="prefill")]
-    assert choose_prefill(chain("w0"), 1000, prefill, 256, 1e-4) is None
-    assert choose_prefill(decode, 1000, [], 256, 1e-4) is None
-    assert choose_prefill(decode, 200, prefill, 256, 1e-4) is None
-    assert choose_prefill(decode, 300, prefill, 256, 1e-4).worker_id == "p0"
+    assert choose_prefill(chain("w0"), 1000, prefill, 256) is None
+    assert choose_prefill(decode, 1000, [], 256) is None
+    assert choose_prefill(decode, 200, prefill, 256) is None
+    assert choose_prefill(decode, 300, prefill, 256).worker_id == "p0"
     # 40 of 48 blocks cached on the decode node: 128 tokens to prefill there, below the threshold.
-    assert choose_prefill(chain("d0", role="decode", cached=40), 768, prefill, 256, 1e-4) is None
+    assert choose_prefill(chain("d0", role="decode", cached=40), 768, prefill, 256) is None
 
 
 def test_the_prefill_node_that_finishes_first_wins() -> None:
     decode = chain("d0", role="decode")
     slow = chain("p0", role="prefill", speed=0.5)
     cached = chain("p1", role="prefill", cached=40)  # holds 640 of the 700 tokens
-    assert choose_prefill(decode, 700, [slow, cached], 256, 1e-4).worker_id == "p1"
-    assert prefill_finish_s(slow, 700, 1e-4) == pytest.approx(0.14)
+    assert choose_prefill(decode, 700, [slow, cached], 256).worker_id == "p1"
+    assert prefill_finish_s(slow, 700) == pytest.approx(700 * TINY.b / 0.5)
     fast = chain("p2", role="prefill", speed=2.0)
-    assert choose_prefill(decode, 700, [slow, fast], 256, 1e-4).worker_id == "p2"
+    assert choose_prefill(decode, 700, [slow, fast], 256).worker_id == "p2"
 
 
 def test_the_router_completes_a_decode_chain_and_degrades_to_local_prefill() -> None:
@@ -127,4 +127,4 @@ def test_the_router_completes_a_decode_chain_and_degrades_to_local_prefill() -> 
 def test_among_idle_prefill_nodes_the_one_with_less_in_hand_wins() -> None:
     decode = chain("d0", role="decode")
     busy, quiet = chain("p0", role="prefill", running=2), chain("p1", role="prefill")
-    assert choose_prefill(decode, 700, [busy, quiet], 256, 1e-4).worker_id == "p1"
+    assert choose_prefill(decode, 700, [busy, quiet], 256).worker_id == "p1"

@@ -6,7 +6,6 @@ from services.balancer.policies.base import RoutingPolicy
 from services.balancer.policies.cache_aware import KvCost, PrefixAffinity, ScoreBased
 from services.balancer.policies.jffc import Jffc, JffcPerRequest
 from services.balancer.policies.simple import LeastLoaded, PowerOfTwo, RandomChoice, RoundRobin
-from services.balancer.speed import StepModel
 from shared.config import BalancerSettings
 
 POLICY_NAMES = (
@@ -15,7 +14,7 @@ POLICY_NAMES = (
 )
 
 
-def make_policy(name: str, settings: BalancerSettings, model: StepModel) -> RoutingPolicy:
+def make_policy(name: str, settings: BalancerSettings) -> RoutingPolicy:
     match name:
         case "round_robin":
             return RoundRobin()
@@ -34,7 +33,7 @@ def make_policy(name: str, settings: BalancerSettings, model: StepModel) -> Rout
         case "jffc":
             return Jffc()
         case "jffc_per_request":
-            return JffcPerRequest(model)
+            return JffcPerRequest(settings.jffc_per_request.imposed_delay_weight)
     raise ValueError(f"unknown routing policy {name!r} (known: {', '.join(POLICY_NAMES)})")
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 from contracts.messages import RouteRequest
 from services.balancer.policies.base import Rotation
 from services.balancer.snapshot import ChainState, ClusterSnapshot
-from services.balancer.speed import StepModel
 
 
 class Jffc:
@@ -41,20 +40,24 @@ class Jffc:
 
 
 class JffcPerRequest:
-    """The free chain that would finish THIS request first.
+    """The free chain where THIS request costs least: its own completion, plus the delay it imposes.
 
     Expected completion = queue wait (no slot wait: only free chains
     qualify; but the prefill backlog this balancer already sent there, which
     delays this request's first token) + prefill(uncached prompt tokens) +
     KV transfer (0 on one-node chains) + decode(output tokens at the chain's
-    batch once it joins), from each node's measured speed; divided by the
-    node's health weight.
+    batch once it joins), at each node's own step time and measured speed.
+    Imposed delay: what its prefill and decode steps add to the requests
+    already running there (`StepModel.imposed_seconds`), times
+    `imposed_delay_weight`; without it a request takes the node where it
+    alone finishes first even when that slows a full batch. The sum is
+    divided by the node's health weight.
     """
 
     name = "jffc_per_request"
 
-    def __init__(self, model: StepModel) -> None:
-        self._model = model
+    def __init__(self, imposed_delay_weight: float = 1.0) -> None:
+        self._imposed_weight = imposed_delay_weight
         self._rotation = Rotation()
 
     def choose(self, request: RouteRequest, snapshot: ClusterSnapshot) -> ChainState | None:
@@ -65,12 +68,19 @@ class JffcPerRequest:
 
     def expected_seconds(self, request: RouteRequest, chain: ChainState) -> float:
         node = chain.node
-        seconds = chain.prefill_backlog_s + self._model.request_seconds(
-            uncached_tokens=chain.uncached_tokens(request.prompt_tokens),
+        uncached = chain.uncached_tokens(request.prompt_tokens)
+        present = max(node.running + node.waiting, chain.slots_used) + node.growth_penalty
+        seconds = chain.prefill_backlog_s + node.model.request_seconds(
+            uncached_tokens=uncached,
             prompt_tokens=request.prompt_tokens,
             output_tokens=request.max_tokens,
-            batch=max(node.running + node.waiting, chain.slots_used) + node.growth_penalty + 1,
+            batch=present + 1,
             node_kv_tokens=node.kv_blocks_used * node.block_size,
-            factor=node.speed,
+            factor=1.0,
         )
+        if self._imposed_weight:
+            seconds += self._imposed_weight * node.model.imposed_seconds(
+                uncached_tokens=uncached, prompt_tokens=request.prompt_tokens, output_tokens=request.max_tokens,
+                running=present,
+            )
         return seconds / node.health_weight
