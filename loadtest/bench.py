@@ -55,7 +55,9 @@ def build_parser(prog: str = "kvlane bench", description: str = __doc__.split("\
     parser = argparse.ArgumentParser(prog=prog, description=description,
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     fleet = parser.add_argument_group("fleet")
-    fleet.add_argument("--policies", default=",".join(ALL_POLICIES), help="comma-separated balancer policies")
+    fleet.add_argument("--policies", default=",".join(ALL_POLICIES),
+                       help="comma-separated balancer policies; naive:NAME runs NAME as a plain load balancer would, "
+                            "without kvlane's slots, central queue, KV leases and cache-aware dequeue")
     fleet.add_argument("--workers", type=int, default=4, help="nodes, all of --profile (unless --fleet)")
     fleet.add_argument("--profile", default="h100-80g-llama3-8b", help="sim step-time profile")
     fleet.add_argument("--fleet", help="node kinds, PROFILE[@SPEED]:COUNT,... (replaces --workers/--profile); "

@@ -96,6 +96,23 @@ class RunSpec:
     log_dir: Path
 
 
+# `--policies naive:round_robin`: the policy behind a plain load balancer, without kvlane's admission
+# (slots and central queue), KV leases or cache-aware dequeue: what a gateway without them does.
+NAIVE_PREFIX = "naive:"
+NAIVE_OVERRIDES: dict[str, dict[str, Any]] = {
+    "balancer": {"allocate_kv": False}, "balancer.slots": {"bounded": False}, "balancer.queue": {"cache_aware_dequeue": False},
+}
+
+
+def policy_sections(label: str) -> dict[str, dict[str, Any]]:
+    """Config sections that run the policy a `--policies` label names (`naive:` prefix included)."""
+    naive = label.startswith(NAIVE_PREFIX)
+    policy = label[len(NAIVE_PREFIX):] if naive else label
+    sections: dict[str, dict[str, Any]] = dict(NAIVE_OVERRIDES) if naive else {}
+    sections["balancer"] = {**sections.get("balancer", {}), "policy": policy}
+    return sections
+
+
 def fleet_config(fleet: FleetSpec, policy: str, request_timeout_s: float) -> KvlaneConfig:
     """tests/integration/conftest.py's fleet config with default heartbeats, quiet logs and the policy set."""
     base = KvlaneConfig(
@@ -107,7 +124,7 @@ def fleet_config(fleet: FleetSpec, policy: str, request_timeout_s: float) -> Kvl
         worker=WorkerSettings(drain_timeout_s=10.0),
     )
     try:
-        config = with_overrides(base, **{"balancer": {"policy": policy}, "worker.sim": fleet.sim_settings()})
+        config = with_overrides(base, **policy_sections(policy), **{"worker.sim": fleet.sim_settings()})
     except (msgspec.ValidationError, KeyError, TypeError) as exc:
         raise PolicyRejected(f"policy {policy!r} rejected by the current config: {exc}") from exc
     if not fleet.overrides:

@@ -29,7 +29,7 @@ from kvlane.fleet import with_overrides
 from kvlane.fleet_mix import FleetNode, NodeKind, describe, fleet_nodes, parse_fleet
 from loadtest.bench import RESULTS_DIR, build_parser as bench_parser, jsonable, loads, max_requests_for, workload_for
 from loadtest.bench_report import print_report, rate_label, write_json, write_plots
-from loadtest.bench_run import FleetSpec, PlannedRun, run_each
+from loadtest.bench_run import FleetSpec, PlannedRun, policy_sections, run_each
 from loadtest.client import RequestRecord
 from loadtest.driver import DriveLimits
 from loadtest.metrics import Slo, summarize
@@ -96,7 +96,7 @@ def _timed(value: str, option: str, shape: str) -> tuple[float, str]:
 
 def simulation_config(base: KvlaneConfig, fleet: FleetSpec, policy: str, request_timeout_s: float) -> KvlaneConfig:
     """The live bench's settings (`bench_run.fleet_config`) on top of `base`, without servers or ports."""
-    return with_overrides(base, balancer={"policy": policy}, ingress={"request_timeout_s": request_timeout_s},
+    return with_overrides(with_overrides(base, **policy_sections(policy)), ingress={"request_timeout_s": request_timeout_s},
                           **{"worker.sim": fleet.sim_settings()})
 
 

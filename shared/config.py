@@ -127,6 +127,11 @@ class SlotSettings(_Section):
     # "redis": one global count shared by every balancer replica (Lua);
     # "local": this process only (one replica, or tests without Redis).
     store: Literal["redis", "local"] = "redis"
+    # False: no admission control, as a plain load balancer in front of the
+    # engines: any node takes any number of requests (the excess waits in
+    # the engine's own queue) and the central queue stays empty. For
+    # comparisons with such gateways, not for production.
+    bounded: bool = True
 
 
 class QueueSettings(_Section):
@@ -134,6 +139,14 @@ class QueueSettings(_Section):
     # A queued request is refused (503) after this long, or at its own deadline if sooner.
     max_wait_s: PositiveFloat = 30.0
     retry_after_s: PositiveFloat = 1.0
+    # When slots free, serve first the queued requests (of the oldest
+    # `cache_aware_window` in each priority class) whose prompt prefix the
+    # free nodes cache best, instead of strictly the oldest. A request that
+    # has waited `cache_aware_max_skip_s` is served in arrival order ahead
+    # of them all, so none starves.
+    cache_aware_dequeue: bool = True
+    cache_aware_window: PositiveInt = 64
+    cache_aware_max_skip_s: Annotated[float, Meta(ge=0.0)] = 1.0
 
 
 class SpeedSettings(_Section):

@@ -117,7 +117,7 @@ class SimBalancer:
         again = True
         while again:
             again = False
-            for entry, placement in self.router.dispatch_queued(lambda model: self.view.routable(self._events.now, model)):
+            for entry, placement in self.router.dispatch_queued(lambda model: self.view.routable(self._events.now, model), self._events.now):
                 self.decisions += 1
                 if not self._confirm(placement, entry):
                     again = True

@@ -11,7 +11,8 @@ got the slot first.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import itertools
+from collections.abc import Callable, Iterator, Sequence
 
 from msgspec import Struct
 
@@ -20,7 +21,7 @@ from services.balancer.central_queue import CentralQueue, QueuedRequest
 from services.balancer.policies import RoutingPolicy
 from services.balancer.slot_table import SlotTable
 from services.balancer.disaggregation import choose_prefill
-from services.balancer.snapshot import GENERATING_ROLES, ChainState, SnapshotBuilder
+from services.balancer.snapshot import GENERATING_ROLES, ChainState, NodeFacts, SnapshotBuilder
 from shared.config import DisaggregationSettings, QueueSettings
 from shared.prefix_index import PrefixIndex
 
@@ -92,8 +93,8 @@ class Router:
         assert entry is not None
         return Queued(entry)
 
-    def dispatch_queued(self, heartbeats_for: HeartbeatsFor) -> list[tuple[QueuedRequest, Placement]]:
-        """Give free slots to queued requests, highest class and oldest first.
+    def dispatch_queued(self, heartbeats_for: HeartbeatsFor, now: float | None = None) -> list[tuple[QueuedRequest, Placement]]:
+        """Give free slots to queued requests, highest class first; within a class see `dequeue_order`.
 
         A request that no free chain suits (all free chains excluded for it)
         is skipped, not blocking those behind it; a model whose chains are
@@ -102,13 +103,18 @@ class Router:
         placed = []
         exhausted: set[str] = set()
         heartbeats_cache: dict[str, Sequence[Heartbeat]] = {}
-        for entry in self.queue.in_order():
-            model = entry.request.model
-            if model in exhausted:
-                continue
+
+        def heartbeats_of(model: str) -> Sequence[Heartbeat]:
             heartbeats = heartbeats_cache.get(model)
             if heartbeats is None:
                 heartbeats = heartbeats_cache[model] = heartbeats_for(model)
+            return heartbeats
+
+        for entry in self.dequeue_order(heartbeats_of, now):
+            model = entry.request.model
+            if model in exhausted:
+                continue
+            heartbeats = heartbeats_of(model)
             if not self._any_free(entry.request, heartbeats):
                 exhausted.add(model)
                 continue
@@ -117,6 +123,44 @@ class Router:
                 self.queue.remove(entry.request_id)
                 placed.append((entry, placement))
         return placed
+
+    def dequeue_order(self, heartbeats_for: HeartbeatsFor, now: float | None) -> list[QueuedRequest]:
+        """Queued requests in the order freed slots go to them.
+
+        Oldest first, or with `queue.cache_aware_dequeue` (and a clock), per
+        priority class: requests waiting `cache_aware_max_skip_s` or more,
+        oldest first; then the oldest `cache_aware_window` others, those whose
+        prompt prefix a node with a free slot caches best first (ties: oldest);
+        then the rest, oldest first. The cache is given up when it would save
+        most (under load, when slots free one at a time) unless the slot goes
+        to the request that holds it.
+        """
+        entries = list(self.queue.in_order())
+        settings = self._queue_settings
+        if not settings.cache_aware_dequeue or now is None or len(entries) < 2:
+            return entries
+        free_nodes: dict[str, list[str]] = {}
+        ordered: list[QueuedRequest] = []
+        for _, group in itertools.groupby(entries, key=lambda e: e.request.priority):
+            waiting = list(group)
+            aged = [e for e in waiting if now - e.enqueued_at >= settings.cache_aware_max_skip_s]
+            rest = [e for e in waiting if now - e.enqueued_at < settings.cache_aware_max_skip_s]
+            window, tail = rest[: settings.cache_aware_window], rest[settings.cache_aware_window :]
+
+            def cached_share(entry: QueuedRequest) -> float:
+                request = entry.request
+                if not request.block_hashes:
+                    return 0.0
+                free = free_nodes.get(request.model)
+                if free is None:
+                    free = free_nodes[request.model] = [f.worker_id for f in self._free_nodes(heartbeats_for(request.model))]
+                cached = self.index.match(request.block_hashes)
+                return max((cached.get(w, 0) for w in free), default=0) / len(request.block_hashes)
+
+            scores = {e.request_id: cached_share(e) for e in window}
+            window.sort(key=lambda e: -scores[e.request_id])  # stable: ties stay oldest first
+            ordered += aged + window + tail
+        return ordered
 
     def undo(self, placement: Placement, chain_used: int, entry: QueuedRequest | None = None) -> None:
         """The global store refused the placement: note the chain as `chain_used` full and requeue `entry`."""
@@ -131,10 +175,13 @@ class Router:
 
     def _any_free(self, request: RouteRequest, heartbeats: Sequence[Heartbeat]) -> bool:
         # Cheaper than a snapshot: most drains find every chain full.
+        return next(self._free_nodes(heartbeats), None) is not None
+
+    def _free_nodes(self, heartbeats: Sequence[Heartbeat]) -> Iterator[NodeFacts]:
+        """Generating nodes in routing with a free slot."""
         for heartbeat in heartbeats:
             if heartbeat.registration.role not in GENERATING_ROLES:
                 continue
             facts = self.builder.facts(heartbeat)
             if facts.health_weight > 0 and self.table.used(facts.chain_id) < facts.slots_total:
-                return True
-        return False
+                yield facts

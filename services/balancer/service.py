@@ -248,7 +248,7 @@ class BalancerService:
         self._drain_again = True
         while self._drain_again:
             self._drain_again = False
-            for entry, placement in self.router.dispatch_queued(self._routable):
+            for entry, placement in self.router.dispatch_queued(self._routable, self._wall_clock()):
                 confirmed = await self._confirm(placement, entry)
                 if confirmed is None:
                     self._drain_again = True  # that chain is now known full; others may still fit

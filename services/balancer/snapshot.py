@@ -29,6 +29,9 @@ from shared.config import BalancerSettings
 _REQUEST_SIZE_SMOOTHING = 0.02
 
 
+# Slots of a chain when admission is off (`balancer.slots.bounded = false`).
+_UNBOUNDED_SLOTS = 1 << 30
+
 # Roles whose nodes generate tokens, and so hold slots.
 GENERATING_ROLES = frozenset({"aggregated", "decode"})
 
@@ -227,6 +230,8 @@ class SnapshotBuilder:
         node's own queue, where it is bound to the node; in the central
         queue it takes whichever slot frees first.
         """
+        if not self._slots.bounded:
+            return _UNBOUNDED_SLOTS
         registration = heartbeat.registration
         caps = [c for c in (self._slots.max_per_chain, registration.max_num_seqs) if c > 0]
         typical = max(1, round(self._typical_tokens))

@@ -10,7 +10,7 @@ from services.balancer.slot_table import SlotTable
 from services.balancer.snapshot import ChainState, ClusterSnapshot, NodeFacts, SnapshotBuilder
 from services.balancer.speed import StepModel
 from services.balancer.trackers import QueueGrowth, SpeedTracker
-from shared.config import BalancerSettings, SlotSettings
+from shared.config import BalancerSettings, QueueSettings, SlotSettings
 from shared.prefix_index import PrefixIndex
 
 NOW_WALL = 1_700_000_000.0
@@ -87,7 +87,8 @@ def settings(policy: str = "jffc_per_request", **slots: object) -> BalancerSetti
     return BalancerSettings(policy=policy, slots=SlotSettings(**slots))  # type: ignore[arg-type]
 
 
-def router(policy: str = "jffc_per_request", queue_length: int = 64, **slots: object) -> Router:
+def router(policy: str = "jffc_per_request", queue_length: int = 64, queue: QueueSettings | None = None,
+           **slots: object) -> Router:
     s = settings(policy, **slots)
     builder = SnapshotBuilder(s, SpeedTracker(TINY, s.speed.smoothing, s.speed.equal_within), QueueGrowth(s.speed.smoothing))
-    return Router(make_policy(policy, s), builder, PrefixIndex(), SlotTable(), CentralQueue(queue_length), s.queue)
+    return Router(make_policy(policy, s), builder, PrefixIndex(), SlotTable(), CentralQueue(queue_length), queue or s.queue)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections import Counter
 
+import msgspec
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -356,3 +357,39 @@ async def test_a_store_outage_falls_back_to_local_counts_and_restores_holds() ->
     assert store.restored == [("r1", first.worker_id and balancer.router.table.holder("r1"))]
     await balancer._on_finished(finished("r1"), None)  # type: ignore[arg-type]
     assert isinstance(await asyncio.wait_for(waiting, 1.0), RouteDecision)
+
+
+# --- cache-aware dequeue ----------------------------------------------------------------
+
+
+def _queued(r, request_id: str, hashes: list[int], at: float) -> None:
+    r.queue.push(msgspec.structs.replace(request(request_id), block_hashes=hashes), at, at + 30)
+
+
+def test_a_freed_slot_goes_to_the_queued_request_its_node_caches_within_the_age_bound() -> None:
+    r = router(max_per_chain=1)
+    heartbeats = [heartbeat("w0"), heartbeat("w1")]
+    r.table.reserve("running", r.builder.facts(heartbeats[0]).chain_id, 1, NOW_WALL + 60)  # w0 is full
+    r.index.apply("w1", stored=[1, 2, 3, 4])
+    r.index.apply("w0", stored=[5, 6, 7, 8])
+    _queued(r, "old", [5, 6, 7, 8], NOW_WALL)  # cached, but on the busy node
+    _queued(r, "plain", [9, 10, 11, 12], NOW_WALL + 0.8)
+    _queued(r, "match", [1, 2, 3, 4], NOW_WALL + 0.9)
+    def order(now: float) -> list[str]:
+        return [e.request_id for e in r.dequeue_order(lambda model: heartbeats, now)]
+    assert order(NOW_WALL + 0.95) == ["match", "old", "plain"]
+    # "old" has waited past cache_aware_max_skip_s (1 s): it goes first, in arrival order.
+    assert order(NOW_WALL + 1.2) == ["old", "match", "plain"]
+    placed = r.dispatch_queued(lambda model: heartbeats, NOW_WALL + 0.95)
+    assert [(entry.request_id, p.chain.worker_id) for entry, p in placed] == [("match", "w1")]
+    assert [e.request_id for e in r.queue.in_order()] == ["old", "plain"]
+
+
+@pytest.mark.parametrize("cache_aware, now, first", [(False, NOW_WALL + 0.2, "old"), (True, None, "old"), (True, NOW_WALL + 0.2, "match")])
+def test_without_cache_aware_dequeue_or_a_clock_the_oldest_goes_first(cache_aware: bool, now: float | None, first: str) -> None:
+    r = router(queue=QueueSettings(cache_aware_dequeue=cache_aware))
+    r.index.apply("w0", stored=[1, 2])
+    _queued(r, "old", [7, 8], NOW_WALL)
+    _queued(r, "match", [1, 2], NOW_WALL + 0.1)
+    heartbeats = [heartbeat("w0")]
+    assert r.dequeue_order(lambda model: heartbeats, now)[0].request_id == first

@@ -10,6 +10,7 @@ import pytest
 
 from kvlane.fleet import with_overrides
 from kvlane.fleet_mix import NodeKind, fleet_nodes, parse_fleet
+from loadtest.bench_run import policy_sections
 from loadtest.client import RequestRecord
 from loadtest.driver import DriveLimits
 from loadtest.metrics import Slo, summarize
@@ -25,9 +26,9 @@ SLO = Slo(ttft_s=1.0, tpot_s=0.1)
 
 def spec(policy: str = "jffc_per_request", fleet: str = f"{H100}:4", rate: float = 40.0, requests: int = 300,
          kind: str = "shared-prefix", num_blocks: int = 4096, changes: tuple[NodeChange, ...] = (),
-         concurrency: int | None = None, **workload: object) -> SimulationSpec:
-    config = with_overrides(KvlaneConfig(), balancer={"policy": policy},
-                            **{"worker.sim": {"profile": H100, "num_blocks": num_blocks}})
+         concurrency: int | None = None, overrides: dict[str, dict] | None = None, **workload: object) -> SimulationSpec:
+    config = with_overrides(with_overrides(KvlaneConfig(), **policy_sections(policy)),
+                            **{"worker.sim": {"profile": H100, "num_blocks": num_blocks}, **(overrides or {})})
     arrival = ArrivalSpec(mode="closed") if concurrency else ArrivalSpec(mode="poisson", rate=rate)
     work = WorkloadSpec(kind=kind, seed=3, max_requests=requests, arrival=arrival, **workload)  # type: ignore[arg-type]
     return SimulationSpec(config, tuple(fleet_nodes(parse_fleet(fleet))), work,
