@@ -59,6 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     sim = parser.add_argument_group("simulation")
     sim.add_argument("--config", type=Path, help="TOML configuration: its balancer, cache_manager, cluster, health "
                                                  "and worker.sim sections apply as they would live")
+    sim.add_argument("--ingress-ms", type=float, default=Latencies.ingress_s * 1000,
+                     help="ingress's own time per request before routing (HTTP, validation, tokens)")
     sim.add_argument("--hop-ms", type=float, default=Latencies.hop_s * 1000,
                      help="one message between services (route request, reply, stream frame, event)")
     sim.add_argument("--decision-ms", type=float, default=Latencies.decision_s * 1000,
@@ -114,9 +116,10 @@ def plan(args: argparse.Namespace) -> tuple[list[SimRun], dict[str, Any]]:
     issue_for = min(args.duration or args.max_run_time, args.max_run_time)
     limits = DriveLimits(issue_for_s=issue_for, hard_stop_s=issue_for + args.request_timeout + 5.0,
                          concurrency=args.concurrency)
-    latencies = Latencies(hop_s=args.hop_ms / 1000.0, decision_s=args.decision_ms / 1000.0)
-    if min(latencies.hop_s, latencies.decision_s) < 0:
-        raise ValueError("--hop-ms and --decision-ms must not be negative")
+    latencies = Latencies(ingress_s=args.ingress_ms / 1000.0, hop_s=args.hop_ms / 1000.0,
+                          decision_s=args.decision_ms / 1000.0)
+    if min(latencies.ingress_s, latencies.hop_s, latencies.decision_s) < 0:
+        raise ValueError("--ingress-ms, --hop-ms and --decision-ms must not be negative")
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     runs = []
     for rate in loads(args):
@@ -175,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
             "loads": [rate_label(r, args.concurrency) for r in dict.fromkeys(_rate_of(s) for s in runs)],
             "slo": {"ttft_ms": args.ttft_slo_ms, "tpot_ms": args.tpot_slo_ms},
             "request_timeout_s": args.request_timeout,
-            "latencies_ms": {"hop": args.hop_ms, "decision": args.decision_ms},
+            "latencies_ms": {"ingress": args.ingress_ms, "hop": args.hop_ms, "decision": args.decision_ms},
             "node_changes": [asdict(c) for c in runs[0].changes] if runs else [],
             "units": UNITS,
             "argv": list(sys.argv[1:] if argv is None else argv),

@@ -142,11 +142,13 @@ class QueueSettings(_Section):
     # When slots free, serve first the queued requests (of the oldest
     # `cache_aware_window` in each priority class) whose prompt prefix the
     # free nodes cache best, instead of strictly the oldest. A request that
-    # has waited `cache_aware_max_skip_s` is served in arrival order ahead
-    # of them all, so none starves.
+    # `cache_aware_max_skips` younger ones have overtaken is served ahead of
+    # them all, oldest first, so none starves. (A bound in seconds would not
+    # do: under overload every request waits longer than any such bound,
+    # which would turn the cache off exactly when it saves most.)
     cache_aware_dequeue: bool = True
     cache_aware_window: PositiveInt = 64
-    cache_aware_max_skip_s: Annotated[float, Meta(ge=0.0)] = 1.0
+    cache_aware_max_skips: PositiveInt = 16
 
 
 class SpeedSettings(_Section):

@@ -117,7 +117,7 @@ class SimBalancer:
         again = True
         while again:
             again = False
-            for entry, placement in self.router.dispatch_queued(lambda model: self.view.routable(self._events.now, model), self._events.now):
+            for entry, placement in self.router.dispatch_queued(lambda model: self.view.routable(self._events.now, model)):
                 self.decisions += 1
                 if not self._confirm(placement, entry):
                     again = True
@@ -127,7 +127,7 @@ class SimBalancer:
     # --- events ---------------------------------------------------------------------
 
     def on_finished(self, request_id: str, worker_id: str) -> None:
-        self.router.table.release(request_id, worker_id)
+        self.router.finished(request_id, worker_id)
         if self._allocator is not None:
             self._allocator.ledger.release(request_id, worker_id)
         self._schedule_drain()

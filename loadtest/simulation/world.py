@@ -51,10 +51,16 @@ from shared.tokenizer import SimTokenizer
 
 @dataclass(frozen=True)
 class Latencies:
+    """The control plane's own delays. The defaults are what a live sim fleet of a few nodes shows on a
+    2-core machine (`kvlane bench`'s wait before the worker, about 9-10 ms at p50); a GPU host's
+    control plane takes a fraction of that."""
+
+    # Ingress's own time per request before it asks for a route: HTTP, validation, chat template, tokens.
+    ingress_s: float = 0.005
     # One NATS message: route request, its reply, the hand-over to the worker, a stream frame, an event.
-    hop_s: float = 0.00015
+    hop_s: float = 0.0005
     # The balancer's own time per route decision, with its slot and lease round trips to Redis.
-    decision_s: float = 0.0005
+    decision_s: float = 0.002
 
 
 @dataclass(frozen=True)
@@ -347,7 +353,7 @@ class Simulation:
         record.prompt_tokens = len(prepared.prompt_token_ids)
         self._flights[record.request_id] = flight
         self._events.after(self._spec.request_timeout_s, self._time_out, flight)
-        self._route(flight)
+        self._events.after(self._lat.ingress_s, self._route_unless_done, flight)
 
     def _registration(self) -> WorkerRegistration:
         return next(iter(self.nodes.values())).registration
@@ -397,9 +403,9 @@ class Simulation:
         flight.preemptions += 1
         self.counters["lease_preemptions"] += 1
         flight.worker_id = None
-        self._events.after(2 * self._lat.hop_s, self._reroute, flight)
+        self._events.after(2 * self._lat.hop_s, self._route_unless_done, flight)
 
-    def _reroute(self, flight: _Flight) -> None:
+    def _route_unless_done(self, flight: _Flight) -> None:
         if not flight.done:
             self._route(flight)
 

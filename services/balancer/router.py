@@ -61,6 +61,8 @@ class Router:
         self.queue = queue
         self._queue_settings = queue_settings
         self._disaggregation = disaggregation or DisaggregationSettings()
+        # Queued request id -> younger requests of its class served before it (cache-aware dequeue).
+        self._overtaken: dict[str, int] = {}
 
     def place(self, request: RouteRequest, heartbeats: Sequence[Heartbeat]) -> Placement | None:
         """Choose a chain with a free slot and reserve it locally; None when the policy finds none."""
@@ -93,7 +95,7 @@ class Router:
         assert entry is not None
         return Queued(entry)
 
-    def dispatch_queued(self, heartbeats_for: HeartbeatsFor, now: float | None = None) -> list[tuple[QueuedRequest, Placement]]:
+    def dispatch_queued(self, heartbeats_for: HeartbeatsFor) -> list[tuple[QueuedRequest, Placement]]:
         """Give free slots to queued requests, highest class first; within a class see `dequeue_order`.
 
         A request that no free chain suits (all free chains excluded for it)
@@ -110,7 +112,8 @@ class Router:
                 heartbeats = heartbeats_cache[model] = heartbeats_for(model)
             return heartbeats
 
-        for entry in self.dequeue_order(heartbeats_of, now):
+        order = self.dequeue_order(heartbeats_of)
+        for entry in order:
             model = entry.request.model
             if model in exhausted:
                 continue
@@ -121,46 +124,63 @@ class Router:
             placement = self.place(entry.request, heartbeats)
             if placement is not None:
                 self.queue.remove(entry.request_id)
+                self._count_overtaken(entry, order)
                 placed.append((entry, placement))
         return placed
 
-    def dequeue_order(self, heartbeats_for: HeartbeatsFor, now: float | None) -> list[QueuedRequest]:
+    def dequeue_order(self, heartbeats_for: HeartbeatsFor) -> list[QueuedRequest]:
         """Queued requests in the order freed slots go to them.
 
-        Oldest first, or with `queue.cache_aware_dequeue` (and a clock), per
-        priority class: requests waiting `cache_aware_max_skip_s` or more,
-        oldest first; then the oldest `cache_aware_window` others, those whose
-        prompt prefix a node with a free slot caches best first (ties: oldest);
-        then the rest, oldest first. The cache is given up when it would save
-        most (under load, when slots free one at a time) unless the slot goes
-        to the request that holds it.
+        Oldest first; or, with `queue.cache_aware_dequeue`, per priority
+        class: the requests overtaken `cache_aware_max_skips` times, oldest
+        first; then the oldest `cache_aware_window` others, those whose prompt
+        prefix a node with a free slot caches best first (ties: oldest); then
+        the rest, oldest first. Under load, slots free one at a time, and the
+        slot then goes to a request its node can serve from cache.
         """
         entries = list(self.queue.in_order())
         settings = self._queue_settings
-        if not settings.cache_aware_dequeue or now is None or len(entries) < 2:
+        if not settings.cache_aware_dequeue or len(entries) < 2:
             return entries
+        self._overtaken = {r: n for r, n in self._overtaken.items() if r in self.queue}
         free_nodes: dict[str, list[str]] = {}
+
+        def cached_share(entry: QueuedRequest) -> float:
+            request = entry.request
+            if not request.block_hashes:
+                return 0.0
+            free = free_nodes.get(request.model)
+            if free is None:
+                free = free_nodes[request.model] = [f.worker_id for f in self._free_nodes(heartbeats_for(request.model))]
+            cached = self.index.match(request.block_hashes)
+            return max((cached.get(w, 0) for w in free), default=0) / len(request.block_hashes)
+
         ordered: list[QueuedRequest] = []
         for _, group in itertools.groupby(entries, key=lambda e: e.request.priority):
             waiting = list(group)
-            aged = [e for e in waiting if now - e.enqueued_at >= settings.cache_aware_max_skip_s]
-            rest = [e for e in waiting if now - e.enqueued_at < settings.cache_aware_max_skip_s]
+            due = [e for e in waiting if self._overtaken.get(e.request_id, 0) >= settings.cache_aware_max_skips]
+            rest = [e for e in waiting if self._overtaken.get(e.request_id, 0) < settings.cache_aware_max_skips]
             window, tail = rest[: settings.cache_aware_window], rest[settings.cache_aware_window :]
-
-            def cached_share(entry: QueuedRequest) -> float:
-                request = entry.request
-                if not request.block_hashes:
-                    return 0.0
-                free = free_nodes.get(request.model)
-                if free is None:
-                    free = free_nodes[request.model] = [f.worker_id for f in self._free_nodes(heartbeats_for(request.model))]
-                cached = self.index.match(request.block_hashes)
-                return max((cached.get(w, 0) for w in free), default=0) / len(request.block_hashes)
-
             scores = {e.request_id: cached_share(e) for e in window}
             window.sort(key=lambda e: -scores[e.request_id])  # stable: ties stay oldest first
-            ordered += aged + window + tail
+            ordered += due + window + tail
         return ordered
+
+    def _count_overtaken(self, served: QueuedRequest, order: Sequence[QueuedRequest]) -> None:
+        """Every older request of `served`'s class still waiting has been overtaken once more."""
+        if not self._queue_settings.cache_aware_dequeue:
+            return
+        for entry in order:
+            if (entry.seq < served.seq and entry.request.priority == served.request.priority
+                    and entry.request_id in self.queue):
+                self._overtaken[entry.request_id] = self._overtaken.get(entry.request_id, 0) + 1
+
+    def finished(self, request_id: str, worker_id: str) -> str | None:
+        """`request_id` ended on `worker_id`: free its slot there; returns the chain, None if it held none there."""
+        chain_id = self.table.release(request_id, worker_id)
+        if chain_id is not None:
+            self.builder.note_finished(worker_id)
+        return chain_id
 
     def undo(self, placement: Placement, chain_used: int, entry: QueuedRequest | None = None) -> None:
         """The global store refused the placement: note the chain as `chain_used` full and requeue `entry`."""

@@ -248,7 +248,7 @@ class BalancerService:
         self._drain_again = True
         while self._drain_again:
             self._drain_again = False
-            for entry, placement in self.router.dispatch_queued(self._routable, self._wall_clock()):
+            for entry, placement in self.router.dispatch_queued(self._routable):
                 confirmed = await self._confirm(placement, entry)
                 if confirmed is None:
                     self._drain_again = True  # that chain is now known full; others may still fit
@@ -262,7 +262,7 @@ class BalancerService:
     # --- events ---------------------------------------------------------------------
 
     async def _on_finished(self, event: RequestFinished, msg: Msg) -> None:
-        self.router.table.release(event.request_id, event.worker_id)
+        self.router.finished(event.request_id, event.worker_id)
         self._finished.put((event.request_id, event.worker_id))
 
     async def _release_globally(self, releases: list[tuple[str, str | None]]) -> None:

@@ -68,6 +68,8 @@ class ChainState(Struct, frozen=True):
     # Seconds before the node can start another prefill: uncached prompt
     # tokens this balancer sent it that it has probably not prefilled yet.
     prefill_backlog_s: float = 0.0
+    # Requests heard finished on the node since its last heartbeat, which still counts them.
+    finished_since_heartbeat: int = 0
 
     @property
     def worker_id(self) -> str:
@@ -86,10 +88,15 @@ class ChainState(Struct, frozen=True):
         return max(0, prompt_tokens - self.cached_blocks * self.node.block_size)
 
     @property
-    def load(self) -> float:
-        """Requests on the node (the fresher of heartbeat and reservations), plus queue growth, per unit of health."""
+    def in_flight(self) -> int:
+        """Requests on the node now: its reservations, or its last heartbeat's count less those finished since, if more."""
         node = self.node
-        return (max(node.running + node.waiting, self.slots_used) + node.growth_penalty) / node.health_weight
+        return max(self.slots_used, node.running + node.waiting - self.finished_since_heartbeat)
+
+    @property
+    def load(self) -> float:
+        """Requests on the node, plus queue growth, per unit of health."""
+        return (self.in_flight + self.node.growth_penalty) / self.node.health_weight
 
     @property
     def kv_usage(self) -> float:
@@ -144,6 +151,7 @@ class SnapshotBuilder:
         self.clock = clock
         self._health: dict[str, float] = {}
         self._facts: dict[str, tuple[float, int, NodeFacts]] = {}
+        self._finished: dict[str, int] = {}
         self._version = 0  # bumps on each health verdict, invalidating every cached fact
 
     def observe(self, heartbeat: Heartbeat) -> None:
@@ -151,6 +159,7 @@ class SnapshotBuilder:
         self._speed.observe(heartbeat)
         # The node's cached facts carry its heartbeat's sent_at, so they are rebuilt at the next snapshot.
         worker_id = heartbeat.registration.worker_id
+        self._finished.pop(worker_id, None)
         self._growth.observe(worker_id, heartbeat.sent_at, heartbeat.stats.waiting)
         drain = _drain_per_s(self._effective_model(heartbeat.registration))
         self._backlog.observe(worker_id, heartbeat.sent_at, heartbeat.stats.waiting, drain, self.clock())
@@ -164,6 +173,10 @@ class SnapshotBuilder:
 
     def note_undone(self, chain: ChainState, request: RouteRequest) -> None:
         self._backlog.withdraw(chain.worker_id, chain.uncached_tokens(request.prompt_tokens), _drain_per_s(chain.node.model), self.clock())
+
+    def note_finished(self, worker_id: str) -> None:
+        """A request on the node finished: its next heartbeat will no longer count it."""
+        self._finished[worker_id] = self._finished.get(worker_id, 0) + 1
 
     def _relative_speed(self, model: StepModel) -> float:
         reference, own = self._speed.model.reference_seconds(), model.reference_seconds()
@@ -190,6 +203,7 @@ class SnapshotBuilder:
         for worker_id in worker_ids:
             self._facts.pop(worker_id, None)
             self._health.pop(worker_id, None)
+            self._finished.pop(worker_id, None)
 
     def facts(self, heartbeat: Heartbeat) -> NodeFacts:
         worker_id = heartbeat.registration.worker_id
@@ -273,5 +287,6 @@ class SnapshotBuilder:
             if facts.health_weight <= 0:
                 continue
             backlog_s = self._backlog.tokens(facts.worker_id, _drain_per_s(facts.model), now) * facts.model.b
-            states.append(ChainState(facts, slots_used(facts.chain_id), cached_blocks.get(facts.worker_id, 0), backlog_s))
+            states.append(ChainState(facts, slots_used(facts.chain_id), cached_blocks.get(facts.worker_id, 0), backlog_s,
+                                     self._finished.get(facts.worker_id, 0)))
         return states

@@ -366,30 +366,36 @@ def _queued(r, request_id: str, hashes: list[int], at: float) -> None:
     r.queue.push(msgspec.structs.replace(request(request_id), block_hashes=hashes), at, at + 30)
 
 
-def test_a_freed_slot_goes_to_the_queued_request_its_node_caches_within_the_age_bound() -> None:
-    r = router(max_per_chain=1)
+def test_a_freed_slot_goes_to_the_queued_request_its_node_caches_unless_one_was_overtaken_too_often() -> None:
+    r = router(max_per_chain=1, queue=QueueSettings(cache_aware_max_skips=2))
     heartbeats = [heartbeat("w0"), heartbeat("w1")]
     r.table.reserve("running", r.builder.facts(heartbeats[0]).chain_id, 1, NOW_WALL + 60)  # w0 is full
     r.index.apply("w1", stored=[1, 2, 3, 4])
     r.index.apply("w0", stored=[5, 6, 7, 8])
     _queued(r, "old", [5, 6, 7, 8], NOW_WALL)  # cached, but on the busy node
-    _queued(r, "plain", [9, 10, 11, 12], NOW_WALL + 0.8)
-    _queued(r, "match", [1, 2, 3, 4], NOW_WALL + 0.9)
-    def order(now: float) -> list[str]:
-        return [e.request_id for e in r.dequeue_order(lambda model: heartbeats, now)]
-    assert order(NOW_WALL + 0.95) == ["match", "old", "plain"]
-    # "old" has waited past cache_aware_max_skip_s (1 s): it goes first, in arrival order.
-    assert order(NOW_WALL + 1.2) == ["old", "match", "plain"]
-    placed = r.dispatch_queued(lambda model: heartbeats, NOW_WALL + 0.95)
-    assert [(entry.request_id, p.chain.worker_id) for entry, p in placed] == [("match", "w1")]
-    assert [e.request_id for e in r.queue.in_order()] == ["old", "plain"]
+    _queued(r, "plain", [9, 10, 11, 12], NOW_WALL + 0.1)
+    for index in range(3):
+        _queued(r, f"match{index}", [1, 2, 3, 4], NOW_WALL + 0.2 + index)
+
+    def order() -> list[str]:
+        return [e.request_id for e in r.dequeue_order(lambda model: heartbeats)]
+
+    assert order() == ["match0", "match1", "match2", "old", "plain"]
+    w1 = r.builder.facts(heartbeats[1])
+    for served in ("match0", "match1"):
+        placed = r.dispatch_queued(lambda model: heartbeats)
+        assert [(entry.request_id, p.chain.worker_id) for entry, p in placed] == [(served, "w1")]
+        r.finished(served, "w1")
+        assert w1.chain_id not in r.table.chains()
+    # "old" and "plain" have now been overtaken twice (the bound): they go first, oldest first.
+    assert order() == ["old", "plain", "match2"]
 
 
-@pytest.mark.parametrize("cache_aware, now, first", [(False, NOW_WALL + 0.2, "old"), (True, None, "old"), (True, NOW_WALL + 0.2, "match")])
-def test_without_cache_aware_dequeue_or_a_clock_the_oldest_goes_first(cache_aware: bool, now: float | None, first: str) -> None:
+@pytest.mark.parametrize("cache_aware, first", [(False, "old"), (True, "match")])
+def test_without_cache_aware_dequeue_the_oldest_goes_first(cache_aware: bool, first: str) -> None:
     r = router(queue=QueueSettings(cache_aware_dequeue=cache_aware))
     r.index.apply("w0", stored=[1, 2])
     _queued(r, "old", [7, 8], NOW_WALL)
     _queued(r, "match", [1, 2], NOW_WALL + 0.1)
     heartbeats = [heartbeat("w0")]
-    assert r.dequeue_order(lambda model: heartbeats, now)[0].request_id == first
+    assert r.dequeue_order(lambda model: heartbeats)[0].request_id == first

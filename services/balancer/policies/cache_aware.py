@@ -64,7 +64,7 @@ class KvCost:
         new_blocks = math.ceil((request.prompt_tokens + request.max_tokens) / block_size)
         prefill_blocks = max(0, prompt_blocks - chain.cached_blocks)
         # Reservations the last heartbeat does not show yet hold blocks too.
-        unseen = max(0, chain.slots_used - chain.node.running - chain.node.waiting)
+        unseen = max(0, chain.in_flight - chain.node.running - chain.node.waiting)
         decode_blocks = chain.node.kv_blocks_used + (unseen + 1) * new_blocks
         return (self._overlap_weight * prefill_blocks + decode_blocks) / chain.node.health_weight
 

@@ -69,7 +69,7 @@ class JffcPerRequest:
     def expected_seconds(self, request: RouteRequest, chain: ChainState) -> float:
         node = chain.node
         uncached = chain.uncached_tokens(request.prompt_tokens)
-        present = max(node.running + node.waiting, chain.slots_used) + node.growth_penalty
+        present = chain.in_flight + node.growth_penalty
         seconds = chain.prefill_backlog_s + node.model.request_seconds(
             uncached_tokens=uncached,
             prompt_tokens=request.prompt_tokens,

@@ -10,6 +10,18 @@
 * ``d``: attention reads the KV cache: KV bytes per token / bandwidth, paid
   for every token of context of every sequence in the step.
 
+Per-request work outside the forward pass, as llm-d's BLIS simulator models
+it beside its per-step terms (a fixed cost per request, a cost per output
+token), is charged to the step that does it:
+
+``+ per_request * requests admitted for the first time + per_output_token * tokens emitted``
+
+On a CPU engine it is the serving process's own work (input processing, the
+hand-over to the engine core, detokenising and streaming each token), which
+delays the steps it runs beside. ``lone_first_step`` is the other trace that
+serial per-request work leaves: a burst of requests reaching an idle vLLM
+engine gets in one at a time, and the engine starts a step on the first.
+
 The GPU profiles below are derived, not measured: a roofline with
 efficiency factors, written out as code so each number can be traced to a
 public figure (``/work/shared/design/REFERENCE-NUMBERS.md``). A profile
@@ -39,12 +51,26 @@ class StepTimeProfile(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     d: float = 0.0  # seconds per KV token attended (sum of context lengths)
     # KV cache bytes per token of the modelled model (for hand-off transfers).
     kv_bytes_per_token: int = 0
+    per_request: float = 0.0  # seconds per request, in the step that first admits it
+    per_output_token: float = 0.0  # seconds per token emitted (the first one included)
+    # An idle engine's first step runs only the first request of a burst that
+    # arrives at it; the rest join the next step.
+    lone_first_step: bool = False
 
-    def step_seconds(self, prefill_tokens: int, decode_seqs: int, kv_tokens: int) -> float:
+    def step_seconds(
+        self, prefill_tokens: int, decode_seqs: int, kv_tokens: int, new_requests: int = 0, emitted_tokens: int = 0
+    ) -> float:
         """Simulated duration of a step; 0 for a step that runs no tokens."""
         if prefill_tokens == 0 and decode_seqs == 0:
             return 0.0
-        return self.a + self.b * prefill_tokens + self.c * decode_seqs + self.d * kv_tokens
+        return (
+            self.a
+            + self.b * prefill_tokens
+            + self.c * decode_seqs
+            + self.d * kv_tokens
+            + self.per_request * new_requests
+            + self.per_output_token * emitted_tokens
+        )
 
 
 # --- derivation of the GPU profiles ----------------------------------------------
@@ -154,6 +180,10 @@ class _ProfileFile(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     c: _Seconds
     d: _Seconds = 0.0
     kv_bytes_per_token: Annotated[int, msgspec.Meta(ge=0)] = 0
+    # Absent from files written before the per-request terms existed: no such costs.
+    per_request: _Seconds = 0.0
+    per_output_token: _Seconds = 0.0
+    lone_first_step: bool = False
     # Listed (as optional) so that the strict decode accepts them; the sim ignores them.
     fitted_on: dict[str, Any] | None = None
     fit_error: dict[str, Any] | None = None
@@ -169,7 +199,17 @@ def load_profile_file(path: str | Path) -> StepTimeProfile:
         spec = msgspec.json.decode(raw, type=_ProfileFile)
     except msgspec.DecodeError as exc:  # also ValidationError: a missing or mistyped field
         raise ProfileFileError(f"step-time profile file {str(path)!r} is not a valid profile: {exc}") from None
-    return StepTimeProfile(name=spec.name, a=spec.a, b=spec.b, c=spec.c, d=spec.d, kv_bytes_per_token=spec.kv_bytes_per_token)
+    return StepTimeProfile(
+        name=spec.name,
+        a=spec.a,
+        b=spec.b,
+        c=spec.c,
+        d=spec.d,
+        kv_bytes_per_token=spec.kv_bytes_per_token,
+        per_request=spec.per_request,
+        per_output_token=spec.per_output_token,
+        lone_first_step=spec.lone_first_step,
+    )
 
 
 def get_profile(name: str) -> StepTimeProfile:

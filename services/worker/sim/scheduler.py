@@ -18,7 +18,9 @@ One step:
    A request that does not fit blocks the queue (no skipping ahead). On
    admission all of its known tokens (prompt, plus output generated before
    a preemption) get KV slots at once; leading blocks found in the prefix
-   cache count as computed and cost no prefill tokens.
+   cache count as computed and cost no prefill tokens. With the profile's
+   ``lone_first_step``, the first step after requests reach an idle
+   scheduler admits only the first of them.
 
 A sequence emits its next output token in the step that finishes its
 prefill, then one per decode step. A resumed sequence re-prefills prompt +
@@ -78,6 +80,9 @@ class StepOutcome(msgspec.Struct):
     kv_tokens: int
     # One entry per `finished` id, same order.
     finished_info: list[FinishedInfo] = []
+    # Requests admitted for the first time (a re-admission after a preemption
+    # is not counted: the engine took the request in once).
+    new_requests: int = 0
 
 
 class SchedulerStats(msgspec.Struct):
@@ -174,6 +179,8 @@ class SimScheduler:
         # Finished requests whose blocks stay allocated: request id -> block count.
         self._held: dict[str, int] = {}
         self._imports = 0
+        # Requests reached an idle scheduler since the last step (see `lone_first_step`).
+        self._woken_by_arrival = False
 
     # --- requests ----------------------------------------------------------------
 
@@ -204,6 +211,8 @@ class SimScheduler:
             raise ValueError(f"request {request.request_id!r}: token ids must be ints in [0, 2**32)") from exc
         seq = _Sequence(request, hashes, stream_key(request.seed, digest))
         seq.output = list(request.resume_output)
+        if not self.has_work():
+            self._woken_by_arrival = True
         self._live[request.request_id] = seq
         self._waiting.append(seq)
 
@@ -333,20 +342,30 @@ class SimScheduler:
 
         # As vLLM: a step that had to preempt has no room to admit.
         if not outcome.preempted:
-            self._admit_waiting(survivors, budget, outcome)
+            # vLLM's engine core starts a step as soon as the first request of
+            # a burst reaches it; the serving process is still handing over the
+            # others, one at a time, so they join the next step.
+            lone = self._profile.lone_first_step and self._woken_by_arrival
+            self._admit_waiting(survivors, budget, outcome, max_new=1 if lone else self._max_num_seqs)
+        self._woken_by_arrival = False
         self._running = survivors
         outcome.duration_s = self._profile.step_seconds(
-            outcome.prefill_tokens, outcome.decode_seqs, outcome.kv_tokens
+            outcome.prefill_tokens, outcome.decode_seqs, outcome.kv_tokens, outcome.new_requests, len(outcome.emitted)
         )
         return outcome
 
-    def _admit_waiting(self, running: list[_Sequence], budget: int, outcome: StepOutcome) -> None:
+    def _admit_waiting(self, running: list[_Sequence], budget: int, outcome: StepOutcome, max_new: int) -> None:
         waiting = self._waiting
         while waiting and budget > 0 and len(running) < self._max_num_seqs:
             seq = waiting[0]
+            is_new = seq.cached_prompt_tokens is None
+            if is_new and outcome.new_requests == max_new:
+                break
             if not self._allocate(seq):
                 break  # head-of-line: later requests wait behind it
             waiting.popleft()
+            if is_new:
+                outcome.new_requests += 1
             # The hit is capped below the token count, so the chunk is >= 1.
             chunk = min(seq.prefill_end - seq.num_computed, budget)
             budget -= chunk

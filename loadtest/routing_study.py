@@ -1,0 +1,206 @@
+"""Which routing policy wins, where: `kvlane simulate` sweeps over workloads and fleets, with the targets checked.
+
+For each (workload, fleet) pair the study first finds round robin's knee: the
+lowest rate, doubling then bisecting from a guess, at which round robin's SLO
+attainment falls below 90%. It then sweeps every policy over rates from 0.5x
+to 1.5x that knee (one `kvlane simulate` run, with its own results.json and
+plots) and reports:
+
+* at the knee: jffc_per_request's goodput over round robin's and over the
+  best other policy's, and its TTFT p99 over round robin's;
+* capacity per policy: the highest swept rate with >= 90% attainment; on
+  mixed fleets jffc_per_request's over the best other policy's.
+
+Everything is in simulated time. Writes `study.json` and `study.md` under
+`--out`.
+
+    python -m loadtest.routing_study --quick          # a small version, minutes
+    python -m loadtest.routing_study                  # the full matrix
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from loadtest.bench import RESULTS_DIR
+from loadtest.simulate import main as simulate_main
+from loadtest.trace_gen import TraceSpec, generate
+
+H100, A100 = "h100-80g-llama3-8b", "a100-80g-llama3-8b"
+# A real 80 GB card holds about 490k tokens of Llama-3-8B KV (128 KiB/token) beside the weights.
+NUM_BLOCKS = 30_000
+HEADLINE = "jffc_per_request"
+BASELINE = "round_robin"
+ATTAINMENT = 0.9
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    args: tuple[str, ...]
+    # Requests per second one H100 node serves within the SLO, roughly: where the knee search starts.
+    rate_per_node: float
+    needs_trace: bool = False
+
+
+@dataclass(frozen=True)
+class Fleet:
+    name: str
+    spec: str
+    nodes: int
+    mixed: bool
+
+
+SLO = ("--ttft-slo-ms", "2000", "--tpot-slo-ms", "100")
+SWEEP = (0.5, 0.75, 1.0, 1.25, 1.5)  # rates, as multiples of round robin's knee
+
+
+WORKLOADS = [
+    Workload("shared-prefix", ("--workload", "shared-prefix", "--groups", "256", "--system-tokens", "2048",
+                               "--question-tokens", "128", "--output-tokens", "256"), 6.0),
+    Workload("multi-turn", ("--workload", "multi-turn", "--groups", "32", "--system-tokens", "1024", "--turns", "6",
+                            "--question-tokens", "256", "--output-tokens", "256", "--think-time", "5"), 1.0),
+    Workload("long-context", ("--workload", "long-context", "--long-share", "0.05", "--max-model-len", "32768"), 6.0),
+    Workload("trace", ("--workload", "trace", "--max-model-len", "16384"), 2.5, needs_trace=True),
+]
+FLEETS = [
+    Fleet("16 H100", f"{H100}:16", 16, False),
+    Fleet("8 H100 + 8 A100", f"{H100}:8,{A100}:8", 16, True),
+    Fleet("32 H100 + 32 A100", f"{H100}:32,{A100}:32", 64, True),
+    Fleet("128 H100 + 128 A100", f"{H100}:128,{A100}:128", 256, True),
+]
+POLICIES = ["naive:round_robin", "round_robin", "random", "least_loaded", "power_of_two", "prefix_affinity", "kv_cost",
+            "score", "jffc", "jffc_per_request"]
+
+
+def run_simulate(argv: list[str]) -> dict[str, Any]:
+    out = Path(argv[argv.index("--out") + 1])
+    code = simulate_main([*argv, "--quiet"])
+    if code != 0:
+        raise RuntimeError(f"kvlane simulate {' '.join(argv)} exited {code}")
+    return json.loads((out / "results.json").read_text())
+
+
+def attainment(results: dict[str, Any], policy: str, rate: float) -> float:
+    run = next(r for r in results["runs"] if r["policy"] == policy and r["rate"] == rate)
+    return run["summary"]["slo_attainment"] or 0.0
+
+
+def find_knee(base: list[str], guess: float, out: Path, probes: int = 6) -> float:
+    """Lowest probed rate where round robin's attainment is below 90% (doubling, then bisecting)."""
+    low, high = 0.0, None
+    rate = guess
+    for index in range(probes):
+        results = run_simulate([*base, "--policies", BASELINE, "--rate", f"{rate:.4g}", "--out", str(out / f"probe{index}")])
+        rate = float(f"{rate:.4g}")
+        if attainment(results, BASELINE, rate) < ATTAINMENT:
+            high = rate
+        else:
+            low = rate
+        rate = rate * 2 if high is None else (low + high) / 2
+    return high if high is not None else low
+
+
+def summarize_pair(results: dict[str, Any], knee: float, mixed: bool) -> dict[str, Any]:
+    runs = [r for r in results["runs"] if "summary" in r]
+    policies = list(dict.fromkeys(r["policy"] for r in runs))
+    rates = sorted({r["rate"] for r in runs})
+    at_knee = min(rates, key=lambda rate: abs(rate - knee))
+
+    def summary(policy: str, rate: float) -> dict[str, Any]:
+        return next(r["summary"] for r in runs if r["policy"] == policy and r["rate"] == rate)
+
+    capacity = {p: max((rate for rate in rates if (summary(p, rate)["slo_attainment"] or 0) >= ATTAINMENT), default=0.0)
+                for p in policies}
+    goodput = {p: summary(p, at_knee)["goodput_rps"] for p in policies}
+    others = [p for p in policies if p != HEADLINE]
+    best_other = max(others, key=lambda p: goodput[p])
+    best_capacity = max(others, key=lambda p: capacity[p])
+    ttft_p99 = {p: summary(p, at_knee)["ttft_ms"]["p99"] for p in policies}
+    targets = {
+        "goodput_vs_round_robin": _ratio(goodput[HEADLINE], goodput.get(BASELINE)),
+        "goodput_vs_naive_round_robin": _ratio(goodput[HEADLINE], goodput.get(f"naive:{BASELINE}")),
+        "goodput_vs_best_other": _ratio(goodput[HEADLINE], goodput[best_other]),
+        "best_other": best_other,
+        "ttft_p99_vs_round_robin": _ratio(ttft_p99[HEADLINE], ttft_p99.get(BASELINE)),
+    }
+    if mixed:
+        targets["capacity_vs_best_other"] = _ratio(capacity[HEADLINE], capacity[best_capacity])
+        targets["best_capacity_other"] = best_capacity
+    return {"knee_rate": knee, "compared_at_rate": at_knee, "goodput_at_knee": goodput, "ttft_p99_at_knee_ms": ttft_p99,
+            "capacity": capacity, "targets": targets,
+            "hit_rate_at_knee": {p: summary(p, at_knee)["prefix_cache_hit_rate"] for p in policies}}
+
+
+def _ratio(value: float | None, reference: float | None) -> float | None:
+    return value / reference if value is not None and reference else None
+
+
+def markdown(study: dict[str, Any]) -> str:
+    lines = ["| workload | fleet | knee (req/s) | goodput vs RR (>= 2) | vs naive RR | vs best other (>= 1.2) | "
+             "TTFT p99 vs RR (<= 0.5) | capacity vs best other (>= 1.3, mixed) |",
+             "|---|---|---|---|---|---|---|---|"]
+    for pair in study["pairs"]:
+        t = pair["targets"]
+        fmt = lambda v: "-" if v is None else f"{v:.2f}x"  # noqa: E731
+        capacity = f"{fmt(t.get('capacity_vs_best_other'))} ({t.get('best_capacity_other', '-')})" if "capacity_vs_best_other" in t else "-"
+        lines.append(f"| {pair['workload']} | {pair['fleet']} | {pair['knee_rate']:.3g} | {fmt(t['goodput_vs_round_robin'])} | "
+                     f"{fmt(t['goodput_vs_naive_round_robin'])} | {fmt(t['goodput_vs_best_other'])} ({t['best_other']}) | "
+                     f"{fmt(t['ttft_p99_vs_round_robin'])} | {capacity} |")
+    return "\n".join(lines) + "\n"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m loadtest.routing_study", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR / "routing-study")
+    parser.add_argument("--quick", action="store_true", help="two workloads on the 16-node fleets, fewer requests")
+    parser.add_argument("--workloads", help="comma-separated subset of: " + ",".join(w.name for w in WORKLOADS))
+    parser.add_argument("--fleets", help="comma-separated subset of fleet sizes: 16,16m,64m,256m")
+    parser.add_argument("--policies", default=",".join(POLICIES))
+    parser.add_argument("--requests-per-node", type=int, default=150)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    fleet_keys = {"16": FLEETS[0], "16m": FLEETS[1], "64m": FLEETS[2], "256m": FLEETS[3]}
+    fleets = [fleet_keys[k] for k in args.fleets.split(",")] if args.fleets else FLEETS
+    workloads = [w for w in WORKLOADS if not args.workloads or w.name in args.workloads.split(",")]
+    if args.quick:
+        fleets = [f for f in fleets if f.nodes == 16] or fleets[:2]
+        workloads = [w for w in workloads if w.name in ("shared-prefix", "trace")] or workloads[:2]
+    policies = args.policies.split(",")
+    out: Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    trace = out / "trace.jsonl"
+    if any(w.needs_trace for w in workloads) and not trace.exists():
+        trace.write_text("".join(row.to_json() + "\n" for row in generate(TraceSpec(requests=60_000))))
+    study: dict[str, Any] = {"policies": policies, "num_blocks": NUM_BLOCKS, "pairs": []}
+    for workload in workloads:
+        for fleet in fleets:
+            requests = max(1000, args.requests_per_node * fleet.nodes // (2 if args.quick else 1))
+            base = ["--fleet", fleet.spec, "--num-blocks", str(NUM_BLOCKS), "--requests", str(requests),
+                    *workload.args, *SLO]
+            if workload.needs_trace:
+                base += ["--trace", str(trace)]
+            where = out / f"{workload.name}-{fleet.nodes}{'m' if fleet.mixed else ''}"
+            knee = find_knee(base, workload.rate_per_node * fleet.nodes, where / "knee")
+            rates = ",".join(f"{knee * k:.4g}" for k in SWEEP)
+            results = run_simulate([*base, "--policies", ",".join(policies), "--rates", rates, "--out", str(where)])
+            pair = {"workload": workload.name, "fleet": fleet.name, "results": str(where / "results.json"),
+                    **summarize_pair(results, float(f"{knee:.4g}"), fleet.mixed)}
+            study["pairs"].append(pair)
+            (out / "study.json").write_text(json.dumps(study, indent=1) + "\n")
+            (out / "study.md").write_text(markdown(study))
+            print(f"{workload.name} on {fleet.name}: {json.dumps(pair['targets'])}", flush=True)
+    print(markdown(study))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
