@@ -12,6 +12,8 @@ import math
 
 from msgspec import Struct
 
+from contracts.messages import WorkerRole
+
 from services.worker.sim.profile import get_profile
 
 
@@ -29,6 +31,7 @@ class FleetNode(Struct, frozen=True):
     worker_id: str
     profile: str
     speed: float = 1.0
+    role: WorkerRole = "aggregated"
 
 
 def parse_fleet(text: str) -> list[NodeKind]:
@@ -58,11 +61,15 @@ def parse_fleet(text: str) -> list[NodeKind]:
     return kinds
 
 
-def fleet_nodes(kinds: list[NodeKind], prefix: str = "w") -> list[FleetNode]:
+_PREFIXES: dict[WorkerRole, str] = {"aggregated": "w", "prefill": "p", "decode": "d"}
+
+
+def fleet_nodes(kinds: list[NodeKind], role: WorkerRole = "aggregated") -> list[FleetNode]:
+    """Nodes of `role`, numbered as `kvlane up` names them: w0... (aggregated), p0... (prefill), d0... (decode)."""
     nodes: list[FleetNode] = []
     for kind in kinds:
         for _ in range(kind.count):
-            nodes.append(FleetNode(f"{prefix}{len(nodes)}", kind.profile, kind.speed))
+            nodes.append(FleetNode(f"{_PREFIXES[role]}{len(nodes)}", kind.profile, kind.speed, role))
     return nodes
 
 

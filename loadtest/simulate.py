@@ -36,6 +36,7 @@ from loadtest.metrics import Slo, summarize
 from loadtest.overhead import machine_info
 from loadtest.simulation.world import Latencies, NodeChange, Simulation, SimulationSpec, result_summary
 from loadtest.workloads import WorkloadSpec
+from services.worker.sim.links import get_link
 from shared.config import ConfigError, KvlaneConfig, load_config
 
 UNITS = "simulated time: every latency and rate is in simulated seconds (the fleet ran in virtual time)"
@@ -65,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="one message between services (route request, reply, stream frame, event)")
     sim.add_argument("--decision-ms", type=float, default=Latencies.decision_s * 1000,
                      help="the balancer's own time per route decision")
+    sim.add_argument("--prefill", help="prefill nodes p0..., PROFILE[@SPEED]:COUNT,... (a disaggregated fleet, with --decode)")
+    sim.add_argument("--decode", help="decode nodes d0..., PROFILE[@SPEED]:COUNT,... (with --prefill; --fleet adds aggregated ones)")
+    sim.add_argument("--kv-link", help="link the KV travels over from prefill to decode nodes (default: worker.sim.kv_link)")
     sim.add_argument("--fail", action="append", default=[], metavar="T=WORKER",
                      help="node WORKER fails at simulated second T (repeatable)")
     sim.add_argument("--join", action="append", default=[], metavar="T=PROFILE[@SPEED]",
@@ -103,8 +107,14 @@ def simulation_config(base: KvlaneConfig, fleet: FleetSpec, policy: str, request
 
 
 def plan(args: argparse.Namespace) -> tuple[list[SimRun], dict[str, Any]]:
-    kinds = parse_fleet(args.fleet) if args.fleet else [NodeKind(args.profile, args.workers)]
+    if bool(args.prefill) != bool(args.decode):
+        raise ValueError("--prefill and --decode go together")
+    kinds = parse_fleet(args.fleet) if args.fleet else [] if args.prefill else [NodeKind(args.profile, args.workers)]
     nodes = tuple(fleet_nodes(kinds))
+    if args.prefill:
+        prefill, decode = parse_fleet(args.prefill), parse_fleet(args.decode)
+        nodes += tuple(fleet_nodes(prefill, "prefill")) + tuple(fleet_nodes(decode, "decode"))
+        kinds = [*kinds, *prefill, *decode]
     fleet = FleetSpec(workers=len(nodes), profile=kinds[0].profile, seed=args.seed, max_model_len=args.max_model_len,
                       num_blocks=args.num_blocks)
     changes = node_changes(args.fail, args.join, len(nodes))
@@ -112,6 +122,12 @@ def plan(args: argparse.Namespace) -> tuple[list[SimRun], dict[str, Any]]:
     if unknown:
         raise ValueError(f"--fail names nodes the fleet does not have: {', '.join(unknown)}")
     base = load_config(args.config) if args.config else KvlaneConfig()
+    if args.kv_link:
+        try:
+            get_link(args.kv_link)
+        except KeyError as exc:
+            raise ValueError(f"--kv-link: {exc.args[0]}") from None
+        base = with_overrides(base, **{"worker.sim": {"kv_link": args.kv_link}})
     slo = Slo(ttft_s=args.ttft_slo_ms / 1000.0, tpot_s=args.tpot_slo_ms / 1000.0)
     issue_for = min(args.duration or args.max_run_time, args.max_run_time)
     limits = DriveLimits(issue_for_s=issue_for, hard_stop_s=issue_for + args.request_timeout + 5.0,
@@ -131,9 +147,16 @@ def plan(args: argparse.Namespace) -> tuple[list[SimRun], dict[str, Any]]:
             except (msgspec.ValidationError, KeyError, TypeError) as exc:
                 raise ValueError(f"policy {policy!r}: {exc}") from None
             runs.append(SimRun(policy, workload, config, nodes, slo, limits, args.request_timeout, latencies, changes))
-    fleet_info = jsonable(fleet.sim_settings()) | {"workers": len(nodes), "nodes": describe(kinds),
+    fleet_info = jsonable(fleet.sim_settings()) | {"workers": len(nodes), "nodes": _describe(args, kinds),
                                                     "mix": [msgspec.to_builtins(n) for n in nodes]}
     return runs, fleet_info
+
+
+def _describe(args: argparse.Namespace, kinds: list[NodeKind]) -> str:
+    if not args.prefill:
+        return describe(kinds)
+    aggregated = f"{args.fleet} + " if args.fleet else ""
+    return f"{aggregated}prefill {args.prefill} + decode {args.decode}"
 
 
 def run_one(run: SimRun, on_record: Callable[[RequestRecord], None]) -> dict[str, Any]:

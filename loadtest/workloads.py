@@ -29,6 +29,7 @@ Kinds (`WorkloadSpec.kind`):
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import math
@@ -166,6 +167,11 @@ class TextMaker:
     def text(self, tokens: int, key: str) -> str:
         return "".join(self.words(tokens, key))
 
+    @functools.lru_cache(maxsize=1024)  # noqa: B019 - one maker per workload, and texts are pure functions of the key
+    def shared_text(self, tokens: int, key: str) -> str:
+        """`text`, remembered: for texts many sessions repeat (system prompts)."""
+        return self.text(tokens, key)
+
 
 def sessions(spec: WorkloadSpec) -> Iterator[Session]:
     """The workload's sessions in arrival order, at most `max_requests` requests in all."""
@@ -219,7 +225,7 @@ def _multi_turn(spec: WorkloadSpec, maker: TextMaker, index: int, arrival_s: flo
 
 def _system_prompt(spec: WorkloadSpec, maker: TextMaker, group: int) -> str | None:
     # The same words for every session of a group: that is what makes the prefix shared.
-    return maker.text(spec.system_tokens, f"{spec.seed}:system:{group}") if spec.system_tokens else None
+    return maker.shared_text(spec.system_tokens, f"{spec.seed}:system:{group}") if spec.system_tokens else None
 
 
 def sharegpt_lengths(rng: random.Random, max_model_len: int) -> tuple[int, int]:

@@ -50,6 +50,7 @@ class SimNode:
         self._events = events
         self._on_step = on_step
         self._stepping = False
+        self._under_way: StepOutcome | None = None
         self._step_ends_at = 0.0
         self._heartbeat_seq = 0
         self._prefill_tokens = 0
@@ -68,9 +69,14 @@ class SimNode:
         self.scheduler.abort(request_id)
 
     def fail(self) -> list[str]:
-        """The node dies: it never steps, beats or answers again. Returns the requests it held."""
+        """The node dies: it never steps, beats or answers again. Returns the requests it had not finished.
+
+        Those include the ones that end in the step under way: the scheduler
+        counts them done when the step starts, but nobody hears of it now.
+        """
         self.alive = False
-        return self.scheduler.live_requests()
+        ending = [info.request_id for info in self._under_way.finished_info] if self._under_way else []
+        return self.scheduler.live_requests() + ending
 
     def _step(self) -> None:
         if not self.alive:
@@ -78,7 +84,7 @@ class SimNode:
         if not self.scheduler.has_work():
             self._stepping = False
             return
-        outcome = self.scheduler.step()
+        outcome = self._under_way = self.scheduler.step()
         duration = outcome.duration_s / self.speed
         self._step_ends_at = self._events.now + duration
         self._events.after(duration, self._deliver, outcome)
@@ -86,6 +92,7 @@ class SimNode:
     def _deliver(self, outcome: StepOutcome) -> None:
         if not self.alive:
             return
+        self._under_way = None
         self._prefill_tokens += outcome.prefill_tokens
         self._decode_tokens += outcome.decode_seqs
         self._on_step(self, outcome)

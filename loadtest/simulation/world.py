@@ -28,7 +28,7 @@ from typing import Any
 import msgspec
 
 from contracts import subjects
-from contracts.messages import ErrorReply, KvEvents, RouteRequest, StepTime, WorkerRegistration
+from contracts.messages import ErrorReply, KvEvents, RouteRequest, StepTime, WorkerRegistration, WorkerRole
 from contracts.openai_api import ChatCompletionRequest, CompletionRequest
 from kvlane.fleet_mix import FleetNode
 from loadtest.client import RequestRecord
@@ -44,6 +44,7 @@ from services.health_prober.health import NodeHealth
 from services.ingress.errors import ApiError
 from services.ingress.prompts import PreparedRequest, prepare
 from services.worker.sim import SimRequest, StepOutcome
+from services.worker.sim.links import get_link
 from services.worker.sim.profile import get_profile
 from shared.config import KvlaneConfig
 from shared.tokenizer import SimTokenizer
@@ -107,7 +108,7 @@ class InvariantBroken(AssertionError):
 class _Flight:
     """One request from the client's side: its record, what ingress knows, where it runs now."""
 
-    __slots__ = ("record", "session", "turn", "history", "prepared", "output", "worker_id", "excluded",
+    __slots__ = ("record", "session", "turn", "history", "prepared", "output", "worker_id", "decode_id", "excluded",
                  "migrations", "preemptions", "dispatches", "accepted_at", "done")
 
     def __init__(self, record: RequestRecord, session: Session, turn: int, history: list[tuple[str, str]],
@@ -118,7 +119,8 @@ class _Flight:
         self.history = history
         self.prepared = prepared
         self.output: list[int] = []
-        self.worker_id: str | None = None
+        self.worker_id: str | None = None  # the node running it now (its prefill node, first, on a two-node chain)
+        self.decode_id = ""  # the decode node of a two-node chain
         self.excluded: list[str] = []
         self.migrations = 0
         self.preemptions = 0
@@ -141,6 +143,7 @@ class Simulation:
         self.balancer = SimBalancer(spec.config, self._events, allocator, self._generated, self)
         self.nodes: dict[str, SimNode] = {}
         self._health: dict[str, NodeHealth] = {}
+        self._link = get_link(spec.config.worker.sim.kv_link)
         self._flights: dict[str, _Flight] = {}
         self._records: list[RequestRecord] = []
         self._runs: dict[str, WorkerRun] = {}
@@ -152,7 +155,8 @@ class Simulation:
         # Per node: a KV-event batch is scheduled; batches sent so far.
         self._kv_flush_due: dict[str, bool] = {}
         self._kv_seqs: dict[str, int] = {}
-        self.counters = {"migrations": 0, "lease_preemptions": 0, "dispatch_retries": 0, "node_failures": 0, "node_joins": 0}
+        self.counters = {"migrations": 0, "lease_preemptions": 0, "dispatch_retries": 0, "node_failures": 0, "node_joins": 0,
+                         "kv_hand_offs": 0}
 
     # --- the run --------------------------------------------------------------------
 
@@ -160,7 +164,7 @@ class Simulation:
         started = time.perf_counter()
         spec, events = self._spec, self._events
         for node in spec.nodes:
-            self._add_node(node.worker_id, node.profile, node.speed)
+            self._add_node(node.worker_id, node.profile, node.speed, node.role)
         for change in spec.changes:
             events.at(change.at_s, self._change, change)
         self.balancer.start()
@@ -196,11 +200,11 @@ class Simulation:
 
     # --- nodes ----------------------------------------------------------------------
 
-    def _add_node(self, worker_id: str, profile_name: str, speed: float) -> None:
+    def _add_node(self, worker_id: str, profile_name: str, speed: float, role: WorkerRole = "aggregated") -> None:
         sim = self._config.worker.sim
         profile = get_profile(profile_name)
         registration = WorkerRegistration(
-            worker_id=worker_id, role="aggregated", model=self._config.worker.model, engine="sim",
+            worker_id=worker_id, role=role, model=self._config.worker.model, engine="sim",
             inbox=subjects.worker_inbox(worker_id), block_size=sim.block_size, max_model_len=sim.max_model_len,
             tokenizer="sim", started_at=self._events.now, host="simulated", max_num_seqs=sim.max_num_seqs,
             # As a live sim worker advertises its profile (`services.worker.main.advertised_step_time`).
@@ -273,6 +277,14 @@ class Simulation:
             interval = self._config.cluster.kv_events_interval_s
             self._events.at((now // interval + 1) * interval, self._flush_kv, node)
         flights = self._flights
+        if node.registration.role == "prefill":
+            for info in outcome.finished_info:
+                flight = flights.get(info.request_id)
+                if flight is not None and flight.worker_id == node.worker_id and flight.decode_id:
+                    self._events.after(hop, self._hand_off, flight, node, flight.decode_id, info.prompt_tokens)
+                else:
+                    node.scheduler.release_held(info.request_id)
+            return
         for request_id, token in outcome.emitted:
             flight = flights.get(request_id)
             if flight is None or flight.worker_id != node.worker_id:
@@ -383,8 +395,9 @@ class Simulation:
             # The client left while the decision was being made.
             self.balancer.withdraw(placement.request_id)
             return
-        # The decision goes back to ingress, which hands the request to the worker.
-        self._events.after(2 * self._lat.hop_s, self._dispatch, flight, placement.chain.worker_id)
+        # The decision goes back to ingress, which hands the request to the worker (or its prefill node).
+        prefill = placement.prefill.worker_id if placement.prefill is not None else None
+        self._events.after(2 * self._lat.hop_s, self._dispatch, flight, placement.chain.worker_id, prefill)
 
     def refused(self, request_id: str, reply: ErrorReply) -> None:
         flight = self._flights.get(request_id)
@@ -409,11 +422,11 @@ class Simulation:
         if not flight.done:
             self._route(flight)
 
-    def _dispatch(self, flight: _Flight, worker_id: str) -> None:
+    def _dispatch(self, flight: _Flight, worker_id: str, prefill_id: str | None = None) -> None:
         if flight.done:
             self.balancer.withdraw(flight.record.request_id or "")
             return
-        node = self.nodes[worker_id]
+        node = self.nodes[prefill_id or worker_id]
         if not node.alive:
             # No responders on its inbox: ingress routes again without it.
             flight.dispatches += 1
@@ -421,19 +434,59 @@ class Simulation:
                 self._fail(flight, "http_503: no worker accepted the request", 503)
                 return
             self.counters["dispatch_retries"] += 1
-            flight.excluded.append(worker_id)
+            flight.excluded.append(node.worker_id)
             self._route(flight)
             return
+        if prefill_id is not None:
+            # The prompt runs on the prefill node, which keeps its KV for the decode node to pull.
+            flight.decode_id = worker_id
+            self._start(flight, node, max_tokens=len(flight.output) + 1, hold_kv=True)
+        else:
+            flight.decode_id = ""
+            self._start(flight, node)
+
+    def _start(self, flight: _Flight, node: SimNode, max_tokens: int | None = None, hold_kv: bool = False) -> None:
         prepared = flight.prepared
         seed = self._config.worker.sim.seed if prepared.sampling.seed is None else prepared.sampling.seed
         try:
-            node.add(SimRequest(flight.record.request_id or "", prepared.prompt_token_ids, prepared.sampling.max_tokens,
-                                seed, list(flight.output)))
+            node.add(SimRequest(flight.record.request_id or "", prepared.prompt_token_ids,
+                                max_tokens or prepared.sampling.max_tokens, seed, list(flight.output), hold_kv))
         except ValueError as exc:
             self._fail(flight, f"http_400: {exc}"[:200], 400)
             return
-        flight.worker_id = worker_id
+        flight.worker_id = node.worker_id
         flight.accepted_at = self._events.now
+
+    def _hand_off(self, flight: _Flight, source: SimNode, decode_id: str, prompt_tokens: int) -> None:
+        """The decode node pulls the prompt's KV from `source` (one round trip, then the transfer), then generates."""
+        decode = self.nodes[decode_id]
+        request_id = flight.record.request_id or ""
+        if flight.done or not decode.alive:
+            source.scheduler.release_held(request_id)
+            self._lost_on(flight, decode_id)
+            return
+        known = prompt_tokens + len(flight.output)
+        pull_s = 2 * self._lat.hop_s + self._link.transfer_seconds(known * source.profile.kv_bytes_per_token)
+        self.counters["kv_hand_offs"] += 1
+        self._events.after(pull_s, self._pulled, flight, source, decode)
+
+    def _pulled(self, flight: _Flight, source: SimNode, decode: SimNode) -> None:
+        if flight.done or not decode.alive:
+            if source.alive:
+                source.scheduler.release_held(flight.record.request_id or "")
+            self._lost_on(flight, decode.worker_id)
+            return
+        if source.alive:
+            decode.scheduler.import_prefix(flight.prepared.prompt_token_ids + flight.output)
+            source.scheduler.release_held(flight.record.request_id or "")
+        # A source that died meanwhile has nothing to pull: the decode node computes the prompt itself.
+        self._start(flight, decode)
+
+    def _lost_on(self, flight: _Flight, worker_id: str) -> None:
+        """The node `flight` was being handed to is gone: as if it had died running it."""
+        if not flight.done:
+            flight.worker_id = worker_id
+            self._worker_lost(flight, worker_id)
 
     def _worker_lost(self, flight: _Flight, worker_id: str) -> None:
         if flight.done or flight.worker_id != worker_id:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections import Counter
 from pathlib import Path
@@ -101,6 +102,19 @@ def test_a_failed_node_s_requests_migrate_and_a_joining_node_takes_work() -> Non
     assert per_worker["w4"] > 0
     # Requests that finished on w1 did so before it failed; none was sent there after its heartbeats stopped for good.
     assert max(r.end_s or 0 for r in result.records if result.runs[r.request_id or ""].worker_id == "w1") < 3.0 + 0.1
+
+
+def test_a_disaggregated_fleet_hands_kv_from_prefill_to_decode_nodes_and_survives_a_prefill_node_failure() -> None:
+    base = spec(requests=400, rate=20.0, groups=200)
+    nodes = (*fleet_nodes(parse_fleet(f"{H100}:2"), "prefill"), *fleet_nodes(parse_fleet(f"{H100}:2"), "decode"))
+    for changes in ((), (NodeChange(4.0, "p0"),)):
+        result, ended, simulation = run(dataclasses.replace(base, nodes=nodes, changes=changes))
+        assert set(ended.values()) == {1} and all(r.ok for r in result.records)
+        assert simulation.counters["kv_hand_offs"] > 100
+        # Decode nodes stream every answer; prefill nodes only compute prompts.
+        assert {run.worker_id for run in result.runs.values()} == {"d0", "d1"}
+        assert all(node.scheduler.held_blocks == 0 for node in simulation.nodes.values() if node.alive)
+    assert simulation.counters["node_failures"] == 1
 
 
 def test_round_robin_loses_to_least_loaded_on_a_fleet_with_stragglers() -> None:
