@@ -12,7 +12,9 @@ got the slot first.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+
+import msgspec
 
 from msgspec import Struct
 
@@ -20,8 +22,8 @@ from contracts.messages import ErrorReply, Heartbeat, RouteRequest
 from services.balancer.central_queue import CentralQueue, QueuedRequest
 from services.balancer.policies import RoutingPolicy
 from services.balancer.slot_table import SlotTable
-from services.balancer.disaggregation import choose_prefill
-from services.balancer.snapshot import GENERATING_ROLES, ChainState, NodeFacts, SnapshotBuilder
+from services.balancer.disaggregation import choose_prefill, prefill_finish_s
+from services.balancer.snapshot import GENERATING_ROLES, ChainState, ClusterSnapshot, NodeFacts, SnapshotBuilder
 from shared.config import DisaggregationSettings, QueueSettings
 from shared.prefix_index import PrefixIndex
 
@@ -68,17 +70,39 @@ class Router:
         """Choose a chain with a free slot and reserve it locally; None when the policy finds none."""
         cached = self.index.match(request.block_hashes) if request.block_hashes else {}
         snapshot = self.builder.snapshot(request, heartbeats, self.table.used, cached)
+        prefill_for: dict[str, ChainState] = {}
+        if any(c.node.role == "decode" for c in snapshot.chains):
+            snapshot, prefill_for = self._with_prefill_nodes(request, snapshot, heartbeats, cached)
         chain = self.policy.choose(request, snapshot)
         if chain is None:
             return None
         if chain.free_slots <= 0 or not self.table.reserve(request.request_id, chain.chain_id, chain.node.slots_total, request.deadline):
             raise RuntimeError(f"policy {self.policy.name} chose full chain {chain.chain_id}")
-        prefill = None
-        if chain.node.role == "decode":
-            candidates = self.builder.prefill_candidates(request, heartbeats, cached)
-            prefill = choose_prefill(chain, request.prompt_tokens, candidates, self._disaggregation.min_remote_prefill_tokens)
+        prefill = prefill_for.get(chain.chain_id)
         self.builder.note_sent(prefill or chain, request)
         return Placement(request, chain, prefill)
+
+    def _with_prefill_nodes(
+        self, request: RouteRequest, snapshot: ClusterSnapshot, heartbeats: Sequence[Heartbeat], cached: Mapping[str, int],
+    ) -> tuple[ClusterSnapshot, dict[str, ChainState]]:
+        """The snapshot with each decode chain's prefill node and when it would have the prompt ready.
+
+        A two-node chain is costed as two nodes: the policy sees, per decode
+        chain, the prefill node's backlog plus the prompt at that node's speed.
+        """
+        candidates = self.builder.prefill_candidates(request, heartbeats, cached)
+        prefill_for: dict[str, ChainState] = {}
+        chains = []
+        for chain in snapshot.chains:
+            prefill = None
+            if chain.node.role == "decode":
+                prefill = choose_prefill(chain, request.prompt_tokens, candidates, self._disaggregation.min_remote_prefill_tokens)
+            if prefill is None:
+                chains.append(chain)
+                continue
+            prefill_for[chain.chain_id] = prefill
+            chains.append(msgspec.structs.replace(chain, remote_prefill_s=prefill_finish_s(prefill, request.prompt_tokens)))
+        return msgspec.structs.replace(snapshot, chains=tuple(chains)), prefill_for
 
     def admit(self, request: RouteRequest, heartbeats: Sequence[Heartbeat], now: float) -> Placement | Queued | ErrorReply:
         # A re-route of the same request (ingress could not hand it to the

@@ -70,6 +70,10 @@ class ChainState(Struct, frozen=True):
     prefill_backlog_s: float = 0.0
     # Requests heard finished on the node since its last heartbeat, which still counts them.
     finished_since_heartbeat: int = 0
+    # A decode chain whose prompt a prefill node runs: seconds until that
+    # node has it ready (its backlog, then the prompt). None: this node
+    # prefills the prompt itself.
+    remote_prefill_s: float | None = None
 
     @property
     def worker_id(self) -> str:

@@ -128,3 +128,18 @@ def test_among_idle_prefill_nodes_the_one_with_less_in_hand_wins() -> None:
     decode = chain("d0", role="decode")
     busy, quiet = chain("p0", role="prefill", running=2), chain("p1", role="prefill")
     assert choose_prefill(decode, 700, [busy, quiet], 256).worker_id == "p1"
+
+
+def test_a_two_node_chain_is_costed_with_its_prefill_node() -> None:
+    r = router()
+    heartbeats = [heartbeat("d0", role="decode"), heartbeat("d1", role="decode"), heartbeat("p0", role="prefill")]
+    req = request("r1", prompt=1024, blocks=64)
+    r.index.apply("d0", stored=req.block_hashes[:60])  # d0 lacks 64 prompt tokens: it prefills them itself
+    snapshot = r.builder.snapshot(req, heartbeats, r.table.used, r.index.match(req.block_hashes))
+    costed, prefill_for = r._with_prefill_nodes(req, snapshot, heartbeats, r.index.match(req.block_hashes))
+    by_node = {c.worker_id: c for c in costed.chains}
+    assert by_node["d0"].remote_prefill_s is None and "d0@0" not in prefill_for
+    assert by_node["d1"].remote_prefill_s == pytest.approx(1024 * TINY.b)
+    assert prefill_for["d1@0"].worker_id == "p0"
+    placement = r.place(req, heartbeats)
+    assert placement.chain.worker_id == "d0" and placement.prefill is None

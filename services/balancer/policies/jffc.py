@@ -45,8 +45,10 @@ class JffcPerRequest:
     Expected completion = queue wait (no slot wait: only free chains
     qualify; but the prefill backlog this balancer already sent there, which
     delays this request's first token) + prefill(uncached prompt tokens) +
-    KV transfer (0 on one-node chains) + decode(output tokens at the chain's
-    batch once it joins), at each node's own step time and measured speed.
+    decode(output tokens at the chain's batch once it joins), at each node's
+    own step time and measured speed. A two-node chain is costed as two
+    nodes: the prefill node's backlog and prompt (`remote_prefill_s`), then
+    decode on the decode node (the KV transfer is not costed yet).
     Imposed delay: what its prefill and decode steps add to the requests
     already running there (`StepModel.imposed_seconds`), times
     `imposed_delay_weight`; without it a request takes the node where it
@@ -68,9 +70,13 @@ class JffcPerRequest:
 
     def expected_seconds(self, request: RouteRequest, chain: ChainState) -> float:
         node = chain.node
-        uncached = chain.uncached_tokens(request.prompt_tokens)
+        if chain.remote_prefill_s is not None:
+            # Two nodes: the prompt is ready when the prefill node has run it; this node only decodes.
+            uncached, waiting_s = 0, chain.remote_prefill_s
+        else:
+            uncached, waiting_s = chain.uncached_tokens(request.prompt_tokens), chain.prefill_backlog_s
         present = chain.in_flight + node.growth_penalty
-        seconds = chain.prefill_backlog_s + node.model.request_seconds(
+        seconds = waiting_s + node.model.request_seconds(
             uncached_tokens=uncached,
             prompt_tokens=request.prompt_tokens,
             output_tokens=request.max_tokens,
