@@ -10,17 +10,19 @@
 * ``d``: attention reads the KV cache: KV bytes per token / bandwidth, paid
   for every token of context of every sequence in the step.
 
-Per-request work outside the forward pass, as llm-d's BLIS simulator models
-it beside its per-step terms (a fixed cost per request, a cost per output
-token), is charged to the step that does it:
+Work per request outside the forward pass has the two terms llm-d's BLIS
+simulator gives it beside its per-step ones (a fixed cost per request, a
+cost per output token):
 
 ``+ per_request * requests admitted for the first time + per_output_token * tokens emitted``
 
-On a CPU engine it is the serving process's own work (input processing, the
-hand-over to the engine core, detokenising and streaming each token), which
-delays the steps it runs beside. ``lone_first_step`` is the other trace that
-serial per-request work leaves: a burst of requests reaching an idle vLLM
-engine gets in one at a time, and the engine starts a step on the first.
+BLIS adds them to the request's latency alone; here they lengthen the step
+that admits the request or emits the token, because vLLM v1's engine core
+does that work (taking the request in, setting up its slot in the batch,
+building each output) between forward passes, so the whole batch waits.
+The serving process hands requests to the engine core one at a time, and
+an idle engine core starts a step on the first: ``lone_first_step`` runs
+the first request of a burst that reaches an idle engine alone.
 
 The GPU profiles below are derived, not measured: a roofline with
 efficiency factors, written out as code so each number can be traced to a
