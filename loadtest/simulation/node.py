@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from contracts.messages import EngineStats, Heartbeat, WorkerRegistration
+from contracts.messages import EngineStats, Heartbeat, KvEvents, WorkerRegistration
 from loadtest.simulation.events import EventQueue
-from services.worker.engines.base import KvCacheDelta, net_kv_delta
+from services.worker.engines.base import net_kv_delta
 from services.worker.sim import SimRequest, SimScheduler, StepOutcome
 from services.worker.sim.profile import StepTimeProfile
 from shared.config import SimSettings
@@ -53,6 +53,9 @@ class SimNode:
         self._under_way: StepOutcome | None = None
         self._step_ends_at = 0.0
         self._heartbeat_seq = 0
+        self._kv_batches = 0
+        # A KV-event batch is scheduled (the simulation sends one per interval in which the node stepped).
+        self.kv_batch_due = False
         self._prefill_tokens = 0
         self._decode_tokens = 0
         self._rates_since = events.now
@@ -123,5 +126,11 @@ class SimNode:
         self._heartbeat_seq += 1
         return Heartbeat(self.registration, stats, sent_at=now, seq=self._heartbeat_seq)
 
-    def kv_delta(self) -> KvCacheDelta:
-        return net_kv_delta((e.kind == "stored", e.block_hash) for e in self.scheduler.drain_kv_events())
+    def kv_events(self) -> KvEvents | None:
+        """The prefix-cache changes since the last batch, as the worker publishes them; None when there are none."""
+        delta = net_kv_delta((e.kind == "stored", e.block_hash) for e in self.scheduler.drain_kv_events())
+        if not delta:
+            return None
+        self._kv_batches += 1
+        return KvEvents(self.worker_id, self._kv_batches, self.registration.block_size, delta.stored, delta.removed,
+                        delta.cleared)

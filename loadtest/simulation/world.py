@@ -28,7 +28,7 @@ from typing import Any
 import msgspec
 
 from contracts import subjects
-from contracts.messages import ErrorReply, KvEvents, RouteRequest, StepTime, WorkerRegistration, WorkerRole
+from contracts.messages import ErrorReply, RouteRequest, StepTime, WorkerRegistration, WorkerRole
 from contracts.openai_api import ChatCompletionRequest, CompletionRequest
 from kvlane.fleet_mix import FleetNode
 from loadtest.client import RequestRecord
@@ -152,10 +152,7 @@ class Simulation:
         self._arrivals_done = False
         self._sessions: Iterator[Session] = iter(())
         self._origin = 0.0
-        # Per node: a KV-event batch is scheduled; batches sent so far.
-        self._kv_flush_due: dict[str, bool] = {}
-        self._kv_seqs: dict[str, int] = {}
-        self.counters = {"migrations": 0, "lease_preemptions": 0, "dispatch_retries": 0, "node_failures": 0, "node_joins": 0,
+        self.counters = {"migrations": 0, "dispatch_retries": 0, "node_failures": 0, "node_joins": 0,
                          "kv_hand_offs": 0}
 
     # --- the run --------------------------------------------------------------------
@@ -213,8 +210,6 @@ class Simulation:
         node = SimNode(registration, profile, speed, sim, self._tokenizer.output_token_range, self._events, self._on_step)
         self.nodes[worker_id] = node
         self._health[worker_id] = NodeHealth(worker_id, self._config.health, self._events.now)
-        self._kv_flush_due[worker_id] = False
-        self._kv_seqs[worker_id] = 0
         self._events.after(0.0, self._beat, node)
         # Live probes are out of phase with each other; so are these, reproducibly.
         self._events.after(self._rng.uniform(0, self._config.health.probe_interval_s), self._probe, node)
@@ -242,14 +237,11 @@ class Simulation:
         self._events.after(self._config.cluster.heartbeat_interval_s, self._beat, node)
 
     def _flush_kv(self, node: SimNode) -> None:
-        self._kv_flush_due[node.worker_id] = False
+        node.kv_batch_due = False
         if not node.alive:
             return
-        delta = node.kv_delta()
-        if delta:
-            self._kv_seqs[node.worker_id] += 1
-            batch = KvEvents(node.worker_id, self._kv_seqs[node.worker_id], node.registration.block_size,
-                             delta.stored, delta.removed, delta.cleared)
+        batch = node.kv_events()
+        if batch is not None:
             self._events.after(self._lat.hop_s, self.balancer.on_kv_events, batch)
 
     def _probe(self, node: SimNode) -> None:
@@ -272,8 +264,9 @@ class Simulation:
 
     def _on_step(self, node: SimNode, outcome: StepOutcome) -> None:
         now, hop = self._events.now, self._lat.hop_s
-        if not self._kv_flush_due[node.worker_id]:
-            self._kv_flush_due[node.worker_id] = True
+        if not node.kv_batch_due:
+            # Workers batch their cache changes every kv_events_interval_s; a node that did not step has none.
+            node.kv_batch_due = True
             interval = self._config.cluster.kv_events_interval_s
             self._events.at((now // interval + 1) * interval, self._flush_kv, node)
         flights = self._flights
@@ -414,7 +407,6 @@ class Simulation:
             self._events.after(2 * self._lat.hop_s, self._fail, flight, f"http_503: preempted {flight.preemptions} times", 503)
             return
         flight.preemptions += 1
-        self.counters["lease_preemptions"] += 1
         flight.worker_id = None
         self._events.after(2 * self._lat.hop_s, self._route_unless_done, flight)
 
