@@ -84,11 +84,11 @@ DEFAULT_MAX_TOKENS = 32
 LOWEST_TOKEN_ID = 16
 COEFFICIENTS = ("a", "b", "c", "d", "per_request", "per_output_token")
 # A batch sent at once to an idle vLLM engine mostly starts with its first
-# request alone (tiny CPU model: 36 of 48 batches of 4-16 requests on a quiet
-# machine, 34 of 64 on a busy one): the engine core steps as soon as one
-# request has reached it, while the serving process is still handing it the
-# others. A sim that puts the whole batch in its first step had the TTFT of
-# 12 x 256 tokens (over the token budget) 25-30% low.
+# request alone (tiny CPU model, batches of 4-16 requests: 159 of 208 on a
+# quiet machine, 80 of 144 on a busy one): the engine core steps as soon as
+# one request has reached it, while the serving process is still handing it
+# the others. A sim that puts the whole batch in its first step had the TTFT
+# of 12 x 256 tokens (over the token budget) 20-30% low.
 LONE_FIRST_STEP = True
 
 

@@ -65,7 +65,8 @@ class SimNode:
         self.scheduler.add(request)
         if not self._stepping:
             self._stepping = True
-            # Requests that arrive at the same instant share the first step.
+            # Requests that arrive at the same instant are all queued before the first step
+            # (a `lone_first_step` profile then runs only the first of them in it).
             self._events.after(0.0, self._step)
 
     def abort(self, request_id: str) -> None:

@@ -251,7 +251,8 @@ class Simulation:
         now = self._events.now
         if node.alive:
             stats = node.scheduler.stats()
-            step = node.profile.step_seconds(1, stats.running + 1, stats.blocks_used * node.registration.block_size)
+            step = node.profile.step_seconds(1, stats.running + 1, stats.blocks_used * node.registration.block_size,
+                                             new_requests=1, emitted_tokens=stats.running + 1)
             latency: float | None = node.busy_for() + step / node.speed + 2 * self._lat.hop_s
             if latency > settings.probe_timeout_s:
                 latency = float("inf")
