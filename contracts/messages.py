@@ -281,12 +281,14 @@ NonNegativeSeconds = Annotated[float, Meta(ge=0.0)]
 
 
 class StepTime(Struct, frozen=True):
-    """A node's forward-pass time, in seconds: `a + b*prefill_tokens + c*decode_seqs + d*kv_tokens` per step."""
+    """A node's forward-pass time, in seconds: `a + b*prefill_tokens + c*decode_seqs + d*kv_tokens` per step,
+    plus `per_request` once per request the engine takes in."""
 
     a: NonNegativeSeconds
     b: NonNegativeSeconds
     c: NonNegativeSeconds
     d: NonNegativeSeconds = 0.0
+    per_request: NonNegativeSeconds = 0.0
 
 
 class WorkerRegistration(Struct, frozen=True):

@@ -205,7 +205,7 @@ class Simulation:
             inbox=subjects.worker_inbox(worker_id), block_size=sim.block_size, max_model_len=sim.max_model_len,
             tokenizer="sim", started_at=self._events.now, host="simulated", max_num_seqs=sim.max_num_seqs,
             # As a live sim worker advertises its profile (`services.worker.main.advertised_step_time`).
-            step_time=StepTime(a=profile.a, b=profile.b, c=profile.c, d=profile.d),
+            step_time=StepTime(a=profile.a, b=profile.b, c=profile.c, d=profile.d, per_request=profile.per_request),
         )
         node = SimNode(registration, profile, speed, sim, self._tokenizer.output_token_range, self._events, self._on_step)
         self.nodes[worker_id] = node

@@ -34,7 +34,7 @@ def fallback_step_model(profile_name: str) -> StepModel:
         profile = get_profile(profile_name)
     except KeyError as exc:
         raise SystemExit(f"balancer.speed.fallback_profile: {exc.args[0]}") from None
-    return StepModel(a=profile.a, b=profile.b, c=profile.c, d=profile.d)
+    return StepModel(a=profile.a, b=profile.b, c=profile.c, d=profile.d, per_request=profile.per_request)
 
 
 def build_router(settings: BalancerSettings, model: StepModel) -> Router:

@@ -20,16 +20,17 @@ class StepModel(Struct, frozen=True):
     b: float
     c: float
     d: float = 0.0
+    per_request: float = 0.0
 
     @classmethod
     def of(cls, step_time: StepTime) -> StepModel:
-        return cls(step_time.a, step_time.b, step_time.c, step_time.d)
+        return cls(step_time.a, step_time.b, step_time.c, step_time.d, step_time.per_request)
 
     def scaled(self, factor: float) -> StepModel:
         """The same node running `factor` times as fast."""
         if factor == 1.0 or factor <= 0:
             return self
-        return StepModel(self.a / factor, self.b / factor, self.c / factor, self.d / factor)
+        return StepModel(self.a / factor, self.b / factor, self.c / factor, self.d / factor, self.per_request / factor)
 
     def reference_seconds(self) -> float:
         """One typical busy step (64 prompt tokens, 8 sequences decoding over 1k tokens each): what node speeds compare."""
@@ -71,11 +72,12 @@ class StepModel(Struct, frozen=True):
         factor: float,
         transfer_s: float = 0.0,
     ) -> float:
-        """prefill(uncached prompt) + KV transfer + decode(output at the chain's batch)."""
+        """The engine taking the request in + prefill(uncached prompt) + KV transfer + decode(output at the chain's batch)."""
         # This request's own context is, on average, its prompt plus half its output.
         kv_tokens = node_kv_tokens + prompt_tokens + output_tokens / 2
         return (
-            self.prefill_seconds(uncached_tokens, factor)
+            self.per_request / factor
+            + self.prefill_seconds(uncached_tokens, factor)
             + transfer_s
             + self.decode_seconds(output_tokens, batch, kv_tokens, factor)
         )

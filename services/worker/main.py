@@ -63,7 +63,8 @@ def advertised_step_time(settings: WorkerSettings) -> StepTime | None:
         raise EngineConfigError(f"worker.step_profile: {exc.args[0]}") from None
     # A sim worker runs its profile `speed` times faster than the GPU it models.
     speed = settings.sim.speed if settings.engine == "sim" else 1.0
-    return StepTime(a=profile.a / speed, b=profile.b / speed, c=profile.c / speed, d=profile.d / speed)
+    return StepTime(a=profile.a / speed, b=profile.b / speed, c=profile.c / speed, d=profile.d / speed,
+                    per_request=profile.per_request / speed)
 
 
 def _fail(message: str) -> NoReturn:
