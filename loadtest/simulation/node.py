@@ -12,10 +12,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from contracts.messages import EngineStats, Heartbeat, KvEvents, WorkerRegistration
+from contracts.messages import Heartbeat, KvEvents, WorkerRegistration
 from loadtest.simulation.events import EventQueue
 from services.worker.engines.base import net_kv_delta
-from services.worker.sim import SimRequest, SimScheduler, StepOutcome
+from services.worker.engines.sim import StepStats, build_scheduler
+from services.worker.sim import SimRequest, StepOutcome
 from services.worker.sim.profile import StepTimeProfile
 from shared.config import SimSettings
 
@@ -37,15 +38,7 @@ class SimNode:
         self.worker_id = registration.worker_id
         self.profile = profile
         self.speed = speed
-        self.scheduler = SimScheduler(
-            num_blocks=settings.num_blocks,
-            block_size=settings.block_size,
-            max_num_seqs=settings.max_num_seqs,
-            max_batched_tokens=settings.max_batched_tokens,
-            profile=profile,
-            output_token_range=output_token_range,
-            record_kv_events=True,
-        )
+        self.scheduler = build_scheduler(settings, profile, output_token_range)
         self.alive = True
         self._events = events
         self._on_step = on_step
@@ -56,9 +49,7 @@ class SimNode:
         self._kv_batches = 0
         # A KV-event batch is scheduled (the simulation sends one per interval in which the node stepped).
         self.kv_batch_due = False
-        self._prefill_tokens = 0
-        self._decode_tokens = 0
-        self._rates_since = events.now
+        self._step_stats = StepStats(self.scheduler, events.now)
 
     def add(self, request: SimRequest) -> None:
         """Queue a request (ValueError when the engine can never run it) and make sure a step comes."""
@@ -97,8 +88,7 @@ class SimNode:
         if not self.alive:
             return
         self._under_way = None
-        self._prefill_tokens += outcome.prefill_tokens
-        self._decode_tokens += outcome.decode_seqs
+        self._step_stats.observe(outcome)
         self._on_step(self, outcome)
         self._step()
 
@@ -107,25 +97,9 @@ class SimNode:
         return max(0.0, self._step_ends_at - self._events.now) if self._stepping else 0.0
 
     def heartbeat(self) -> Heartbeat:
-        s = self.scheduler.stats()
-        now = self._events.now
-        elapsed = max(now - self._rates_since, 1e-9)
-        stats = EngineStats(
-            running=s.running,
-            waiting=s.waiting,
-            kv_blocks_total=s.blocks_total,
-            kv_blocks_used=s.blocks_used,
-            prefix_query_tokens=s.prefix_query_tokens,
-            prefix_hit_tokens=s.prefix_hit_tokens,
-            preemptions=s.preemptions,
-            prefill_tokens_per_s=self._prefill_tokens / elapsed,
-            decode_tokens_per_s=self._decode_tokens / elapsed,
-            kv_held_blocks=s.blocks_held,
-        )
-        self._prefill_tokens = self._decode_tokens = 0
-        self._rates_since = now
         self._heartbeat_seq += 1
-        return Heartbeat(self.registration, stats, sent_at=now, seq=self._heartbeat_seq)
+        return Heartbeat(self.registration, self._step_stats.take(self._events.now), sent_at=self._events.now,
+                         seq=self._heartbeat_seq)
 
     def kv_events(self) -> KvEvents | None:
         """The prefix-cache changes since the last batch, as the worker publishes them; None when there are none."""

@@ -28,7 +28,7 @@ from services.worker.engines.base import (
     check_fits,
     net_kv_delta,
 )
-from services.worker.sim import SimRequest, SimScheduler, StepOutcome, get_profile
+from services.worker.sim import SimRequest, SimScheduler, StepOutcome, StepTimeProfile, get_profile
 from services.worker.sim.links import get_link
 from shared.config import SimSettings
 from shared.tokenizer import SimTokenizer
@@ -38,6 +38,55 @@ log = structlog.get_logger("kvlane.worker.sim")
 _FINISHED = object()
 
 
+def build_scheduler(settings: SimSettings, profile: StepTimeProfile, output_token_range: tuple[int, int]) -> SimScheduler:
+    """The scheduler a sim worker runs for these settings (and the simulator runs per node)."""
+    return SimScheduler(
+        num_blocks=settings.num_blocks,
+        block_size=settings.block_size,
+        max_num_seqs=settings.max_num_seqs,
+        max_batched_tokens=settings.max_batched_tokens,
+        profile=profile,
+        output_token_range=output_token_range,
+        record_kv_events=True,
+    )
+
+
+class StepStats:
+    """What a sim worker's heartbeat says: its scheduler's state, and token rates since the previous heartbeat."""
+
+    def __init__(self, scheduler: SimScheduler, now: float) -> None:
+        self._scheduler = scheduler
+        self._prefill_tokens = 0
+        self._decode_tokens = 0
+        self._since = now
+
+    def observe(self, outcome: StepOutcome) -> None:
+        self._prefill_tokens += outcome.prefill_tokens
+        self._decode_tokens += outcome.decode_seqs
+
+    def take(self, now: float, kv_pulls: int = 0, kv_pull_bytes: int = 0) -> EngineStats:
+        s = self._scheduler.stats()
+        elapsed = max(now - self._since, 1e-9)
+        stats = EngineStats(
+            running=s.running,
+            waiting=s.waiting,
+            kv_blocks_total=s.blocks_total,
+            kv_blocks_used=s.blocks_used,
+            prefix_query_tokens=s.prefix_query_tokens,
+            prefix_hit_tokens=s.prefix_hit_tokens,
+            preemptions=s.preemptions,
+            prefill_tokens_per_s=self._prefill_tokens / elapsed,
+            decode_tokens_per_s=self._decode_tokens / elapsed,
+            gpu_utilization=None,
+            kv_pulls=kv_pulls,
+            kv_pull_bytes=kv_pull_bytes,
+            kv_held_blocks=s.blocks_held,
+        )
+        self._prefill_tokens = self._decode_tokens = 0
+        self._since = now
+        return stats
+
+
 class SimEngine:
     def __init__(self, settings: SimSettings, tokenizer: SimTokenizer, clock: Callable[[], float] = time.monotonic) -> None:
         self._settings = settings
@@ -45,21 +94,11 @@ class SimEngine:
         self._clock = clock
         self._profile = get_profile(settings.profile)
         self._link = get_link(settings.kv_link)
-        self._scheduler = SimScheduler(
-            num_blocks=settings.num_blocks,
-            block_size=settings.block_size,
-            max_num_seqs=settings.max_num_seqs,
-            max_batched_tokens=settings.max_batched_tokens,
-            profile=self._profile,
-            output_token_range=tokenizer.output_token_range,
-            record_kv_events=True,
-        )
+        self._scheduler = build_scheduler(settings, self._profile, tokenizer.output_token_range)
         self._queues: dict[str, asyncio.Queue] = {}
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
-        self._prefill_tokens = 0
-        self._decode_tokens = 0
-        self._rate_since = clock()
+        self._step_stats = StepStats(self._scheduler, clock())
         self._kv_pulls = 0
         self._kv_pull_bytes = 0
 
@@ -151,27 +190,7 @@ class SimEngine:
         return net_kv_delta((e.kind == "stored", e.block_hash) for e in self._scheduler.drain_kv_events())
 
     def stats(self) -> EngineStats:
-        s = self._scheduler.stats()
-        now = self._clock()
-        elapsed = max(now - self._rate_since, 1e-9)
-        prefill_rate, decode_rate = self._prefill_tokens / elapsed, self._decode_tokens / elapsed
-        self._prefill_tokens = self._decode_tokens = 0
-        self._rate_since = now
-        return EngineStats(
-            running=s.running,
-            waiting=s.waiting,
-            kv_blocks_total=s.blocks_total,
-            kv_blocks_used=s.blocks_used,
-            prefix_query_tokens=s.prefix_query_tokens,
-            prefix_hit_tokens=s.prefix_hit_tokens,
-            preemptions=s.preemptions,
-            prefill_tokens_per_s=prefill_rate,
-            decode_tokens_per_s=decode_rate,
-            gpu_utilization=None,
-            kv_pulls=self._kv_pulls,
-            kv_pull_bytes=self._kv_pull_bytes,
-            kv_held_blocks=s.blocks_held,
-        )
+        return self._step_stats.take(self._clock(), self._kv_pulls, self._kv_pull_bytes)
 
     async def _run(self) -> None:
         while True:
@@ -184,8 +203,7 @@ class SimEngine:
             self._deliver(outcome)
 
     def _deliver(self, outcome: StepOutcome) -> None:
-        self._prefill_tokens += outcome.prefill_tokens
-        self._decode_tokens += outcome.decode_seqs
+        self._step_stats.observe(outcome)
         finished = {info.request_id: info.cached_prompt_tokens for info in outcome.finished_info}
         for request_id, token_id in outcome.emitted:
             queue = self._queues.get(request_id)
