@@ -88,3 +88,35 @@ def test_bench_multi_turn_feeds_answers_back_and_hits_the_prefix_cache(tmp_path)
         # Turns are sequential: the next is sent only after the previous answer ended.
         assert all(b["sent_s"] >= a["end_s"] for a, b in zip(turns, turns[1:]))
     assert summary["prefix_cache_hit_rate"] > 0.3
+
+
+@pytest.mark.skipif(not servers_available(), reason="needs nats-server and redis-server")
+@pytest.mark.timeout(120)
+def test_bench_runs_a_mixed_fleet_with_a_profile_and_speed_per_node(tmp_path) -> None:
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "out"
+    code = main([
+        # w1 steps in about 0.26 s (13 ms at a twentieth of the speed), w0 in no time.
+        "--policies", "round_robin", "--fleet", "zero:1,h100-80g-llama3-70b-tp4@0.05:1", "--workload", "shared-prefix", "--groups", "2",
+        "--system-tokens", "64", "--question-tokens", "8", "--output-tokens", "4", "--rate", "10", "--requests", "20",
+        "--out", str(out), "--log-dir", str(tmp_path / "logs"), "--quiet",
+    ])
+    assert code == 0
+    results = json.loads((out / "results.json").read_text())
+    fleet = results["parameters"]["fleet"]
+    assert fleet["workers"] == 2
+    assert [(n["worker_id"], n["profile"], n["speed"]) for n in fleet["mix"]] == [
+        ("w0", "zero", 1.0), ("w1", "h100-80g-llama3-70b-tp4", 0.05)]
+    (run,) = results["runs"]
+    assert run["summary"]["succeeded"] == 20 and run["summary"]["requests_per_worker"] == {"w0": 10, "w1": 10}
+    # Each worker runs its own profile at its own speed: half the answers take four slow steps.
+    e2e = sorted(r["end_s"] - r["sent_s"] for r in run["records"])
+    assert e2e[9] < 0.5 < 0.9 < e2e[10]
+
+
+def test_kvlane_up_refuses_a_bad_fleet_before_starting_anything() -> None:
+    from kvlane.cli import main as kvlane_main
+
+    with pytest.raises(SystemExit) as exit_info:
+        kvlane_main(["up", "--fleet", "no-such-gpu:2"])
+    assert exit_info.value.code == 2
