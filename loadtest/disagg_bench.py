@@ -93,7 +93,7 @@ from typing import Any
 
 from rich.console import Console
 
-from loadtest.bench import _jsonable
+from loadtest.bench import jsonable
 from loadtest.bench_run import FleetSpec, PlannedRun, RunSpec, fleet_config, run_each
 from loadtest.client import RequestRecord
 from loadtest.bench_report import write_json
@@ -458,9 +458,9 @@ def main(argv: list[str] | None = None) -> int:
             "policy": args.policy,
             "kv_link": args.kv_link,
             "min_remote_prefill_tokens": args.min_remote_prefill_tokens,
-            "fleet": _jsonable(asdict(replace(first.fleet, workers=0, prefill_workers=0, decode_workers=0))),
+            "fleet": jsonable(asdict(replace(first.fleet, workers=0, prefill_workers=0, decode_workers=0))),
             # Arrivals (Poisson at rate x speed per wall second) and the request cap differ per run.
-            "workload": {k: v for k, v in _jsonable(asdict(first.workload)).items()
+            "workload": {k: v for k, v in jsonable(asdict(first.workload)).items()
                          if k not in ("arrival", "max_requests")},
             "prompt_tokens": args.prompt_tokens,
             "output_tokens": args.output_tokens,
