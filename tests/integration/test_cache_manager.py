@@ -156,12 +156,13 @@ async def test_the_balancer_leases_kv_itself_and_reports_what_it_placed(tmp_path
     nc = await nats.connect(fleet.config.nats.url)
     client = redis.Redis.from_url(fleet.config.redis.url)
     routed: list[PrefixesRouted] = []
+    heard = asyncio.Event()
 
     async def on_routed(msg) -> None:
         routed.append(msgspec.msgpack.decode(msg.data, type=PrefixesRouted))
+        heard.set()
 
     await nc.subscribe(subjects.CACHE_ROUTED, cb=on_routed)
-    await nc.flush()
     await nc.flush()
     prompt = "a shared system prompt that fills a few kv blocks " * 8
     try:
@@ -176,9 +177,7 @@ async def test_the_balancer_leases_kv_itself_and_reports_what_it_placed(tmp_path
                 assert lease[b"worker_id"] == b"w0" and int(lease[b"blocks"]) > 0
                 text = b"".join([chunk async for chunk in response.content.iter_any()])
         assert b"[DONE]" in text
-        async with asyncio.timeout(10):
-            while not routed:
-                await asyncio.sleep(0.05)
+        await asyncio.wait_for(heard.wait(), timeout=10)
         (prefix,) = routed[0].prefixes
         assert prefix.model == MODEL and prefix.block_hashes and prefix.prefix_token_ids
     finally:
