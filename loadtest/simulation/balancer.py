@@ -18,12 +18,12 @@ from contracts.health import HealthVerdict
 from contracts.messages import ErrorReply, Heartbeat, KvEvents, RouteRequest
 from loadtest.simulation.events import EventQueue
 from loadtest.simulation.ledger import SimAllocator
+from services.balancer.allocation import demand_of
 from services.balancer.central_queue import QueuedRequest
 from services.balancer.main import build_router, fallback_step_model
 from services.balancer.router import Placement, Queued
 from shared.cluster import ClusterView
 from shared.config import KvlaneConfig
-from shared.kv_allocation import Demand
 
 
 class RouteListener(Protocol):
@@ -46,7 +46,6 @@ class SimBalancer:
         self._generated = generated
         self._listener = listener
         self._tick_s = settings.tick_interval_s
-        self._known_workers: set[str] = set()
         self._drain_due = False
         self.decisions = 0
         self.kv_refusals = 0
@@ -63,13 +62,9 @@ class SimBalancer:
             return self._listener.refused(request.request_id, ErrorReply(code="deadline_exceeded", message="request deadline passed before routing", status=504))
         router.table.release(request.request_id)
         heartbeats = self.view.routable(now, request.model)
-        if not heartbeats:
-            if not any(hb.registration.model == request.model for hb in self.view.live(now)):
-                return self._listener.refused(request.request_id, ErrorReply(code="model_not_found", message=f"no live worker serves model {request.model!r}", status=404))
-            return self._listener.refused(request.request_id, router.refusal("no_capacity", "every worker for this model is draining"))
-        excluded = set(request.exclude_workers)
-        if all(hb.registration.worker_id in excluded for hb in heartbeats):
-            return self._listener.refused(request.request_id, router.refusal("no_capacity", "no other live worker to retry on"))
+        refusal = router.unroutable(request, heartbeats, lambda: self.view.live(now))
+        if refusal is not None:
+            return self._listener.refused(request.request_id, refusal)
         for _ in range(len(heartbeats) + 1):
             outcome = router.admit(request, heartbeats, now)
             self.decisions += 1
@@ -95,7 +90,7 @@ class SimBalancer:
             return True
         request, chain = placement.request, placement.chain
         node = chain.node
-        demand = Demand(request.request_id, request.prompt_tokens, request.max_tokens, 1.0 + max(0, request.priority))
+        demand = demand_of(request)
         grant = self._allocator.allocate(demand, node.worker_id, node.kv_blocks_total, node.block_size,
                                          chain.cached_blocks, self._generated, self._events.now)
         for victim in grant.preempted:
@@ -134,8 +129,7 @@ class SimBalancer:
 
     def on_heartbeat(self, heartbeat: Heartbeat) -> None:
         self.view.observe(heartbeat, self._events.now)
-        self.router.builder.observe(heartbeat)
-        self._known_workers.add(heartbeat.registration.worker_id)
+        self.router.observe(heartbeat)
         self._schedule_drain()
 
     def on_kv_events(self, events: KvEvents) -> None:
@@ -149,18 +143,10 @@ class SimBalancer:
         now = self._events.now
         router = self.router
         table = router.table
-        table.expire(now)
-        live = self.view.live(now)
-        live_chains = {router.builder.facts(hb).chain_id for hb in live}
-        table.retain_chains(live_chains)
-        gone = self._known_workers - {hb.registration.worker_id for hb in live}
-        if gone:
-            router.builder.forget(sorted(gone))
+        _, gone = router.prune(now, self.view.live(now))
+        if self._allocator is not None:
             for worker_id in gone:
-                router.index.remove_node(worker_id)
-                if self._allocator is not None:
-                    self._allocator.ledger.release_node(worker_id)
-            self._known_workers -= gone
+                self._allocator.ledger.release_node(worker_id)
         # The store's count is this balancer's own: a chain marked full after a KV refusal is tried again.
         for chain_id in table.chains():
             table.set_global_used(chain_id, table.own(chain_id))

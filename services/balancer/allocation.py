@@ -53,7 +53,7 @@ class KvAllocator:
     async def _from_ledger(self, ledger: BlockLedger, request: RouteRequest, chain: ChainState) -> Allocation | ErrorReply | None:
         """The lease, or None when the node has no room for it."""
         node = chain.node
-        demand = Demand(request.request_id, request.prompt_tokens, request.max_tokens, _weight(request))
+        demand = demand_of(request)
         ask = ask_on_node(demand, node.kv_blocks_total, node.block_size, chain.cached_blocks, self._cache_settings)
         try:
             reservation = await ledger.reserve_asked(request.request_id, node.worker_id, ask, demand.priority, request.max_tokens)
@@ -73,7 +73,7 @@ class KvAllocator:
             prompt_tokens=request.prompt_tokens,
             max_tokens=request.max_tokens,
             block_hashes=request.block_hashes,
-            priority=_weight(request),
+            priority=demand_of(request).priority,
             worker_id=worker_id,
             prefix_token_ids=request.prefix_token_ids,
         )
@@ -91,6 +91,7 @@ class KvAllocator:
             log.warning("routed_prefixes_lost", prefixes=len(prefixes), error=str(exc))
 
 
-def _weight(request: RouteRequest) -> float:
+def demand_of(request: RouteRequest) -> Demand:
+    """What a route request asks of the allocation core."""
     # Priority classes 0, 1, 2... weigh 1, 2, 3... in the greedy utility.
-    return 1.0 + max(0, request.priority)
+    return Demand(request.request_id, request.prompt_tokens, request.max_tokens, 1.0 + max(0, request.priority))

@@ -65,6 +65,7 @@ class Router:
         self._disaggregation = disaggregation or DisaggregationSettings()
         # Queued request id -> younger requests of its class served before it (cache-aware dequeue).
         self._overtaken: dict[str, int] = {}
+        self._known_workers: set[str] = set()
 
     def place(self, request: RouteRequest, heartbeats: Sequence[Heartbeat]) -> Placement | None:
         """Choose a chain with a free slot and reserve it locally; None when the policy finds none."""
@@ -198,6 +199,46 @@ class Router:
             if (entry.seq < served.seq and entry.request.priority == served.request.priority
                     and entry.request_id in self.queue):
                 self._overtaken[entry.request_id] = self._overtaken.get(entry.request_id, 0) + 1
+
+    def unroutable(
+        self, request: RouteRequest, routable: Sequence[Heartbeat], live: Callable[[], Sequence[Heartbeat]],
+    ) -> ErrorReply | None:
+        """Why `request` cannot be routed at all, given its model's routable nodes, or None when it can.
+
+        `live` (every live node, draining or not) is read only when no node is routable.
+        """
+        if not routable:
+            if not any(hb.registration.model == request.model for hb in live()):
+                return ErrorReply(code="model_not_found", message=f"no live worker serves model {request.model!r}", status=404)
+            return self.refusal("no_capacity", "every worker for this model is draining")
+        excluded = set(request.exclude_workers)
+        if all(hb.registration.worker_id in excluded for hb in routable):
+            return self.refusal("no_capacity", "no other live worker to retry on")
+        return None
+
+    def observe(self, heartbeat: Heartbeat) -> None:
+        """A heartbeat arrived: feed the trackers; the node is known until it leaves."""
+        self.builder.observe(heartbeat)
+        self._known_workers.add(heartbeat.registration.worker_id)
+
+    def forget(self, worker_ids: Sequence[str]) -> None:
+        """Nodes that left: drop what the trackers and the prefix index hold of them."""
+        self.builder.forget(worker_ids)
+        for worker_id in worker_ids:
+            self.index.remove_node(worker_id)
+            self._known_workers.discard(worker_id)
+
+    def prune(self, now: float, live: Sequence[Heartbeat]) -> tuple[int, list[str]]:
+        """Release reservations past their deadline or on chains that left, and forget nodes that left.
+
+        Returns the reservations released and the nodes forgotten.
+        """
+        expired = self.table.expire(now)
+        dropped = self.table.retain_chains({self.builder.facts(hb).chain_id for hb in live})
+        gone = sorted(self._known_workers - {hb.registration.worker_id for hb in live})
+        if gone:
+            self.forget(gone)
+        return len(expired) + len(dropped), gone
 
     def finished(self, request_id: str, worker_id: str) -> str | None:
         """`request_id` ended on `worker_id`: free its slot there; returns the chain, None if it held none there."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import redis.exceptions
 import structlog
@@ -84,7 +84,6 @@ class BalancerService:
         self._drain_task: asyncio.Task | None = None
         self._drain_again = False
         self._ticker = Periodic("balancer-tick", settings.tick_interval_s, self.tick)
-        self._known_workers: set[str] = set()
         self._fast_forwards_seen = 0
         self._gauged_chains: set[str] = set()
         self._store_degraded = False
@@ -142,13 +141,9 @@ class BalancerService:
             with contextlib.suppress(*_STORE_ERRORS):
                 await self._store.release(request.request_id)
         heartbeats = self._routable(request.model)
-        if not heartbeats:
-            if not any(hb.registration.model == request.model for hb in self._view.live(self._clock())):
-                return ErrorReply(code="model_not_found", message=f"no live worker serves model {request.model!r}", status=404)
-            return self.router.refusal("no_capacity", "every worker for this model is draining")
-        excluded = set(request.exclude_workers)
-        if all(hb.registration.worker_id in excluded for hb in heartbeats):
-            return self.router.refusal("no_capacity", "no other live worker to retry on")
+        refusal = self.router.unroutable(request, heartbeats, lambda: self._view.live(self._clock()))
+        if refusal is not None:
+            return refusal
         # Each failed confirmation marks a chain full, so this ends within one try per chain.
         for _ in range(len(heartbeats) + 1):
             started = time.perf_counter()
@@ -298,8 +293,7 @@ class BalancerService:
             self.router.table.set_global_used(*released)
 
     async def _on_heartbeat(self, heartbeat: Heartbeat, msg: Msg) -> None:
-        self.router.builder.observe(heartbeat)
-        self._known_workers.add(heartbeat.registration.worker_id)
+        self.router.observe(heartbeat)
         self._schedule_drain()
 
     async def _on_kv_events(self, events: KvEvents, msg: Msg) -> None:
@@ -310,13 +304,7 @@ class BalancerService:
         self._schedule_drain()
 
     async def _on_worker_left(self, event: WorkerLeft, msg: Msg) -> None:
-        self._forget([event.worker_id])
-
-    def _forget(self, worker_ids: Sequence[str]) -> None:
-        self.router.builder.forget(worker_ids)
-        for worker_id in worker_ids:
-            self.router.index.remove_node(worker_id)
-            self._known_workers.discard(worker_id)
+        self.router.forget([event.worker_id])
 
     # --- housekeeping -----------------------------------------------------------------
 
@@ -324,14 +312,10 @@ class BalancerService:
         """Expire reservations, drop nodes that left, re-read global usage, retry the queue."""
         now = self._wall_clock()
         table = self.router.table
-        expired = table.expire(now)
         live = self._view.live(self._clock())
+        released, _ = self.router.prune(now, live)
+        self._metrics.expired_reservations.inc(released)
         live_chains = {self.router.builder.facts(hb).chain_id: hb for hb in live}
-        dropped = table.retain_chains(live_chains)
-        self._metrics.expired_reservations.inc(len(expired) + len(dropped))
-        gone = self._known_workers - {hb.registration.worker_id for hb in live}
-        if gone:
-            self._forget(sorted(gone))
         try:
             if self._store_degraded:
                 await self._restore_holds()
