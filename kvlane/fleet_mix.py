@@ -14,7 +14,7 @@ from msgspec import Struct
 
 from contracts.messages import WorkerRole
 
-from services.worker.sim.profile import get_profile
+from shared.step_profile import get_profile
 
 
 class NodeKind(Struct, frozen=True):

@@ -1,6 +1,6 @@
 """`kvlane calibrate`: fit the sim's step-time profile to a real vLLM engine.
 
-The sim charges every batched forward pass (services/worker/sim/profile.py)
+The sim charges every batched forward pass (shared/step_profile.py)
 
     step = a + b*prefill_tokens + c*decode_seqs + d*kv_tokens
              + per_request*new_requests + per_output_token*emitted_tokens

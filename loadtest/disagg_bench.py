@@ -102,7 +102,7 @@ from loadtest.driver import DriveLimits
 from loadtest.machine import machine_info
 from loadtest.metrics import Slo, distribution_ms, summarize
 from loadtest.workloads import ArrivalSpec, WorkloadSpec
-from services.worker.sim.links import NAMED_LINKS
+from shared.kv_links import NAMED_LINKS
 from shared.config import LoggingSettings
 from shared.logging import configure_logging
 

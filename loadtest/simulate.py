@@ -36,7 +36,7 @@ from loadtest.metrics import Slo, summarize
 from loadtest.overhead import machine_info
 from loadtest.simulation.world import Latencies, NodeChange, Simulation, SimulationSpec, result_summary
 from loadtest.workloads import WorkloadSpec
-from services.worker.sim.links import get_link
+from shared.kv_links import get_link
 from shared.config import ConfigError, KvlaneConfig, load_config
 
 UNITS = "simulated time: every latency and rate is in simulated seconds (the fleet ran in virtual time)"

@@ -152,7 +152,7 @@ class QueueSettings(_Section):
 
 
 class SpeedSettings(_Section):
-    # Step-time profile (services/worker/sim/profile.py) assumed for a node
+    # Step-time profile (shared/step_profile.py) assumed for a node
     # until its heartbeats show measured speed.
     fallback_profile: str = "tiny-cpu"
     # Weight of the newest measurement in the moving averages (speed, queue growth).
@@ -268,7 +268,7 @@ class SimSettings(_Section):
     max_batched_tokens: PositiveInt = 2048
     max_model_len: PositiveInt = 4096
     seed: int = 0
-    # The link KV travels over from a prefill node (services/worker/sim/links.py).
+    # The link KV travels over from a prefill node (shared/kv_links.py).
     kv_link: str = "rdma-400g"
 
 

@@ -40,7 +40,7 @@ from typing import Annotated, Any, NamedTuple
 
 import msgspec
 
-from services.worker.sim.links import kv_bytes_per_token
+from shared.kv_links import kv_bytes_per_token
 
 
 class StepTimeProfile(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -44,8 +44,8 @@ from services.health_prober.health import NodeHealth
 from services.ingress.errors import ApiError
 from services.ingress.prompts import PreparedRequest, prepare
 from services.worker.sim import SimRequest, StepOutcome
-from services.worker.sim.links import get_link
-from services.worker.sim.profile import get_profile
+from shared.kv_links import get_link
+from shared.step_profile import get_profile
 from shared.config import KvlaneConfig
 from shared.tokenizer import SimTokenizer
 
@@ -352,7 +352,7 @@ class Simulation:
         except ApiError as exc:
             record.status = exc.status
             record.error = f"http_{exc.status}: {exc.message}"[:200]
-            self._finish_record(record)
+            self._on_record(record)
             self._session_over()
             return
         flight = _Flight(record, session, turn, history, prepared)
@@ -516,7 +516,7 @@ class Simulation:
         record = flight.record
         del self._flights[record.request_id or ""]
         record.text = "".join(self._tokenizer.token_text(t) for t in flight.output)
-        self._finish_record(record)
+        self._on_record(record)
         session, turn = flight.session, flight.turn + 1
         if record.ok and turn < len(session.turns):
             history = flight.history + [(session.turns[flight.turn].text, record.text)]
@@ -526,9 +526,6 @@ class Simulation:
 
     def _next_turn(self, session: Session, turn: int, history: list[tuple[str, str]]) -> None:
         self._start_turn(session, turn, history, self._now())
-
-    def _finish_record(self, record: RequestRecord) -> None:
-        self._on_record(record)
 
     # --- checks ---------------------------------------------------------------------
 

@@ -23,13 +23,11 @@ from shared.metrics_http import serve_metrics
 from shared.prefix_index import PrefixIndex
 from shared.runner import announce_ready
 from shared.service_context import service_context
+from shared.step_profile import get_profile
 
 
 def fallback_step_model(profile_name: str) -> StepModel:
     """The named sim profile's coefficients: what a node is assumed to do before it is measured."""
-    # The profiles are plain data; reading them creates no dependency on the worker's runtime.
-    from services.worker.sim.profile import get_profile
-
     try:
         profile = get_profile(profile_name)
     except KeyError as exc:

@@ -19,7 +19,7 @@ from contracts.messages import StepTime, WorkerRegistration, WorkerRole
 from services.worker.amx import request_amx_permission
 from services.worker.engines.base import Engine, EngineConfigError, EngineFacts
 from services.worker.engines.sim import SimEngine
-from services.worker.sim.profile import get_profile
+from shared.step_profile import get_profile
 from services.worker.service import WorkerService
 from shared.bus import Bus
 from shared.config import KvlaneConfig, WorkerSettings

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from contracts.messages import GenerateRequest, KvRef, SamplingParams, WorkerRequest
 from services.balancer.disaggregation import choose_prefill, prefill_finish_s
 from services.worker.sim import SimRequest, get_profile
-from services.worker.sim.links import NAMED_LINKS, get_link, kv_bytes_per_token
+from shared.kv_links import NAMED_LINKS, get_link, kv_bytes_per_token
 from tests.unit.balancer_fixtures import NOW_WALL, TINY, chain, heartbeat, request, router
 from tests.unit.test_sim_scheduler import make_scheduler, run_all
 

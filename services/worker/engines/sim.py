@@ -29,7 +29,7 @@ from services.worker.engines.base import (
     net_kv_delta,
 )
 from services.worker.sim import SimRequest, SimScheduler, StepOutcome, StepTimeProfile, get_profile
-from services.worker.sim.links import get_link
+from shared.kv_links import get_link
 from shared.config import SimSettings
 from shared.tokenizer import SimTokenizer
 

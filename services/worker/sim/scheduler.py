@@ -37,7 +37,7 @@ import msgspec
 
 from shared.block_hash import chained_block_hashes
 from services.worker.sim.blocks import BlockPool, KvCacheEvent
-from services.worker.sim.profile import StepTimeProfile
+from shared.step_profile import StepTimeProfile
 from services.worker.sim.tokens import prompt_digest, stream_key, token_at
 
 
