@@ -30,6 +30,18 @@ CACHE_ROUTED = f"{PREFIX}.cache.routed"
 CACHE_QUEUE_GROUP = "kvlane-cache-manager"
 REQUEST_FINISHED = f"{PREFIX}.events.finished"
 
+# The OpenAI API over NATS request/reply (a `nats.micro` service): the payload
+# is the OpenAI JSON request body, the reply its JSON response body.
+API_SERVICE = "kvlane"
+API_QUEUE_GROUP = "kvlane-api"
+API_CHAT_COMPLETIONS = f"{PREFIX}.api.chat.completions"
+API_COMPLETIONS = f"{PREFIX}.api.completions"
+API_MODELS = f"{PREFIX}.api.models"
+# Headers of a streamed reply: each chunk's sequence number, and the end of the stream.
+API_SEQ_HEADER = "Kvlane-Seq"
+API_STREAM_HEADER = "Kvlane-Stream"
+API_STREAM_END = "end"
+
 NODE_SET_KEY = f"{REDIS_PREFIX}:nodes"
 
 _TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")

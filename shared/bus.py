@@ -87,6 +87,11 @@ class Bus:
                 delay = min(delay * 2, 5.0)
 
     @property
+    def client(self) -> NatsClient:
+        """The NATS connection itself, for what speaks plain NATS rather than typed messages (a `nats.micro` service)."""
+        return self._nc
+
+    @property
     def connected(self) -> bool:
         return self._nc.is_connected
 

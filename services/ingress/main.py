@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import time
 import uuid
 
@@ -13,8 +14,10 @@ from contracts import subjects
 from contracts.balancer import BalancerStatusReply, BalancerStatusRequest
 from contracts.cache import CacheReply, LookupRequest
 from services.ingress.app import IngressApp
+from services.ingress.completions import Completions
 from services.ingress.dispatch import Dispatcher
 from services.ingress.metrics import IngressMetrics
+from services.ingress.nats_api import NatsApi
 from services.ingress.readiness import Dependency, Readiness
 from shared.bus import StreamReceiver
 from shared.config import KvlaneConfig
@@ -40,22 +43,26 @@ async def main(config: KvlaneConfig, stop: asyncio.Event) -> None:
         dependencies = [Dependency("balancer", subjects.BALANCER_STATUS, BalancerStatusRequest(model="-"), BalancerStatusReply)]
         if config.balancer.allocate_kv:
             dependencies.append(Dependency("cache-manager", subjects.CACHE_REQUEST, LookupRequest([]), CacheReply))
-        app = IngressApp(settings, view, dispatcher, IngressMetrics(), lambda: bus.connected, Readiness(bus, dependencies))
+        metrics = IngressMetrics()
+        completions = Completions(settings, view, dispatcher, metrics)
+        app = IngressApp(settings.max_body_bytes, view, completions, metrics, lambda: bus.connected, Readiness(bus, dependencies))
+        nats_api = NatsApi(bus.client, completions, ingress_id, importlib.metadata.version("kvlane"))
         # handler_cancellation: a client that hangs up cancels its handler at once, so its
         # request is aborted on the worker even while nothing is being written to it
         # (a queue wait, a prefill, output that is not text yet, a non-streamed reply).
         runner = web.AppRunner(app.build(), access_log=None, shutdown_timeout=settings.request_timeout_s,
                                handler_cancellation=True)
         # A model's tokenizer loads as soon as a worker for it shows up, not on its first request.
-        preloading = Periodic("tokenizers", config.cluster.heartbeat_interval_s, app.preload_tokenizers, immediately=True)
+        preloading = Periodic("tokenizers", config.cluster.heartbeat_interval_s, completions.preload_tokenizers, immediately=True)
         try:
             await runner.setup()
             await web.TCPSite(runner, settings.host, settings.port).start()
+            await nats_api.start()
             preloading.start()
             announce_ready(host=settings.host, port=settings.port, ingress_id=ingress_id)
             await stop.wait()
         finally:
             await preloading.stop()
-            # Stops accepting connections, then waits for in-flight responses.
-            await runner.cleanup()
+            # Both stop taking requests, then wait for those in flight.
+            await asyncio.gather(nats_api.stop(settings.request_timeout_s), runner.cleanup())
 

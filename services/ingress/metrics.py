@@ -1,37 +1,108 @@
-"""Client-side metrics of the ingress, in its own Prometheus registry."""
+"""The ingress's Prometheus metrics, in its own registry, served on its HTTP port at `/metrics`.
+
+Request metrics carry vLLM's names and labels (`vllm:time_to_first_token_seconds`
+and so on, labelled `model_name`), measured where the client sees them: from
+the moment ingress received the request. Per-node engine metrics come from the
+workers' heartbeats (`FleetCollector`), so a dashboard built for vLLM works on
+a kvlane fleet by scraping its ingresses.
+"""
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
-_ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
+from contracts.messages import StreamEnd
+from services.ingress.fleet_metrics import FleetCollector
+from shared.cluster import ClusterView
+
+# vLLM's bucket boundaries (vllm/v1/metrics/buckets.py), each with finer ones
+# below its smallest: kvlane's sim and CPU engines answer well under vLLM's
+# first bucket, where its histograms could tell nothing apart. Every vLLM
+# boundary is kept, so quantiles compare with a vLLM server's.
+TTFT_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+    160.0, 640.0, 2560.0,
+)
+ITL_BUCKETS = (
+    0.0005, 0.001, 0.0025, 0.005,
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+)
+REQUEST_LATENCY_BUCKETS = (
+    0.001, 0.005, 0.01, 0.025, 0.05, 0.1,
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0,
+    1920.0, 7680.0,
+)
+
+MODEL = ["model_name"]
 
 
 class IngressMetrics:
-    def __init__(self) -> None:
+    def __init__(self, view: ClusterView | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        """`view`: the live workers, whose heartbeats become the per-node metrics (none without it)."""
         self.registry = CollectorRegistry()
-        self.requests = Counter(
-            "kvlane_ingress_requests", "HTTP requests by endpoint and status", ["endpoint", "status"], registry=self.registry
+        r = self.registry
+        self.requests = Counter("kvlane_ingress_requests", "HTTP requests by endpoint and status", ["endpoint", "status"], registry=r)
+        self.in_flight = Gauge("kvlane_ingress_requests_in_flight", "Requests being served", registry=r)
+        self._ttft = Histogram(
+            "vllm:time_to_first_token_seconds", "Time from the request's arrival at ingress to its first token.",
+            MODEL, buckets=TTFT_BUCKETS, registry=r,
         )
-        self.in_flight = Gauge("kvlane_ingress_requests_in_flight", "Requests being served", registry=self.registry)
-        self.ttft = Histogram(
-            "kvlane_ingress_time_to_first_token_seconds", "Time from request receipt to first token",
-            buckets=_LATENCY_BUCKETS, registry=self.registry,
+        self._itl = Histogram(
+            "vllm:inter_token_latency_seconds", "Time between consecutive token chunks of a request, seen at ingress.",
+            MODEL, buckets=ITL_BUCKETS, registry=r,
         )
-        self.itl = Histogram(
-            "kvlane_ingress_inter_token_latency_seconds", "Time between consecutive tokens",
-            buckets=_ITL_BUCKETS, registry=self.registry,
+        self._e2e = Histogram(
+            "vllm:e2e_request_latency_seconds", "Time from the request's arrival at ingress to its final frame.",
+            MODEL, buckets=REQUEST_LATENCY_BUCKETS, registry=r,
         )
-        self.e2e = Histogram(
-            "kvlane_ingress_e2e_request_latency_seconds", "Time from request receipt to last token",
-            buckets=_LATENCY_BUCKETS, registry=self.registry,
+        self._queue_time = Histogram(
+            "vllm:request_queue_time_seconds",
+            "Time a route request waited in the balancer's central queue before a node took it (one per route).",
+            MODEL, buckets=REQUEST_LATENCY_BUCKETS, registry=r,
         )
-        self.prompt_tokens = Counter("kvlane_ingress_prompt_tokens", "Prompt tokens of served requests", registry=self.registry)
-        self.cached_tokens = Counter(
-            "kvlane_ingress_cached_prompt_tokens", "Prompt tokens served from a prefix cache", registry=self.registry
+        self._prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens of finished requests.", MODEL, registry=r)
+        self._cached_tokens = Counter(
+            "vllm:prompt_tokens_cached", "Prompt tokens of finished requests served from a prefix cache.", MODEL, registry=r
         )
-        self.generation_tokens = Counter("kvlane_ingress_generation_tokens", "Generated tokens", registry=self.registry)
+        self._generation_tokens = Counter(
+            "vllm:generation_tokens", "Tokens generated for finished requests (including those before a migration).", MODEL,
+            registry=r,
+        )
+        self._success = Counter(
+            "vllm:request_success", "Requests that ended with a final frame, by finish reason.", [*MODEL, "finished_reason"],
+            registry=r,
+        )
+        self._migrations = Counter(
+            "kvlane_ingress_migrations",
+            "Broken-off streams resumed on a node, by cause (preempted, error, timeout, reconnect).", [*MODEL, "cause"],
+            registry=r,
+        )
+        if view is not None:
+            r.register(FleetCollector(view, clock))
+
+    # Called by the completion path (services/ingress/completions.py) and the dispatcher.
+
+    def first_token(self, model: str, seconds: float) -> None:
+        self._ttft.labels(model).observe(seconds)
+
+    def inter_token(self, model: str, seconds: float) -> None:
+        self._itl.labels(model).observe(seconds)
+
+    def finished(self, model: str, end: StreamEnd, e2e_seconds: float) -> None:
+        self._e2e.labels(model).observe(e2e_seconds)
+        self._prompt_tokens.labels(model).inc(end.usage.prompt_tokens)
+        self._cached_tokens.labels(model).inc(end.usage.cached_tokens)
+        self._generation_tokens.labels(model).inc(end.usage.completion_tokens)
+        self._success.labels(model, end.finish_reason).inc()
+
+    def queued(self, model: str, seconds: float) -> None:
+        self._queue_time.labels(model).observe(seconds)
+
+    def migrated(self, model: str, cause: str) -> None:
+        self._migrations.labels(model, cause).inc()
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,4 +1,9 @@
-"""Rendering relayed frames as OpenAI responses and SSE chunks (pure)."""
+"""Rendering relayed frames as OpenAI response bodies and stream chunks (pure).
+
+A chunk is the JSON of one `chat.completion.chunk` (or `text_completion`);
+HTTP frames each as an SSE `data:` line, the NATS API publishes each as one
+message.
+"""
 
 from __future__ import annotations
 
@@ -24,8 +29,9 @@ _ENCODER = msgspec.json.Encoder()
 DONE = b"data: [DONE]\n\n"
 
 
-def sse(payload: msgspec.Struct) -> bytes:
-    return b"data: " + _ENCODER.encode(payload) + b"\n\n"
+def sse(chunk: bytes) -> bytes:
+    """One SSE event carrying `chunk` (JSON without newlines)."""
+    return b"data: " + chunk + b"\n\n"
 
 
 def completion_usage(usage: Usage) -> CompletionUsage:
@@ -54,7 +60,7 @@ class ChatRenderer:
         self._id, self._created, self._model = response_id, created, model
 
     def _chunk(self, choices: list[ChatChunkChoice], usage: CompletionUsage | None = None) -> bytes:
-        return sse(ChatCompletionChunk(self._id, self._created, self._model, choices, usage))
+        return _ENCODER.encode(ChatCompletionChunk(self._id, self._created, self._model, choices, usage))
 
     def opening(self) -> bytes | None:
         return self._chunk([ChatChunkChoice(0, ChatDelta(role="assistant", content=""))])
@@ -78,7 +84,7 @@ class CompletionRenderer:
         self._id, self._created, self._model = response_id, created, model
 
     def _chunk(self, choices: list[CompletionChoice], usage: CompletionUsage | None = None) -> bytes:
-        return sse(Completion(self._id, self._created, self._model, choices, usage))
+        return _ENCODER.encode(Completion(self._id, self._created, self._model, choices, usage))
 
     def opening(self) -> bytes | None:
         return None

@@ -27,8 +27,10 @@ def end(prompt: int = 12, completion: int = 5, cached: int = 8, reason: str = "s
     )
 
 
-def event(line: bytes | None) -> dict:
-    assert line is not None
+def event(chunk: bytes | None) -> dict:
+    """A chunk, checked to fit one SSE `data:` line."""
+    assert chunk is not None
+    line = sse(chunk)
     assert line.startswith(b"data: ")
     assert line.endswith(b"\n\n")
     payload = line[len(b"data: ") : -2]
@@ -38,8 +40,7 @@ def event(line: bytes | None) -> dict:
 
 def test_sse_framing_and_done() -> None:
     assert DONE == b"data: [DONE]\n\n"
-    line = sse(Usage(prompt_tokens=1, completion_tokens=2))
-    assert event(line) == {"prompt_tokens": 1, "completion_tokens": 2, "cached_tokens": 0}
+    assert sse(b'{"a":1}') == b'data: {"a":1}\n\n'
 
 
 def test_text_with_newlines_stays_on_one_sse_line() -> None:
