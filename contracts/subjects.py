@@ -16,6 +16,8 @@ ROUTE_WITHDRAWN = f"{PREFIX}.events.route_withdrawn"
 BALANCER_QUEUE_GROUP = "kvlane-balancer"
 BALANCER_STATUS = f"{PREFIX}.balancer.status"
 BALANCER_ADMIN_QUEUE_GROUP = "kvlane-balancer-admin"
+# Every balancer replica answers here (no queue group): `kvlane status` shows them all.
+BALANCER_STATUS_ALL = f"{PREFIX}.balancer.status_all"
 
 HEARTBEAT_ALL = f"{PREFIX}.heartbeat.*"
 WORKER_LEFT = f"{PREFIX}.events.worker_left"

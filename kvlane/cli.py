@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import signal
 import sys
 import tempfile
@@ -119,15 +120,19 @@ def _schema(args: argparse.Namespace, console: Console) -> int:
 def _status(args: argparse.Namespace, console: Console) -> int:
     import asyncio
 
-    from kvlane.status import StatusError, fetch_status, render_status
+    from kvlane.status import StatusError, fetch_statuses, render_status, watch_status
 
     nats_url = args.nats_url or load_config(args.config).nats.url
+    if args.watch:
+        with contextlib.suppress(KeyboardInterrupt):
+            asyncio.run(watch_status(nats_url, args.model, args.timeout, args.interval, console))
+        return 0
     try:
-        status = asyncio.run(fetch_status(nats_url, args.model, args.timeout))
+        statuses = asyncio.run(fetch_statuses(nats_url, args.model, args.timeout))
     except StatusError as exc:
         console.print(f"[red]{exc}[/]")
         return 1
-    render_status(status, console)
+    render_status(statuses, console)
     return 0
 
 
@@ -156,11 +161,13 @@ def build_parser() -> argparse.ArgumentParser:
     schema = commands.add_parser("schema", help="print the OpenAPI document or the JSON Schema of the NATS messages")
     schema.add_argument("kind", choices=["openapi", "wire"])
     schema.set_defaults(handler=_schema)
-    status = commands.add_parser("status", help="nodes, load, slots, queue, policy and JFFC bounds, from a balancer")
+    status = commands.add_parser("status", help="nodes, load, slots, queue, policy and JFFC bounds, from every balancer")
     status.add_argument("--config", help="TOML configuration file (for the NATS URL)")
     status.add_argument("--nats-url", help="NATS URL (default: from the configuration)")
     status.add_argument("--model", default="", help="only this model's chains")
     status.add_argument("--timeout", type=float, default=5.0)
+    status.add_argument("--watch", action="store_true", help="refresh the tables in place until Ctrl-C")
+    status.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes with --watch")
     status.set_defaults(handler=_status)
     # `kvlane bench` has its own parser (loadtest/bench.py); everything after the word goes to it.
     commands.add_parser("bench", help="run a workload against fresh sim fleets, one per routing policy", add_help=False)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Iterator
 
@@ -81,14 +82,36 @@ async def test_status_subject_reports_slots_queue_and_bounds(one_slot_fleet: Fle
         assert not isinstance(bad, BalancerStatus) and bad.status == 400
     finally:
         await nc.close()
-    from kvlane.status import fetch_status, render_status
+    from kvlane.status import fetch_statuses, render_status
     from rich.console import Console
 
-    status = await fetch_status(one_slot_fleet.config.nats.url)
+    statuses = await fetch_statuses(one_slot_fleet.config.nats.url)
     console = Console(record=True, width=160)
-    render_status(status, console)
+    render_status(statuses, console)
     text = console.export_text()
     assert "w0" in text and "jffc_per_request" in text and "recommended slots" in text
+
+
+async def test_status_watch_refreshes_in_place(one_slot_fleet: Fleet) -> None:
+    import io
+
+    from kvlane.status import watch_status
+    from rich.console import Console
+
+    screen = io.StringIO()
+    console = Console(file=screen, force_terminal=True, width=160)
+    watching = asyncio.create_task(watch_status(one_slot_fleet.config.nats.url, "", 5.0, 0.05, console))
+    try:
+        deadline = time.monotonic() + 10
+        # Two refreshes: the tables, drawn again over themselves (the cursor moves up).
+        while screen.getvalue().count("kvlane nodes") < 2 or "\x1b[" not in screen.getvalue():
+            assert time.monotonic() < deadline and not watching.done(), screen.getvalue()[-2000:]
+            await asyncio.sleep(0.05)
+    finally:
+        watching.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watching
+    assert "w0" in screen.getvalue()
 
 
 

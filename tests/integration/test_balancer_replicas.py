@@ -11,11 +11,13 @@ import msgspec
 import openai
 import pytest
 import redis.asyncio as redis
+from rich.console import Console
 
 from contracts import subjects
 from contracts.messages import Heartbeat
 from kvlane.fleet import with_overrides
 from kvlane.launcher import Launcher, free_port, wait_services_ready
+from kvlane.status import fetch_statuses, render_status
 from services.balancer.slot_store import RedisSlotStore
 from shared.config import to_env
 from tests.integration.conftest import MODEL, _stop, launch
@@ -84,6 +86,13 @@ async def test_three_replicas_never_oversubscribe_a_chain(tmp_path: Path) -> Non
             leftover[key.decode()] = await client.zcard(key)
         assert sum(leftover.values()) == 0, leftover
         await client.aclose()
+        # `kvlane status` shows every replica, not the one a queue group picks.
+        statuses = await fetch_statuses(fleet.config.nats.url)
+        assert len({s.balancer_id for s in statuses}) == 3
+        console = Console(record=True, width=200)
+        render_status(statuses, console)
+        text = console.export_text()
+        assert "3 balancer replica(s)" in text and all(s.balancer_id in text for s in statuses)
     finally:
         _stop(fleet)
 

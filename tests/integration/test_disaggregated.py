@@ -301,9 +301,9 @@ async def test_kv_nobody_pulls_is_freed_by_the_hold_timeout(tmp_path: Path) -> N
 
 
 async def test_status_lists_both_pools_and_only_decode_nodes_hold_slots(pd_fleet: Fleet) -> None:
-    from kvlane.status import fetch_status
+    from kvlane.status import fetch_statuses
 
-    status = await fetch_status(pd_fleet.config.nats.url, MODEL, 5.0)
+    [status] = await fetch_statuses(pd_fleet.config.nats.url, MODEL, 5.0)
     roles = {c.worker_id: (c.role, c.slots_total) for c in status.chains}
     assert roles["p0"] == ("prefill", 0)
     assert roles["d0"][0] == "decode" and roles["d0"][1] > 0
