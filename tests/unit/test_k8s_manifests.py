@@ -1,0 +1,150 @@
+"""k8s/ renders with kustomize, validates against the Kubernetes schemas, and agrees with the code.
+
+Every overlay, and every component on top of an overlay, is rendered with
+`kubectl kustomize` and validated offline (kubernetes-validate, strict, for
+the oldest and newest Kubernetes promised). Then each kvlane container's
+command runs through kvlane's own entry point on the configuration its
+ConfigMaps, env and mounted TOML make (shared/config.py refuses unknown
+sections and keys), and its probes, grace period, disruption budget and
+Services are checked against that configuration (tests/unit/k8s_checks.py).
+The last tests break a copy of k8s/ on purpose and expect the checks to say so.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import shutil
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.unit.k8s_checks import problems
+from tests.unit.k8s_render import K8S, REPO, render, render_composed, schema_errors
+
+OVERLAYS = sorted(path.parent.name for path in (K8S / "overlays").glob("*/kustomization.yaml"))
+COMPONENTS = sorted(path.parent.name for path in (K8S / "components").glob("*/kustomization.yaml"))
+SIM_IMAGES = {"kvlane": "kvlane:sim"}
+# What the overlays do not show: the optional components on top of the sim
+# overlay, and disaggregation on the sim engine (the overlay runs vLLM).
+COMPOSED: dict[str, tuple[list[str], list[str]]] = {
+    "sim+monitoring+external-redis": (["overlays/sim"], ["components/monitoring", "components/external-redis"]),
+    "disaggregated-sim": (["base", "workers/disaggregated"], []),
+}
+TARGETS = [f"overlays/{name}" for name in OVERLAYS] + sorted(COMPOSED)
+
+@functools.cache
+def rendered(target: str) -> list[dict[str, Any]]:
+    """The target's objects, rendered once per test session (tests must not change them)."""
+    if target in COMPOSED:
+        resources, components = COMPOSED[target]
+        return render_composed([K8S / r for r in resources], [K8S / c for c in components], SIM_IMAGES)
+    return render(K8S / target)
+
+
+def test_the_three_overlays_exist() -> None:
+    assert {"sim", "vllm-gpu", "disaggregated"} <= set(OVERLAYS)
+
+
+def test_every_component_is_rendered_somewhere() -> None:
+    used = {c for _, components in COMPOSED.values() for c in components}
+    for name in OVERLAYS:
+        used |= {f"components/{Path(c).name}" for c in re.findall(r"components/([\w-]+)", (K8S / "overlays" / name / "kustomization.yaml").read_text())}
+    assert {f"components/{name}" for name in COMPONENTS} <= used
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_renders_and_validates_against_the_kubernetes_schemas(target: str) -> None:
+    docs = rendered(target)
+    assert docs
+    assert schema_errors(docs) == []
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_agrees_with_kvlane_commands_and_config(target: str) -> None:
+    assert problems(rendered(target)) == []
+
+
+def test_overlays_run_the_workers_they_promise() -> None:
+    def workers(target: str) -> dict[str, dict[str, Any]]:
+        return {d["metadata"]["name"]: d for d in rendered(target) if d["metadata"].get("labels", {}).get("kvlane.io/worker") == "true"}
+
+    assert set(workers("overlays/sim")) == {"kvlane-worker"}
+    assert set(workers("overlays/disaggregated")) == {"kvlane-prefill-worker", "kvlane-decode-worker"}
+    for target in ("overlays/vllm-gpu", "overlays/disaggregated"):
+        for worker in workers(target).values():
+            container = worker["spec"]["template"]["spec"]["containers"][0]
+            assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
+            assert container["image"] == "kvlane:vllm"
+    ingress = next(d for d in rendered("overlays/vllm-gpu") if d["metadata"]["name"] == "kvlane-ingress" and d["kind"] == "Deployment")
+    assert ingress["spec"]["template"]["spec"]["containers"][0]["image"] == "kvlane:sim"
+
+
+def test_external_redis_component_removes_the_statefulset() -> None:
+    docs = rendered("sim+monitoring+external-redis")
+    assert not [d for d in docs if d["metadata"]["name"].startswith("redis")]
+    assert {d["kind"] for d in docs} >= {"ServiceMonitor"}
+
+
+def test_dockerfile_copies_every_package_and_builds_both_engines() -> None:
+    dockerfile = (REPO / "Dockerfile").read_text()
+    pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
+    packages = {pattern.rstrip("*") for pattern in pyproject["tool"]["setuptools"]["packages"]["find"]["include"]}
+    copied = set(re.findall(r"^COPY\s+(\w+)\s", dockerfile, re.MULTILINE))
+    assert packages <= copied, f"the Dockerfile does not COPY {sorted(packages - copied)}"
+    assert re.search(r"^ARG ENGINE=sim$", dockerfile, re.MULTILINE)
+    assert {"base-sim", "base-vllm"} <= set(re.findall(r"^FROM \S+ AS (\S+)", dockerfile, re.MULTILINE))
+    extras = set(re.findall(r'KVLANE_EXTRAS="\[([\w-]+)\]"', dockerfile))
+    assert extras and extras <= set(pyproject["project"]["optional-dependencies"])
+
+
+# --- the checks can fail ----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def sim_without_changes() -> None:
+    assert problems(rendered("overlays/sim")) == []
+
+
+BREAKAGES = [
+    # (file under k8s/, text to replace, replacement, what the checks must say)
+    ("base/config/kvlane.env", "KVLANE__LOGGING__FORMAT=json", "KVLANE__WORKER__NO_SUCH_KEY=1", "no_such_key"),
+    ("base/config/kvlane.env", "KVLANE__LOGGING__FORMAT=json", "KVLANE__NO_SUCH_SECTION__KEY=1", "no_such_section"),
+    ("base/config/kvlane.env", "KVLANE__LOGGING__FORMAT=json", "KVLANE_LOGGING__FORMAT=json", "neither KVLANE__SECTION__KEY"),
+    ("base/config/kvlane.toml", "drain_timeout_s = 60.0", "drain_timeout_s = 600.0", "terminationGracePeriodSeconds 90"),
+    ("base/config/kvlane.toml", "[cache_manager]\nmetrics_port = 9090", "[cache_manager]\nmetrics_port = 9191", "serves HTTP on 9191"),
+    ("base/config/kvlane.toml", 'metrics_host = "0.0.0.0"', 'metrics_host = "127.0.0.1"', "listens on 127.0.0.1 only"),
+    ("base/ingress.yaml", '"services.ingress"', '"services.no_such_service"', "is not a kvlane service"),
+    ("base/ingress.yaml", "terminationGracePeriodSeconds: 330", "terminationGracePeriodSeconds: 60", "terminationGracePeriodSeconds 60"),
+    ("base/ingress.yaml", "path: /ready", "path: /readyz", "does not serve"),
+    ("base/balancer.yaml", '"services.balancer"]', '"services.balancer", "--no-such-flag"]', "exits 2"),
+    ("base/config/nats.conf", "    nats://nats-2.nats-headless:6222\n", "", "routes"),
+    ("workers/common/worker-pod.yaml", "node_key(config.worker.worker_id)", "node_key(config.worker.model)", "is registered"),
+    ("workers/common/worker-pod.yaml", "from contracts.subjects import node_key", "from contracts.subjects import no_such_name", "quietly"),
+    ("base/redis.yaml", "    - name: redis\n      port: 6379\n      targetPort: redis\n---\napiVersion: v1\nkind: Service\nmetadata:\n  name: redis-headless",
+     "    - name: redis\n      port: 6380\n      targetPort: redis\n---\napiVersion: v1\nkind: Service\nmetadata:\n  name: redis-headless", "names no Service port"),
+]
+
+
+@pytest.mark.parametrize(("path", "old", "new", "expected"), BREAKAGES, ids=[f"{b[0]}:{b[3]}" for b in BREAKAGES])
+def test_a_broken_copy_is_refused(tmp_path: Path, sim_without_changes: None, path: str, old: str, new: str, expected: str) -> None:
+    copy = tmp_path / "k8s"
+    shutil.copytree(K8S, copy)
+    target = copy / path
+    text = target.read_text()
+    assert old in text, f"{path} no longer contains {old!r}: update the breakage"
+    target.write_text(text.replace(old, new, 1))
+    found = problems(render(copy / "overlays" / "sim"))
+    assert any(expected in problem for problem in found), found
+
+
+def test_strict_schema_validation_refuses_an_unknown_field() -> None:
+    docs = [dict(d) for d in rendered("overlays/sim")]
+    deployment = next(d for d in docs if d["kind"] == "Deployment")
+    broken = {**deployment, "spec": {**deployment["spec"], "replica": 2}}
+    assert any("replica" in error for error in schema_errors([broken]))
+    monitor = next(d for d in rendered("sim+monitoring+external-redis") if d["kind"] == "ServiceMonitor")
+    assert any("interval" in error for error in schema_errors([{**monitor, "spec": {**monitor["spec"], "endpoints": [{"port": "x", "interval": "soon"}]}}]))
+    assert schema_errors([{"apiVersion": "example.com/v1", "kind": "Unknown", "metadata": {"name": "x"}}])
