@@ -71,6 +71,8 @@ class RouteDecision(Struct, tag="decision", tag_field="type"):
     cached_blocks: NonNegativeInt = 0
     prefill_worker_id: str = ""
     prefill_inbox: str = ""
+    # Seconds the request waited in the balancer's central queue for a free slot (0: placed at once).
+    queued_s: Annotated[float, Meta(ge=0.0)] = 0.0
 
 
 RouteReply = RouteDecision | ErrorReply
@@ -327,6 +329,8 @@ class EngineStats(Struct):
     kv_pull_bytes: NonNegativeInt = 0
     kv_pull_failures: NonNegativeInt = 0
     kv_held_blocks: NonNegativeInt = 0
+    # Seconds the pulls done here spent moving KV, summed since the worker started.
+    kv_pull_seconds: Annotated[float, Meta(ge=0.0)] = 0.0
 
 
 class Heartbeat(Struct, tag="heartbeat", tag_field="type"):

@@ -31,6 +31,9 @@ CACHE_RENEW = f"{PREFIX}.cache.renew"
 CACHE_ROUTED = f"{PREFIX}.cache.routed"
 CACHE_QUEUE_GROUP = "kvlane-cache-manager"
 REQUEST_FINISHED = f"{PREFIX}.events.finished"
+REQUEST_SERVED = f"{PREFIX}.events.served"
+AUTOSCALER_DECISION = f"{PREFIX}.autoscaler.decision"
+AUTOSCALER_DECISION_KEY = f"{REDIS_PREFIX}:autoscaler:decision"
 
 # The OpenAI API over NATS request/reply (a `nats.micro` service): the payload
 # is the OpenAI JSON request body, the reply its JSON response body.

@@ -18,16 +18,42 @@ from kvlane.launcher import LaunchError, Launcher
 from shared.config import ConfigError, KvlaneConfig, WorkerSettings, load_config
 
 
+# Flags of one mode only, with their defaults there: given in the other mode, they are refused.
+_MODE_FLAGS = {"aggregated": {"workers": 2, "fleet": None}, "disaggregated": {"prefill_workers": 1, "decode_workers": 1}}
+
+
+def _up_flags_refused(args: argparse.Namespace) -> str | None:
+    """Why the flags given do not fit together, or None; fills in the chosen mode's defaults."""
+    for mode, flags in _MODE_FLAGS.items():
+        for flag, default in flags.items():
+            if mode != args.mode and getattr(args, flag) is not None:
+                return f"--{flag.replace('_', '-')} applies to --mode {mode} only"
+            if getattr(args, flag) is None:
+                setattr(args, flag, default)
+    return None
+
+
+def up_config(args: argparse.Namespace) -> KvlaneConfig:
+    """The configuration file, with what the flags given override (a flag not given leaves the file's value)."""
+    ingress = {name: value for name, value in (("port", args.port), ("host", args.host)) if value is not None}
+    return with_overrides(
+        load_config(args.config),
+        ingress=ingress,
+        worker={"engine": args.engine} if args.engine else {},
+        logging={"format": "console"} if args.console_logs else {},
+        # Every service gets it (the config reaches each as KVLANE__* variables): spans and GenAI metrics over OTLP/HTTP.
+        tracing={"exporter": "otlp", "otlp_endpoint": args.otlp_endpoint} if getattr(args, "otlp_endpoint", None) else {},
+    )
+
+
 def _up(args: argparse.Namespace, console: Console) -> int:
-    config = load_config(args.config)
+    if (refused := _up_flags_refused(args)) is not None:
+        console.print(f"[red]{refused}[/]")
+        return 2
+    config = up_config(args)
+    args.engine = config.worker.engine
     if args.engine == "vllm":
         config = _with_vllm_model(config, console)
-    config = with_overrides(
-        config,
-        ingress={"port": args.port, "host": args.host},
-        worker={"engine": args.engine},
-        logging={"format": "console"} if args.console_logs else {},
-    )
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="kvlane-"))
     launcher = Launcher(log_dir)
     if args.mode == "disaggregated":
@@ -38,8 +64,8 @@ def _up(args: argparse.Namespace, console: Console) -> int:
         shape = f"{workers} {args.engine} worker(s)"
     mix = []
     if args.fleet:
-        if args.engine != "sim" or args.mode != "aggregated":
-            console.print("[red]--fleet mixes sim profiles: it needs --engine sim and --mode aggregated[/]")
+        if args.engine != "sim":
+            console.print("[red]--fleet mixes sim profiles: it needs --engine sim[/]")
             return 2
         try:
             mix = fleet_nodes(parse_fleet(args.fleet))
@@ -63,10 +89,18 @@ def _up(args: argparse.Namespace, console: Console) -> int:
 
     signal.signal(signal.SIGINT, request_stop)
     signal.signal(signal.SIGTERM, request_stop)
+    actuator = None
+    if args.autoscale:
+        actuator = _start_autoscaling(fleet, console)
+        if actuator is None:
+            fleet.stop()
+            return 1
     console.print(f"[green]ready[/]  base URL: [bold]{fleet.base_url}/v1[/]  model: [bold]{config.worker.model}[/]")
     console.print("Ctrl-C stops everything kvlane started.")
     try:
         while not stopping:
+            if actuator is not None:
+                actuator.step()
             dead = [p for p in fleet.services() if not p.alive()]
             if dead:
                 console.print(f"[red]{dead[0].name} exited ({dead[0].popen.returncode})[/]; see {dead[0].log_path}")
@@ -77,6 +111,25 @@ def _up(args: argparse.Namespace, console: Console) -> int:
         fleet.stop()
         console.print("stopped.")
     return 0
+
+
+def _start_autoscaling(fleet, console: Console):
+    """Start the autoscaler service and the actuator that applies its decisions to this fleet (None: it failed to start)."""
+    import redis
+
+    from contracts import subjects
+    from kvlane.autoscale import FleetActuator
+    from kvlane.launcher import wait_services_ready
+
+    try:
+        wait_services_ready([fleet.add_autoscaler()])
+    except LaunchError as exc:
+        console.print(f"[red]the autoscaler failed to start:[/] {exc}")
+        return None
+    client = redis.Redis.from_url(fleet.config.redis.url)
+    bounds = {pool: getattr(fleet.config.autoscaler, pool) for pool in ("aggregated", "prefill", "decode")}
+    console.print("autoscaling: " + ", ".join(f"{pool} {b.min}..{b.max}" for pool, b in bounds.items()))
+    return FleetActuator(fleet, lambda: client.get(subjects.AUTOSCALER_DECISION_KEY), lambda change: console.print(f"autoscale: {change}"))
 
 
 # A vLLM engine takes ~30 s to start alone, longer when several share few cores.
@@ -136,23 +189,43 @@ def _status(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def _dashboard(args: argparse.Namespace, console: Console) -> int:
+    try:
+        from kvlane.dashboard import render
+    except ImportError as exc:
+        console.print(f"[red]{exc}[/]: `pip install 'kvlane[dashboard]'` installs grafana-foundation-sdk")
+        return 1
+    if args.output == "-":
+        sys.stdout.write(render())
+    else:
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.output).write_text(render())
+        console.print(f"dashboard written to {args.output}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvlane", description="LLM-serving control plane")
     commands = parser.add_subparsers(dest="command", required=True)
     up = commands.add_parser("up", help="start NATS, Redis (unless reachable), balancer, workers and ingress")
-    up.add_argument("--engine", choices=["sim", "vllm"], default="sim")
+    # Defaults of None: a flag not given leaves the configuration file's value.
+    up.add_argument("--engine", choices=["sim", "vllm"], help="worker engine (default: worker.engine, sim)")
     up.add_argument("--mode", choices=["aggregated", "disaggregated"], default="aggregated",
                     help="aggregated: each worker runs whole requests; disaggregated: prefill and decode pools")
-    up.add_argument("--workers", type=int, default=2, help="aggregated workers (aggregated mode)")
-    up.add_argument("--prefill-workers", type=int, default=1, help="prefill workers (disaggregated mode)")
-    up.add_argument("--decode-workers", type=int, default=1, help="decode workers (disaggregated mode)")
-    up.add_argument("--fleet", help="sim workers of several kinds, PROFILE[@SPEED]:COUNT,... (replaces --workers)")
-    up.add_argument("--port", type=int, default=8000)
-    up.add_argument("--host", default="127.0.0.1")
+    up.add_argument("--workers", type=int, help="aggregated workers (aggregated mode; default 2)")
+    up.add_argument("--prefill-workers", type=int, help="prefill workers (disaggregated mode; default 1)")
+    up.add_argument("--decode-workers", type=int, help="decode workers (disaggregated mode; default 1)")
+    up.add_argument("--fleet", help="sim workers of several kinds, PROFILE[@SPEED]:COUNT,... (aggregated mode; replaces --workers)")
+    up.add_argument("--port", type=int, help="ingress port (default: ingress.port, 8000)")
+    up.add_argument("--host", help="ingress address (default: ingress.host, 127.0.0.1)")
     up.add_argument("--config", help="TOML configuration file")
     up.add_argument("--log-dir", help="where child logs go (default: a new temporary directory)")
     up.add_argument("--ready-timeout", type=float, help="seconds to wait for the fleet (default: 60 sim, 600 vllm)")
     up.add_argument("--console-logs", action="store_true", help="human-readable logs instead of JSON")
+    up.add_argument("--autoscale", action="store_true",
+                    help="run the autoscaler and start or drain workers as it decides (targets and bounds: [autoscaler])")
+    up.add_argument("--otlp-endpoint", metavar="URL",
+                    help="send traces and GenAI metrics over OTLP/HTTP to this collector (e.g. http://localhost:4318)")
     up.set_defaults(handler=_up)
     tiny = commands.add_parser("make-tiny-model", help="write a tiny random-weight Llama with its own tokenizer (for tests)")
     tiny.add_argument("directory")
@@ -169,9 +242,14 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--watch", action="store_true", help="refresh the tables in place until Ctrl-C")
     status.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes with --watch")
     status.set_defaults(handler=_status)
+    dashboard = commands.add_parser("dashboard", help="write the Grafana dashboard (JSON) for a Prometheus that scrapes kvlane")
+    dashboard.add_argument("--output", default="-", help="file to write (default: standard output); "
+                           "deploy/grafana/kvlane.json is the checked-in copy")
+    dashboard.set_defaults(handler=_dashboard)
     # `kvlane bench` has its own parser (loadtest/bench.py); everything after the word goes to it.
     commands.add_parser("bench", help="run a workload against fresh sim fleets, one per routing policy", add_help=False)
     commands.add_parser("simulate", help="the same comparison in virtual time, in one process (no servers)", add_help=False)
+    commands.add_parser("calibrate", help="measure a vLLM node's step times and fit its step-time profile", add_help=False)
     return parser
 
 
@@ -193,7 +271,7 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     console = Console(stderr=False)
     for flag in ("workers", "prefill_workers", "decode_workers"):
-        if getattr(args, flag, 1) < 1:
+        if getattr(args, flag, None) is not None and getattr(args, flag) < 1:
             console.print(f"[red]--{flag.replace('_', '-')} must be at least 1[/]")
             sys.exit(2)
     try:

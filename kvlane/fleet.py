@@ -3,6 +3,7 @@ one balancer, N workers and one ingress, all configured from one config."""
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from urllib.parse import urlparse
@@ -26,6 +27,9 @@ class Fleet:
     health_probers: list[Process] = field(default_factory=list)
     workers: list[Process] = field(default_factory=list)
     ingress: Process | None = None
+    autoscalers: list[Process] = field(default_factory=list)
+    # Each worker process's role, by process name.
+    roles: dict[str, WorkerRole] = field(default_factory=dict)
 
     def add_worker(self, worker_id: str, role: WorkerRole = "aggregated", kind: FleetNode | None = None) -> Process:
         """Start one worker; a prefill or decode worker runs as its own service.
@@ -39,6 +43,17 @@ class Fleet:
         service = "worker" if role == "aggregated" else f"{role}_worker"
         process = self.launcher.start_service(service, env, name=f"worker-{worker_id}")
         self.workers.append(process)
+        self.roles[process.name] = role
+        return process
+
+    def drain_worker(self, process: Process) -> None:
+        """Ask a worker to finish what it runs and leave (SIGTERM); it no longer counts as one of the fleet's."""
+        self.workers.remove(process)
+        process.signal(signal.SIGTERM)
+
+    def add_autoscaler(self) -> Process:
+        process = self.launcher.start_service("autoscaler", to_env(self.config), name=f"autoscaler-{len(self.autoscalers)}")
+        self.autoscalers.append(process)
         return process
 
     def add_balancer(self) -> Process:
@@ -54,7 +69,7 @@ class Fleet:
         return process
 
     def services(self) -> list[Process]:
-        return [*self.balancers, *self.cache_managers, *self.health_probers, *self.workers,
+        return [*self.balancers, *self.cache_managers, *self.health_probers, *self.workers, *self.autoscalers,
                 *([self.ingress] if self.ingress else [])]
 
     def stop(self) -> None:

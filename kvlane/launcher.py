@@ -7,12 +7,14 @@ and by the benchmarks. Every child's output goes to its own log file under
 
 from __future__ import annotations
 
+import ctypes
 import os
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -23,6 +25,25 @@ from urllib.parse import urlparse
 
 class LaunchError(RuntimeError):
     pass
+
+
+_PR_SET_PDEATHSIG = 1
+_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+
+
+def _ending_with(parent_pid: int):
+    """A `preexec_fn` that makes the child get SIGTERM when its parent dies, however it dies.
+
+    Children run in sessions of their own (Ctrl-C goes to the launcher, which
+    stops them in order), so without this a SIGKILLed `kvlane up` would
+    leave every service running, registered and holding its port.
+    """
+    def preexec() -> None:
+        _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent_pid:  # the parent died before the line above
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return preexec
 
 
 def free_port() -> int:
@@ -132,6 +153,9 @@ class Launcher:
     def spawn(self, name: str, argv: list[str], env: Mapping[str, str] | None = None) -> Process:
         log_path = self.log_dir / f"{name}.log"
         log_file = log_path.open("ab")
+        # The death signal follows the thread that forks the child: only the main
+        # thread lives as long as the process (tests also start servers from others).
+        end_with_parent = _LIBC is not None and threading.current_thread() is threading.main_thread()
         popen = subprocess.Popen(
             argv,
             env={**self._base_env, **(env or {})},
@@ -139,6 +163,7 @@ class Launcher:
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             start_new_session=True,  # Ctrl-C reaches kvlane up, which stops children in order
+            preexec_fn=_ending_with(os.getpid()) if end_with_parent else None,
         )
         log_file.close()
         process = Process(name, popen, log_path)

@@ -82,19 +82,36 @@ class ArrivalSpec:
     mode: Literal["poisson", "gamma", "closed"] = "poisson"
     rate: float = 1.0
     cv: float = 1.0
+    # A rate that changes over time: (from second, rate) pairs in order; `rate` holds before the first.
+    steps: tuple[tuple[float, float], ...] = ()
+
+    def rate_at(self, t: float) -> float:
+        rate = self.rate
+        for start, stepped in self.steps:
+            if t < start:
+                break
+            rate = stepped
+        return rate
 
     def offsets(self, seed: int) -> Iterator[float]:
         if self.mode == "closed":
             yield from itertools.repeat(0.0)
             return
-        if self.rate <= 0:
+        if self.rate <= 0 or any(rate <= 0 for _, rate in self.steps):
             raise ValueError("arrival rate must be positive")
         rng = random.Random(f"{seed}:arrivals")
         cv = 1.0 if self.mode == "poisson" else self.cv
+        boundaries = [start for start, _ in self.steps]
         now = 0.0
         while True:
             yield now
-            now += _interarrival(rng, self.rate, cv)
+            gap = _interarrival(rng, self.rate_at(now), cv)
+            # A step's new rate takes over at its boundary (exact for Poisson arrivals, which have no memory).
+            crossed = next((b for b in boundaries if now < b <= now + gap), None)
+            if crossed is not None:
+                now = crossed
+                gap = _interarrival(rng, self.rate_at(now), cv)
+            now += gap
 
 
 def _interarrival(rng: random.Random, rate: float, cv: float) -> float:

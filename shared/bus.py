@@ -21,6 +21,7 @@ import structlog
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
+from opentelemetry.context import Context
 from opentelemetry.trace import SpanKind
 
 from contracts import subjects
@@ -104,13 +105,19 @@ class Bus:
     def encode(self, message: msgspec.Struct) -> bytes:
         return self._encoder.encode(message)
 
-    async def publish(self, subject: str, message: msgspec.Struct, *, traced: bool = True) -> None:
-        headers = self._telemetry.inject() if traced else None
+    async def publish(self, subject: str, message: msgspec.Struct, *, traced: bool = True, context: Context | None = None) -> None:
+        """`context`: the trace the message belongs to (default: the current span's)."""
+        headers = self._telemetry.inject(context=context) if traced else None
         await self._nc.publish(subject, self._encoder.encode(message), headers=headers or None)
 
-    async def request(self, subject: str, message: msgspec.Struct, reply_type: type[T] | Any, timeout: float) -> T:
-        """Send and wait for one typed reply; raise `NoResponders` or `RequestTimeout`."""
-        headers = self._telemetry.inject()
+    async def request(
+        self, subject: str, message: msgspec.Struct, reply_type: type[T] | Any, timeout: float, *, context: Context | None = None
+    ) -> T:
+        """Send and wait for one typed reply; raise `NoResponders` or `RequestTimeout`.
+
+        `context`: the trace the request belongs to (default: the current span's).
+        """
+        headers = self._telemetry.inject(context=context)
         try:
             reply = await self._nc.request(subject, self._encoder.encode(message), timeout=timeout, headers=headers or None)
         except nats.errors.NoRespondersError as exc:

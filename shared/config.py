@@ -62,9 +62,17 @@ class LoggingSettings(_Section):
 
 
 class TracingSettings(_Section):
+    # "otlp" sends spans and the GenAI server metrics over OTLP/HTTP (protobuf);
+    # "console" prints spans only; "none" records nothing (no cost per request).
     exporter: Literal["none", "console", "otlp"] = "none"
-    otlp_endpoint: str = "http://127.0.0.1:4318/v1/traces"
+    # A base URL (`/v1/traces` and `/v1/metrics` are added), or the full traces
+    # URL ending in `/v1/traces` (metrics then go to its `/v1/metrics` sibling).
+    otlp_endpoint: str = "http://127.0.0.1:4318"
     sample_ratio: Annotated[float, Meta(ge=0.0, le=1.0)] = 1.0
+    # Finished spans wait at most this long before they are sent in a batch.
+    batch_delay_s: PositiveFloat = 5.0
+    # The GenAI server metrics are sent this often (and once more at shutdown).
+    metrics_interval_s: PositiveFloat = 60.0
 
 
 class ClusterSettings(_Section):
@@ -256,6 +264,9 @@ class HealthSettings(_Section):
     feedback_to_suspect: PositiveInt = 5
     suspect_weight: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.3
     verdict_ttl_s: PositiveFloat = 30.0
+    # Prometheus /metrics on this port; 0 = off.
+    metrics_port: Annotated[int, Meta(ge=0, le=65535)] = 0
+    metrics_host: str = "127.0.0.1"
 
 
 class SimSettings(_Section):
@@ -319,8 +330,44 @@ class WorkerSettings(_Section):
     # A live source answers a pull in milliseconds; one that died just now
     # may leave the request unanswered rather than refused.
     kv_pull_timeout_s: PositiveFloat = 1.0
+    # Prometheus /metrics on this port; 0 = off. Each worker on one host needs its own
+    # (KVLANE__WORKER__METRICS_PORT per process); the fleet-wide engine metrics are on ingress.
+    metrics_port: Annotated[int, Meta(ge=0, le=65535)] = 0
+    metrics_host: str = "127.0.0.1"
     sim: SimSettings = msgspec.field(default_factory=SimSettings)
     vllm: VllmSettings = msgspec.field(default_factory=VllmSettings)
+
+
+class PoolBounds(_Section):
+    min: Annotated[int, Meta(ge=0)] = 1
+    max: Annotated[int, Meta(ge=0)] = 8
+
+
+class AutoscalerSettings(_Section):
+    """Targets and pacing of `services.autoscaler` (defaults after Dynamo's SLA planner and Knative's windows)."""
+
+    ttft_p99_s: PositiveFloat = 0.5
+    tpot_p99_s: PositiveFloat = 0.05
+    # A pool is saturated at this KV usage, or this many requests waiting per replica (llm-d: 0.8 and 5).
+    kv_usage_max: Annotated[float, Meta(gt=0.0, le=1.0)] = 0.8
+    waiting_per_replica_max: PositiveFloat = 5.0
+    interval_s: PositiveFloat = 5.0
+    stable_window_s: PositiveFloat = 60.0
+    panic_window_s: PositiveFloat = 6.0
+    # Pressure (observed over target) over the panic window that scales up at once, by panic_step.
+    panic_threshold: PositiveFloat = 2.0
+    step: PositiveInt = 1
+    panic_step: PositiveInt = 2
+    # Scale down only when one replica fewer would still run below this pressure.
+    scale_down_pressure: Annotated[float, Meta(gt=0.0, lt=1.0)] = 0.7
+    # After a change, wait this long before the next change up (new replicas must start first) or down.
+    up_cooldown_s: Annotated[float, Meta(ge=0.0)] = 15.0
+    down_cooldown_s: Annotated[float, Meta(ge=0.0)] = 60.0
+    aggregated: PoolBounds = msgspec.field(default_factory=PoolBounds)
+    prefill: PoolBounds = msgspec.field(default_factory=PoolBounds)
+    decode: PoolBounds = msgspec.field(default_factory=PoolBounds)
+    metrics_port: Annotated[int, Meta(ge=0, le=65535)] = 0
+    metrics_host: str = "127.0.0.1"
 
 
 class KvlaneConfig(_Section):
@@ -334,6 +381,7 @@ class KvlaneConfig(_Section):
     cache_manager: CacheManagerSettings = msgspec.field(default_factory=CacheManagerSettings)
     health: HealthSettings = msgspec.field(default_factory=HealthSettings)
     worker: WorkerSettings = msgspec.field(default_factory=WorkerSettings)
+    autoscaler: AutoscalerSettings = msgspec.field(default_factory=AutoscalerSettings)
 
 
 def _parse_env_value(raw: str) -> Any:

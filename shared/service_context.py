@@ -31,7 +31,7 @@ class ServiceContext:
 
 @contextlib.asynccontextmanager
 async def service_context(config: KvlaneConfig, service: str, instance_id: str) -> AsyncIterator[ServiceContext]:
-    telemetry = Telemetry(config.tracing, service)
+    telemetry = Telemetry(config.tracing, service, instance_id=instance_id)
     redis_client = connect_redis(config.redis)
     state = ClusterState(redis_client, config.cluster.heartbeat_ttl_s)
     bus = await Bus.connect(config.nats, f"kvlane-{service}-{instance_id}", telemetry)

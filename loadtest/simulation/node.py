@@ -40,6 +40,8 @@ class SimNode:
         self.speed = speed
         self.scheduler = build_scheduler(settings, profile, output_token_range)
         self.alive = True
+        # Draining: it finishes what it runs and takes nothing new (its heartbeats say so).
+        self.draining = False
         self._events = events
         self._on_step = on_step
         self._stepping = False
@@ -99,7 +101,7 @@ class SimNode:
     def heartbeat(self) -> Heartbeat:
         self._heartbeat_seq += 1
         return Heartbeat(self.registration, self._step_stats.take(self._events.now), sent_at=self._events.now,
-                         seq=self._heartbeat_seq)
+                         seq=self._heartbeat_seq, draining=self.draining)
 
     def kv_events(self) -> KvEvents | None:
         """The prefix-cache changes since the last batch, as the worker publishes them; None when there are none."""

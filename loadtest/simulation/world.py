@@ -38,6 +38,7 @@ from loadtest.simulation.balancer import SimBalancer
 from loadtest.simulation.events import EventQueue
 from loadtest.simulation.ledger import MemoryLedger, SimAllocator
 from loadtest.simulation.node import SimNode
+from loadtest.simulation.scaling import ScalingTimeline, SimScaler
 from loadtest.workloads import Session, WorkloadSpec, sessions
 from services.balancer.router import Placement
 from services.health_prober.health import NodeHealth
@@ -46,7 +47,7 @@ from services.ingress.prompts import PreparedRequest, prepare
 from services.worker.sim import SimRequest, StepOutcome
 from shared.kv_links import get_link
 from shared.step_profile import get_profile
-from shared.config import KvlaneConfig
+from shared.config import AutoscalerSettings, KvlaneConfig
 from shared.tokenizer import SimTokenizer
 
 
@@ -85,6 +86,10 @@ class SimulationSpec:
     changes: tuple[NodeChange, ...] = ()
     # Assert slot and KV capacity after every event (tests; slows the run).
     check_invariants: bool = False
+    # Nodes join and drain as the autoscaler decides (None: the fleet stays as given); a
+    # joining node serves `node_start_s` after the decision, as an engine takes to start.
+    autoscaling: AutoscalerSettings | None = None
+    node_start_s: float = 5.0
 
 
 @dataclass
@@ -95,6 +100,7 @@ class SimulationResult:
     events: int
     wall_s: float
     counters: dict[str, int] = field(default_factory=dict)
+    scaling: ScalingTimeline | None = None
 
     @property
     def events_per_s(self) -> float:
@@ -152,6 +158,7 @@ class Simulation:
         self._arrivals_done = False
         self._sessions: Iterator[Session] = iter(())
         self._origin = 0.0
+        self.scaler: SimScaler | None = None
         self.counters = {"migrations": 0, "dispatch_retries": 0, "node_failures": 0, "node_joins": 0,
                          "kv_hand_offs": 0}
 
@@ -165,6 +172,11 @@ class Simulation:
         for change in spec.changes:
             events.at(change.at_s, self._change, change)
         self.balancer.start()
+        if spec.autoscaling is not None:
+            kinds = {node.role: node for node in reversed(spec.nodes)}  # each pool grows with nodes of its first kind
+            self.scaler = SimScaler(spec.autoscaling, events, self.nodes, kinds, self.balancer.view,
+                                    lambda: len(self.balancer.router.queue), self._add_node, self._now, spec.node_start_s)
+            self.scaler.start()
         self._sessions = sessions(spec.workload)
         # Clients start once every node has been heard (the live bench waits for a served request too).
         start = self._config.cluster.heartbeat_interval_s + 2 * self._lat.hop_s
@@ -182,11 +194,14 @@ class Simulation:
         simulated_s = events.now - start
         # Messages still on their way (the last RequestFinished) land, so the final state is settled.
         events.run(until=events.now + 4 * self._lat.hop_s + self._lat.decision_s, after_each=check)
+        if self.scaler is not None:
+            self.scaler.finish()
         return SimulationResult(self._records, self._runs, simulated_s, events.processed,
                                 time.perf_counter() - started,
                                 self.counters | {"route_decisions": self.balancer.decisions,
                                                  "kv_refusals": self.balancer.kv_refusals,
-                                                 "lease_preemptions": self._allocator.preemptions if self._allocator else 0})
+                                                 "lease_preemptions": self._allocator.preemptions if self._allocator else 0},
+                                self.scaler.timeline if self.scaler is not None else None)
 
     def _all_done(self) -> bool:
         return self._arrivals_done and self._open_sessions == 0
@@ -517,6 +532,8 @@ class Simulation:
         del self._flights[record.request_id or ""]
         record.text = "".join(self._tokenizer.token_text(t) for t in flight.output)
         self._on_record(record)
+        if self.scaler is not None:
+            self.scaler.served(record)
         session, turn = flight.session, flight.turn + 1
         if record.ok and turn < len(session.turns):
             history = flight.history + [(session.turns[flight.turn].text, record.text)]

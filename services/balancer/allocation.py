@@ -16,6 +16,8 @@ from __future__ import annotations
 import time
 
 import structlog
+from opentelemetry import trace
+from opentelemetry.trace import Tracer
 from redis.exceptions import RedisError
 
 from contracts import subjects
@@ -27,25 +29,37 @@ from shared.bus import Bus, BusError, NoResponders
 from shared.coalescer import Coalescer
 from shared.config import CacheManagerSettings
 from shared.kv_allocation import Demand, ask_on_node
+from shared.spans import annotate_allocation
 
 log = structlog.get_logger("kvlane.balancer")
 
 
 class KvAllocator:
     def __init__(self, bus: Bus, timeout_s: float, ledger: BlockLedger | None = None,
-                 cache_settings: CacheManagerSettings | None = None) -> None:
+                 cache_settings: CacheManagerSettings | None = None, tracer: Tracer | None = None) -> None:
         self._bus = bus
+        self._tracer = tracer or trace.NoOpTracer()
         self._timeout_s = timeout_s
         self._ledger = ledger
         self._cache_settings = cache_settings or CacheManagerSettings()
         self._routed: Coalescer[RoutedPrefix] = Coalescer("routed-prefixes", self._report_routed)
 
     async def allocate(self, request: RouteRequest, chain: ChainState) -> Allocation | ErrorReply:
-        if self._ledger is not None:
-            allocation = await self._from_ledger(self._ledger, request, chain)
-            if allocation is not None:
-                return allocation
-        return await self._from_cache_manager(request, chain.worker_id)
+        """The request's lease on the chosen node, in a `kv.allocate` span (child of the request's `route`)."""
+        with self._tracer.start_as_current_span("kv.allocate", attributes={
+            "kvlane.request_id": request.request_id, "kvlane.worker.id": chain.worker_id,
+        }) as span:
+            allocation = None
+            if self._ledger is not None:
+                allocation = await self._from_ledger(self._ledger, request, chain)
+                source = "ledger"
+            if allocation is None:
+                allocation = await self._from_cache_manager(request, chain.worker_id)
+                source = "cache-manager"
+            if span.is_recording():
+                annotate_allocation(span, allocation, source, chain.node.block_size,
+                                    self._ledger.lease_ttl_s if self._ledger is not None else None)
+            return allocation
 
     async def close(self) -> None:
         await self._routed.close()
@@ -95,3 +109,4 @@ def demand_of(request: RouteRequest) -> Demand:
     """What a route request asks of the allocation core."""
     # Priority classes 0, 1, 2... weigh 1, 2, 3... in the greedy utility.
     return Demand(request.request_id, request.prompt_tokens, request.max_tokens, 1.0 + max(0, request.priority))
+

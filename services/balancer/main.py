@@ -59,9 +59,10 @@ async def main(config: KvlaneConfig, stop: asyncio.Event) -> None:
         allocator = None
         if settings.allocate_kv:
             ledger = BlockLedger(ctx.redis, config.cache_manager.lease_ttl_s)
-            allocator = KvAllocator(ctx.bus, settings.allocate_timeout_s, ledger, config.cache_manager)
+            allocator = KvAllocator(ctx.bus, settings.allocate_timeout_s, ledger, config.cache_manager, tracer=ctx.telemetry.tracer)
         service = BalancerService(
-            ctx.bus, ctx.view, build_router(settings, model), store, settings, metrics, SlotRates(settings.slots), allocator, balancer_id
+            ctx.bus, ctx.view, build_router(settings, model), store, settings, metrics, SlotRates(settings.slots), allocator, balancer_id,
+            tracer=ctx.telemetry.tracer,
         )
         metrics_runner = None
         try:

@@ -35,6 +35,8 @@ class Placement(Struct, frozen=True):
     chain: ChainState
     # The prefill node of a two-node chain; None when `chain` runs the prompt.
     prefill: ChainState | None = None
+    # The policy sent it to the node caching its prefix rather than to its best-scored node.
+    fast_forward: bool = False
 
     @property
     def request_id(self) -> str:
@@ -74,6 +76,7 @@ class Router:
         prefill_for: dict[str, ChainState] = {}
         if any(c.node.role == "decode" for c in snapshot.chains):
             snapshot, prefill_for = self._with_prefill_nodes(request, snapshot, heartbeats, cached)
+        fast_forwards = getattr(self.policy, "fast_forwards", 0)
         chain = self.policy.choose(request, snapshot)
         if chain is None:
             return None
@@ -81,7 +84,7 @@ class Router:
             raise RuntimeError(f"policy {self.policy.name} chose full chain {chain.chain_id}")
         prefill = prefill_for.get(chain.chain_id)
         self.builder.note_sent(prefill or chain, request)
-        return Placement(request, chain, prefill)
+        return Placement(request, chain, prefill, fast_forward=getattr(self.policy, "fast_forwards", 0) > fast_forwards)
 
     def _with_prefill_nodes(
         self, request: RouteRequest, snapshot: ClusterSnapshot, heartbeats: Sequence[Heartbeat], cached: Mapping[str, int],

@@ -20,6 +20,9 @@ from collections.abc import Callable
 import redis.exceptions
 import structlog
 from nats.aio.msg import Msg
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.trace import Span, Tracer
 
 from contracts import subjects
 from contracts.balancer import BalancerStatusReply, BalancerStatusRequest
@@ -47,6 +50,7 @@ from shared.cluster import ClusterView
 from shared.config import BalancerSettings
 from shared.coalescer import Coalescer
 from shared.periodic import Periodic
+from shared.telemetry import set_error
 
 log = structlog.get_logger("kvlane.balancer")
 
@@ -67,9 +71,13 @@ class BalancerService:
         balancer_id: str = "balancer",
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
+        tracer: Tracer | None = None,
     ) -> None:
         self._bus = bus
         self._view = view
+        self._tracer = tracer or trace.NoOpTracer()
+        # The trace of each queued request: its placement (and KV allocation) happen in the drain task.
+        self._waiting_traces: dict[str, otel_context.Context] = {}
         self.router = router
         self._store = store
         self._settings = settings
@@ -106,6 +114,7 @@ class BalancerService:
         await bus.subscribe(
             subjects.BALANCER_STATUS, BalancerStatusRequest, self._on_status, queue=subjects.BALANCER_ADMIN_QUEUE_GROUP
         )
+        await bus.subscribe(subjects.BALANCER_STATUS_ALL, BalancerStatusRequest, self._on_status)
         self._ticker.start()
 
     async def stop(self) -> None:
@@ -125,7 +134,15 @@ class BalancerService:
     # --- routing -------------------------------------------------------------------
 
     async def _on_route(self, request: RouteRequest, msg: Msg) -> RouteReply:
-        return await self.route(request)
+        attributes = {"kvlane.request_id": request.request_id, "gen_ai.request.model": request.model,
+                      "kvlane.route.prompt_tokens": request.prompt_tokens, "kvlane.priority": request.priority}
+        if request.exclude_workers:
+            attributes["kvlane.route.excluded"] = request.exclude_workers
+        with self._tracer.start_as_current_span("route", attributes=attributes) as span:
+            reply = await self.route(request)
+            if isinstance(reply, ErrorReply) and span.is_recording():
+                set_error(span, reply.code, reply.message)  # also the refusals made before any policy ran
+            return reply
 
     async def route(self, request: RouteRequest) -> RouteReply:
         now = self._wall_clock()
@@ -165,6 +182,9 @@ class BalancerService:
         if isinstance(reply, ErrorReply) and outcome != "refused":
             outcome = f"{outcome}_refused"
         self._metrics.decisions.labels(self.router.policy.name, outcome).inc()
+        span = trace.get_current_span()  # the request's `route` span
+        if span.is_recording():
+            _annotate_route(span, reply, outcome, self.router.policy.name)
         return reply
 
     async def _confirm(self, placement: Placement, entry: QueuedRequest | None) -> RouteDecision | ErrorReply | None:
@@ -203,15 +223,21 @@ class BalancerService:
                 self.router.undo(placement, chain.node.slots_total, entry)
                 return None
         log.debug("routed", request_id=placement.request_id, worker_id=chain.worker_id, slots_used=used, cached_blocks=chain.cached_blocks)
+        span = trace.get_current_span()  # the request's `route` span, also in the drain task
+        if span.is_recording():
+            span.set_attributes({"kvlane.route.chain_id": chain.chain_id, "kvlane.route.fast_forward": placement.fast_forward,
+                                 "kvlane.route.slots_used": used})
         prefill = placement.prefill
         return RouteDecision(
             placement.request_id, chain.worker_id, chain.node.inbox, self.router.policy.name, chain.cached_blocks,
             prefill_worker_id=prefill.worker_id if prefill else "", prefill_inbox=prefill.node.inbox if prefill else "",
+            queued_s=0.0 if entry is None else max(0.0, self._wall_clock() - entry.enqueued_at),
         )
 
     async def _wait(self, entry: QueuedRequest) -> RouteReply:
         future: asyncio.Future[RouteReply] = asyncio.get_running_loop().create_future()
         self._waiters[entry.request_id] = future
+        self._waiting_traces[entry.request_id] = otel_context.get_current()
         self._metrics.queue_length.set(len(self.router.queue))
         try:
             return await asyncio.wait_for(future, max(0.0, entry.deadline - self._wall_clock()))
@@ -222,6 +248,7 @@ class BalancerService:
         finally:
             if self._waiters.get(entry.request_id) is future:
                 del self._waiters[entry.request_id]
+                self._waiting_traces.pop(entry.request_id, None)
             self._metrics.queue_length.set(len(self.router.queue))
 
     def _resolve(self, request_id: str, reply: RouteReply) -> bool:
@@ -244,7 +271,12 @@ class BalancerService:
         while self._drain_again:
             self._drain_again = False
             for entry, placement in self.router.dispatch_queued(self._routable):
-                confirmed = await self._confirm(placement, entry)
+                # Its placement and allocation belong to the queued request's trace, not to whatever woke the drain.
+                token = otel_context.attach(self._waiting_traces.get(entry.request_id, otel_context.Context()))
+                try:
+                    confirmed = await self._confirm(placement, entry)
+                finally:
+                    otel_context.detach(token)
                 if confirmed is None:
                     self._drain_again = True  # that chain is now known full; others may still fit
                     continue
@@ -368,3 +400,19 @@ class BalancerService:
             fast_forwards=getattr(self.router.policy, "fast_forwards", 0),
             model=request.model,
         )
+
+
+def _annotate_route(span: Span, reply: RouteReply, outcome: str, policy: str) -> None:
+    """The route decision on its span: where the request runs, or why it does not."""
+    span.set_attributes({"kvlane.route.outcome": outcome, "kvlane.route.policy": policy})
+    if isinstance(reply, ErrorReply):
+        set_error(span, reply.code, reply.message)
+        return
+    attributes = {
+        "kvlane.worker.id": reply.worker_id,
+        "kvlane.route.cached_blocks": reply.cached_blocks,
+        "kvlane.route.queue_wait_s": reply.queued_s,
+    }
+    if reply.prefill_worker_id:
+        attributes["kvlane.prefill_worker.id"] = reply.prefill_worker_id
+    span.set_attributes(attributes)

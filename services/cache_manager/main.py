@@ -20,7 +20,7 @@ async def main(config: KvlaneConfig, stop: asyncio.Event) -> None:
     async with service_context(config, "cache-manager", manager_id) as ctx:
         metrics = CacheMetrics()
         ledger = BlockLedger(ctx.redis, settings.lease_ttl_s)
-        service = CacheManagerService(settings, ctx.bus, ctx.view, ledger, metrics, manager_id)
+        service = CacheManagerService(settings, ctx.bus, ctx.view, ledger, metrics, manager_id, tracer=ctx.telemetry.tracer)
         metrics_runner = None
         try:
             await service.start()

@@ -14,6 +14,8 @@ from collections.abc import Callable
 
 import structlog
 from nats.aio.msg import Msg
+from opentelemetry import trace
+from opentelemetry.trace import Tracer
 from redis.exceptions import RedisError
 
 from contracts import subjects
@@ -53,6 +55,7 @@ from shared.coalescer import Coalescer
 from shared.kv_allocation import Demand, NodeCapacity, ask_on_node, plan_preemption, rank
 from shared.periodic import Periodic
 from shared.prefix_index import PrefixIndex
+from shared.spans import annotate_allocation
 
 log = structlog.get_logger("kvlane.cache_manager")
 
@@ -69,8 +72,10 @@ class CacheManagerService:
         metrics: CacheMetrics,
         manager_id: str,
         clock: Callable[[], float] = time.monotonic,
+        tracer: Tracer | None = None,
     ) -> None:
         self._settings = settings
+        self._tracer = tracer or trace.NoOpTracer()
         self._bus = bus
         self._view = view
         self._ledger = ledger
@@ -108,7 +113,7 @@ class CacheManagerService:
         try:
             match request:
                 case AllocateRequest():
-                    return await self.allocate(request)
+                    return await self._traced_allocate(request)
                 case ReleaseRequest(request_id=request_id):
                     freed = await self._ledger.release(request_id)
                     return Released(request_id, freed or 0, freed is not None)
@@ -120,6 +125,20 @@ class CacheManagerService:
             log.warning("redis_unavailable", error=str(exc))
             return ErrorReply(code="state_unavailable", message=f"Redis unavailable: {exc}", status=503, retry_after_s=1.0)
         raise AssertionError(f"unhandled {type(request).__name__}")
+
+    async def _traced_allocate(self, request: AllocateRequest) -> Allocation | ErrorReply:
+        """`allocate` in a `kv.allocate` span (child of the balancer's, through the request's headers)."""
+        with self._tracer.start_as_current_span("kv.allocate", attributes={
+            "kvlane.request_id": request.request_id, "kvlane.kv.may_preempt": request.may_preempt,
+        }) as span:
+            allocation = await self.allocate(request)
+            if span.is_recording():
+                block_size = None
+                if isinstance(allocation, Allocation):
+                    node = next((hb for hb in self._view.live(self._clock()) if hb.registration.worker_id == allocation.worker_id), None)
+                    block_size = node.registration.block_size if node is not None else None
+                annotate_allocation(span, allocation, "cache-manager", block_size, self._ledger.lease_ttl_s)
+            return allocation
 
     async def allocate(self, request: AllocateRequest) -> Allocation | ErrorReply:
         settings = self._settings

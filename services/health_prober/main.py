@@ -8,6 +8,7 @@ import uuid
 from services.health_prober.service import HealthProberService
 from shared.bus import StreamReceiver
 from shared.config import KvlaneConfig
+from shared.metrics_http import serve_metrics
 from shared.runner import announce_ready
 from shared.service_context import service_context
 
@@ -18,9 +19,14 @@ async def main(config: KvlaneConfig, stop: asyncio.Event) -> None:
         streams = StreamReceiver(ctx.bus, prober_id)
         await streams.start()
         service = HealthProberService(config.health, ctx.bus, ctx.view, streams, ctx.redis)
+        metrics_runner = None
         try:
             await service.start()
+            if config.health.metrics_port:
+                metrics_runner = await serve_metrics(service.metrics.registry, config.health.metrics_host, config.health.metrics_port)
             announce_ready(prober_id=prober_id)
             await stop.wait()
         finally:
             await service.stop()
+            if metrics_runner is not None:
+                await metrics_runner.cleanup()

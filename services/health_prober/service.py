@@ -24,6 +24,7 @@ from contracts import subjects
 from contracts.health import NodeFeedback
 from contracts.messages import ErrorReply, GenerateRequest, Heartbeat, SamplingParams, StreamEnd, WorkerReply
 from services.health_prober.health import NodeHealth
+from services.health_prober.metrics import HealthMetrics
 from shared.bus import Bus, BusError, RequestTimeout, StreamReceiver, is_final
 from shared.cluster import ClusterView
 from shared.config import HealthSettings
@@ -44,6 +45,7 @@ class HealthProberService:
         streams: StreamReceiver,
         redis_client,
         clock: Callable[[], float] = time.monotonic,
+        metrics: HealthMetrics | None = None,
     ) -> None:
         self._settings = settings
         self._bus = bus
@@ -52,6 +54,8 @@ class HealthProberService:
         self._redis = redis_client
         self._clock = clock
         self.nodes: dict[str, NodeHealth] = {}
+        self.metrics = metrics or HealthMetrics()
+        self.metrics.watch(lambda: self.nodes.values())
         self._counter = itertools.count()
         self._encoder = msgspec.json.Encoder()
         self._rounds = Periodic("health-probes", settings.probe_interval_s, self.probe_round, immediately=True)
@@ -73,7 +77,9 @@ class HealthProberService:
         node = self._node(feedback.worker_id)
         before = node.state
         node.observe_feedback(feedback.kind, time.time())
+        self.metrics.feedback.labels(feedback.kind).inc()
         if node.state != before:
+            self.metrics.transitions.labels(node.state).inc()
             await self._publish(node)
 
     async def probe_round(self) -> None:
@@ -86,9 +92,20 @@ class HealthProberService:
             node = self._node(hb.registration.worker_id)
             before = node.state
             node.observe_probe(latency, now, queued=hb.stats.waiting > 0)
+            self._count_probe(latency)
             if node.state != before:
+                self.metrics.transitions.labels(node.state).inc()
                 log.warning("health_changed", worker_id=node.worker_id, state=node.state, was=before, reason=node.reason)
             await self._publish(node)
+
+    def _count_probe(self, latency: float | None) -> None:
+        if latency is None:
+            self.metrics.probes.labels("failed").inc()
+        elif math.isinf(latency):
+            self.metrics.probes.labels("timeout").inc()
+        else:
+            self.metrics.probes.labels("ok").inc()
+            self.metrics.probe_seconds.observe(latency)
 
     async def probe(self, heartbeat: Heartbeat) -> float | None:
         """Seconds to a complete one-token answer; `math.inf` if it timed out, None if it failed."""

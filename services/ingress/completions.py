@@ -20,6 +20,7 @@ from typing import Literal
 import msgspec
 import structlog
 
+from contracts.autoscaler import RequestServed
 from contracts.messages import StreamEnd, TokenChunk, WorkerRegistration
 from contracts.openai_api import ChatCompletionRequest, CompletionRequest, Model, ModelList
 from services.ingress.dispatch import Dispatcher
@@ -27,8 +28,11 @@ from services.ingress.errors import ApiError, from_decode_error
 from services.ingress.metrics import IngressMetrics
 from services.ingress.prompts import PreparedRequest, prepare
 from services.ingress.render import ChatRenderer, CompletionRenderer, Renderer
+from services.ingress.request_trace import RequestTrace
 from shared.cluster import ClusterView
-from shared.config import IngressSettings
+from shared.config import IngressSettings, TracingSettings
+from shared import genai
+from shared.telemetry import Telemetry
 from shared.tokenizer import Tokenizer, load_tokenizer
 
 log = structlog.get_logger("kvlane.ingress")
@@ -63,12 +67,20 @@ class Completions:
         dispatcher: Dispatcher,
         metrics: IngressMetrics,
         clock: Callable[[], float] = time.monotonic,
+        telemetry: Telemetry | None = None,
+        on_served: Callable[[RequestServed], None] = lambda served: None,
     ) -> None:
         self._settings = settings
+        # Told of each request answered, with the latencies its client saw (the autoscaler's signal).
+        self._on_served = on_served
         self._view = view
         self._dispatcher = dispatcher
         self._metrics = metrics
         self._clock = clock
+        # Each request's SERVER span, and the gen_ai.server.* metrics when they are exported.
+        self._telemetry = telemetry or Telemetry(TracingSettings(), "ingress")
+        meter = self._telemetry.meter
+        self._genai = genai.GenAiServerMetrics(meter) if meter is not None else None
         self._tokenizers: dict[str, asyncio.Future[Tokenizer]] = {}
         self._decoders = {op.name: msgspec.json.Decoder(op.request_type) for op in (CHAT, TEXT_COMPLETION)}
 
@@ -82,23 +94,33 @@ class Completions:
         """Decode, check and dispatch a request, then wait for its first frame.
 
         Every error before the first output is raised here as an `ApiError`,
-        so a transport can still answer with a proper status.
+        so a transport can still answer with a proper status. The request's
+        span continues the caller's `traceparent` (in `headers`), if any.
         """
         received = self._clock()
-        if len(payload) > self._settings.max_body_bytes:
-            raise ApiError(413, f"request body too large ({len(payload)} bytes, at most {self._settings.max_body_bytes})",
-                           code="request_entity_too_large")
+        span = RequestTrace(self._telemetry.tracer, self._genai, operation.name, self._telemetry.extract(headers), received)
         try:
-            body = self._decoders[operation.name].decode(payload)
-        except msgspec.DecodeError as exc:
-            raise from_decode_error(exc) from exc
-        registration = self._model(body.model)
-        tokenizer = await self._tokenizer(registration.tokenizer)
-        prepared = prepare(body, registration, tokenizer, self._settings.max_tokens_default)
-        request_id = uuid.uuid4().hex
-        renderer = operation.renderer(f"{operation.id_prefix}-{request_id}", int(time.time()), body.model)
-        call = CompletionCall(request_id, prepared, renderer, caller_gone, self._metrics, self._clock, received)
-        await call.begin(self._dispatcher.run(request_id, prepared))
+            if len(payload) > self._settings.max_body_bytes:
+                raise ApiError(413, f"request body too large ({len(payload)} bytes, at most {self._settings.max_body_bytes})",
+                               code="request_entity_too_large")
+            try:
+                body = self._decoders[operation.name].decode(payload)
+            except msgspec.DecodeError as exc:
+                raise from_decode_error(exc) from exc
+            span.model(body.model)
+            registration = self._model(body.model)
+            tokenizer = await self._tokenizer(registration.tokenizer)
+            prepared = prepare(body, registration, tokenizer, self._settings.max_tokens_default)
+            request_id = uuid.uuid4().hex
+            response_id = f"{operation.id_prefix}-{request_id}"
+            span.prepared(request_id, response_id, prepared)
+            renderer = operation.renderer(response_id, int(time.time()), body.model)
+            call = CompletionCall(request_id, prepared, renderer, caller_gone, self._metrics, self._clock, received, span,
+                                  self._on_served)
+        except BaseException as exc:
+            span.end(self._clock(), None, exc)
+            raise
+        await call.begin(self._dispatcher.run(request_id, prepared, span.context))
         return call
 
     def _model(self, name: str) -> WorkerRegistration:
@@ -163,6 +185,8 @@ class CompletionCall:
         metrics: IngressMetrics,
         clock: Callable[[], float],
         received: float,
+        span: RequestTrace,
+        on_served: Callable[[RequestServed], None],
     ) -> None:
         self.request_id = request_id
         self.stream = prepared.stream
@@ -172,9 +196,14 @@ class CompletionCall:
         self._metrics = metrics
         self._clock = clock
         self._received = received
+        self._span = span
+        self._on_served = on_served
+        self._first_token_at: float | None = None
         self._frames: Frames | None = None
         self._first: TokenChunk | StreamEnd | None = None
         self.end: StreamEnd | None = None
+        self._end_at: float | None = None  # when the final frame came
+        self._failure: BaseException | None = None
 
     async def begin(self, frames: Frames) -> None:
         structlog.contextvars.bind_contextvars(request_id=self.request_id)
@@ -183,10 +212,11 @@ class CompletionCall:
         try:
             self._first = await anext(self._frames)
         except StopAsyncIteration:
-            await self.aclose()
-            raise ApiError(502, "stream ended without a final frame", code="stream_incomplete") from None
-        except BaseException:
-            await self.aclose()
+            error = ApiError(502, "stream ended without a final frame", code="stream_incomplete")
+            await self.aclose(error)
+            raise error from None
+        except BaseException as exc:
+            await self.aclose(exc)
             raise
 
     async def _timed(self, frames: Frames) -> Frames:
@@ -198,25 +228,30 @@ class CompletionCall:
                 now = self._clock()
                 if isinstance(frame, TokenChunk):
                     if last is None:
+                        self._first_token_at = now
                         self._metrics.first_token(model, now - self._received)
+                        self._span.first_token(now - self._received)
                     else:
                         self._metrics.inter_token(model, now - last)
                     last = now
                 else:
-                    self.end = frame
+                    self.end, self._end_at = frame, now
                     self._metrics.finished(model, frame, now - self._received)
                 yield frame
 
     async def _relayed(self) -> Frames:
         assert self._frames is not None and self._first is not None
         yield self._first
-        async for frame in self._frames:
-            if self._caller_gone():
-                # Checked per frame: much output carries no text to write (special
-                # tokens, partial characters, a non-streamed reply), so a failed
-                # write alone would notice a departed caller only at the end.
-                raise CallerGone("the caller has gone")
-            yield frame
+        try:
+            async for frame in self._frames:
+                if self._caller_gone():
+                    # Checked per frame: much output carries no text to write (special
+                    # tokens, partial characters, a non-streamed reply), so a failed
+                    # write alone would notice a departed caller only at the end.
+                    raise CallerGone("the caller has gone")
+                yield frame
+        except Exception as exc:  # an error mid-stream, or the caller gone: what the request's span ends with
+            raise self._failed(exc)
 
     async def body(self) -> bytes:
         """The whole response body (for `"stream": false`)."""
@@ -226,7 +261,7 @@ class CompletionCall:
                 pieces.append(frame.text)
             else:
                 return self._renderer.whole("".join(pieces), frame)
-        raise ApiError(502, "stream ended without a final frame", code="stream_incomplete")
+        raise self._failed(ApiError(502, "stream ended without a final frame", code="stream_incomplete"))
 
     async def chunks(self) -> AsyncIterator[bytes]:
         """The JSON of each stream chunk, in order (for `"stream": true`); an error mid-stream raises `ApiError`."""
@@ -241,10 +276,14 @@ class CompletionCall:
             if self._prepared.include_usage:
                 yield self._renderer.usage(frame)
             return
-        raise ApiError(502, "stream ended without a final frame", code="stream_incomplete")
+        raise self._failed(ApiError(502, "stream ended without a final frame", code="stream_incomplete"))
 
-    async def aclose(self) -> None:
-        """End the call; a request still running is aborted on its nodes."""
+    def _failed(self, error: BaseException) -> BaseException:
+        self._failure = self._failure or error
+        return error
+
+    async def aclose(self, error: BaseException | None = None) -> None:
+        """End the call (`error`: what ended it, if anything did); a request still running is aborted on its nodes."""
         frames, self._frames = self._frames, None
         if frames is None:
             return
@@ -253,12 +292,22 @@ class CompletionCall:
         finally:
             self._metrics.in_flight.dec()
             structlog.contextvars.unbind_contextvars("request_id")
+            ended_at = self._end_at if self._end_at is not None else self._clock()
+            self._span.end(ended_at, self.end, self._failure or error)
+            if self.end is not None:
+                self._on_served(self._served(ended_at, self.end))
+
+    def _served(self, ended_at: float, end: StreamEnd) -> RequestServed:
+        e2e, tokens = ended_at - self._received, end.usage.completion_tokens
+        ttft = None if self._first_token_at is None else self._first_token_at - self._received
+        tpot = None if ttft is None else genai.time_per_output_token(e2e, ttft, tokens)
+        return RequestServed(self.request_id, self._prepared.model, ttft, e2e, tokens, tpot)
 
     async def __aenter__(self) -> CompletionCall:
         return self
 
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
+    async def __aexit__(self, exc_type: object, exc: BaseException | None, traceback: object) -> None:
+        await self.aclose(exc)
 
 
 def error_json(error: ApiError) -> bytes:

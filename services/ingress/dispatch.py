@@ -26,6 +26,9 @@ from collections.abc import AsyncIterator, Callable
 
 import msgspec
 import structlog
+from opentelemetry import trace
+from opentelemetry.context import Context
+from opentelemetry.trace import Tracer
 
 from contracts import subjects
 from contracts.health import FeedbackKind, NodeFeedback
@@ -45,9 +48,11 @@ from contracts.messages import (
 )
 from services.ingress.errors import ApiError
 from services.ingress.feedback import StreamSpeedNorms
+from services.ingress.metrics import IngressMetrics
 from services.ingress.prompts import PreparedRequest
 from shared.bus import Bus, BusError, NoResponders, ReplyStream, RequestTimeout, StreamReceiver
 from shared.config import IngressSettings
+from shared.telemetry import error_type, set_error
 
 log = structlog.get_logger("kvlane.ingress")
 
@@ -64,6 +69,60 @@ class StreamInterrupted(Exception):
         self.culprit = culprit
         self.preempted = preempted
 
+    @property
+    def cause(self) -> str:
+        """Why, in one word (the migrations metric's label): preempted, error, timeout, or reconnect (frames lost)."""
+        return "preempted" if self.preempted else (self.feedback or "reconnect")
+
+
+class _Attempt:
+    """The span of one dispatch attempt: its route, hand-over and relay (`dispatch.attempt`).
+
+    A migration or a preemption starts another attempt in the same trace; the
+    attempt's bus messages carry its context, so the balancer's and the
+    workers' spans are its children. Nothing here runs per token.
+    """
+
+    def __init__(self, tracer: Tracer, parent: Context | None, number: int, request_id: str, resumed_tokens: int) -> None:
+        self.span = tracer.start_span("dispatch.attempt", context=parent, attributes={
+            "kvlane.attempt": number, "kvlane.request_id": request_id, "kvlane.resumed_tokens": resumed_tokens,
+        })
+        self.context = trace.set_span_in_context(self.span, parent)
+        self.outcome = "unknown"
+
+    def routed(self, decision: RouteDecision) -> None:
+        if self.span.is_recording():
+            self.span.set_attributes({
+                "kvlane.worker.id": decision.worker_id, "kvlane.route.policy": decision.policy,
+                "kvlane.route.cached_blocks": decision.cached_blocks,
+                **({"kvlane.prefill_worker.id": decision.prefill_worker_id} if decision.prefill_worker_id else {}),
+            })
+
+    def refused(self, worker_id: str) -> None:
+        self.outcome = "not_accepted"
+        self.span.set_attribute("kvlane.refused_by", worker_id)
+
+    def interrupted(self, interruption: StreamInterrupted) -> None:
+        self.outcome = "preempted" if interruption.preempted else "interrupted"
+        self.span.set_attribute("kvlane.interruption.reason", interruption.reason)
+        if interruption.culprit:
+            self.span.set_attribute("kvlane.interruption.culprit", interruption.culprit)
+        if not interruption.preempted:
+            set_error(self.span, "stream_interrupted", interruption.reason)
+
+    def failed(self, exc: BaseException) -> None:
+        if self.outcome == "finished":
+            return  # the caller stopped reading once it had the final frame
+        if isinstance(exc, (asyncio.CancelledError, GeneratorExit)):
+            self.outcome = "cancelled"  # the caller left
+        else:
+            self.outcome = "failed"
+            set_error(self.span, error_type(exc), str(exc))
+
+    def end(self) -> None:
+        self.span.set_attribute("kvlane.outcome", self.outcome)
+        self.span.end()
+
 
 def _inboxes(decision: RouteDecision) -> list[str]:
     return [decision.inbox, *([decision.prefill_inbox] if decision.prefill_inbox else [])]
@@ -78,6 +137,8 @@ class Dispatcher:
         is_live: Callable[[str], bool],
         max_queue_wait_s: float,
         norms: StreamSpeedNorms | None = None,
+        metrics: IngressMetrics | None = None,
+        tracer: Tracer | None = None,
     ) -> None:
         self._bus = bus
         self._streams = streams
@@ -85,22 +146,39 @@ class Dispatcher:
         self._is_live = is_live
         self._max_queue_wait_s = max_queue_wait_s
         self._norms = norms or StreamSpeedNorms(settings.slow_stream_factor)
+        self._metrics = metrics
+        self._tracer = tracer or trace.NoOpTracer()
 
-    async def run(self, request_id: str, prepared: PreparedRequest) -> AsyncIterator[TokenChunk | StreamEnd]:
-        """The request's chunks, ending with its `StreamEnd`; raises `ApiError`."""
+    async def run(
+        self, request_id: str, prepared: PreparedRequest, trace_context: Context | None = None
+    ) -> AsyncIterator[TokenChunk | StreamEnd]:
+        """The request's chunks, ending with its `StreamEnd`; raises `ApiError`.
+
+        Each attempt is a `dispatch.attempt` span, child of `trace_context` (the request's span).
+        """
         deadline = time.time() + self._settings.request_timeout_s
         excluded: list[str] = []
         produced: list[int] = []
         out_seq = handovers = refused = migrations = preemptions = 0
         while True:
+            attempt = _Attempt(self._tracer, trace_context, handovers + 1, request_id, len(produced))
             try:
-                decision = await self._route(request_id, prepared, deadline, excluded, len(produced))
-            except asyncio.CancelledError:
+                decision = await self._route(request_id, prepared, deadline, excluded, len(produced), attempt.context)
+            except asyncio.CancelledError as exc:
                 # The client left while its request was routed or queued: a slot and a lease may
                 # be reserved for it by now; free them rather than at its deadline.
                 with contextlib.suppress(Exception):
-                    await self._bus.publish(subjects.ROUTE_WITHDRAWN, RouteWithdrawn(request_id))
+                    await self._bus.publish(subjects.ROUTE_WITHDRAWN, RouteWithdrawn(request_id), context=attempt.context)
+                attempt.failed(exc)
+                attempt.end()
                 raise
+            except BaseException as exc:
+                attempt.failed(exc)
+                attempt.end()
+                raise
+            attempt.routed(decision)
+            if self._metrics is not None:
+                self._metrics.queued(prepared.model, decision.queued_s)
             with self._streams.open(f"{request_id}-{handovers}") as stream:
                 handovers += 1
                 # From the hand-over on, the chain's nodes may be running the request: unless it
@@ -108,11 +186,12 @@ class Dispatcher:
                 # client hanging up (its handler cancelled, or this generator closed), an error.
                 settled = False
                 try:
-                    refused_by = await self._hand_over(request_id, prepared, decision, stream, deadline, produced)
+                    refused_by = await self._hand_over(request_id, prepared, decision, stream, deadline, produced, attempt.context)
                     if refused_by:
                         # A node that was merely slow to accept may run it all the same.
                         settled = True
-                        await self._abort(request_id, decision, "not_accepted")
+                        attempt.refused(refused_by)
+                        await self._abort(request_id, decision, "not_accepted", attempt.context)
                         excluded.append(refused_by)
                         refused += 1
                         if refused >= self._settings.dispatch_attempts:
@@ -125,12 +204,15 @@ class Dispatcher:
                         if isinstance(frame, TokenChunk):
                             produced.extend(frame.token_ids)
                         settled = isinstance(frame, StreamEnd)
+                        if settled:
+                            attempt.outcome = "finished"
                         yield msgspec.structs.replace(frame, seq=out_seq)
                         out_seq += 1
                     return
                 except StreamInterrupted as exc:
                     settled = True  # _abandon tells the workers
-                    await self._abandon(request_id, decision, exc)
+                    attempt.interrupted(exc)
+                    await self._abandon(request_id, decision, exc, attempt.context)
                     # Preemptions are bounded apart from failures: a low-priority
                     # request may legitimately give way several times.
                     if exc.preempted:
@@ -143,16 +225,23 @@ class Dispatcher:
                         ) from exc
                     else:
                         migrations += 1
+                    if self._metrics is not None:
+                        self._metrics.migrated(prepared.model, exc.cause)
                     if exc.culprit:
                         excluded.append(exc.culprit)
                     log.warning("stream_resumed", request_id=request_id, worker_id=exc.culprit or decision.worker_id,
                                 reason=exc.reason, tokens_so_far=len(produced))
+                except BaseException as exc:
+                    attempt.failed(exc)
+                    raise
                 finally:
                     if not settled:
-                        await self._abort(request_id, decision, "client_disconnected")
+                        await self._abort(request_id, decision, "client_disconnected", attempt.context)
+                    attempt.end()
 
     async def _route(
-        self, request_id: str, prepared: PreparedRequest, deadline: float, excluded: list[str], produced: int
+        self, request_id: str, prepared: PreparedRequest, deadline: float, excluded: list[str], produced: int,
+        context: Context | None = None,
     ) -> RouteDecision:
         route = RouteRequest(
             request_id=request_id,
@@ -171,7 +260,7 @@ class Dispatcher:
         timeout = self._settings.route_timeout_s + min(self._max_queue_wait_s, max(0.0, deadline - time.time()))
         for attempt in (1, 2):
             try:
-                reply = await self._bus.request(subjects.ROUTE, route, RouteReply, timeout)
+                reply = await self._bus.request(subjects.ROUTE, route, RouteReply, timeout, context=context)
                 break
             except NoResponders as exc:
                 raise ApiError(503, "no balancer is running", code="balancer_unavailable", retry_after_s=1.0) from exc
@@ -187,7 +276,7 @@ class Dispatcher:
 
     async def _hand_over(
         self, request_id: str, prepared: PreparedRequest, decision: RouteDecision, stream: ReplyStream,
-        deadline: float, produced: list[int],
+        deadline: float, produced: list[int], context: Context | None = None,
     ) -> str:
         """Who refused: empty once the chain's first node accepted, else that node's id (gone or draining: route again)."""
         common = dict(
@@ -208,7 +297,7 @@ class Dispatcher:
             first, inbox = decision.worker_id, decision.inbox
             request = GenerateRequest(**common)
         try:
-            reply = await self._bus.request(inbox, request, WorkerReply, self._settings.accept_timeout_s)
+            reply = await self._bus.request(inbox, request, WorkerReply, self._settings.accept_timeout_s, context=context)
         except (NoResponders, RequestTimeout) as exc:
             log.warning("worker_unreachable", request_id=request_id, worker_id=first, error=str(exc))
             await self._report(first, "timeout", request_id, str(exc))
@@ -279,17 +368,19 @@ class Dispatcher:
         if self._norms.observe(worker_id, (last - first) / (tokens - 1)):
             await self._report(worker_id, "slow", request_id, "inter-token latency far above this node's norm")
 
-    async def _abandon(self, request_id: str, decision: RouteDecision, interruption: StreamInterrupted) -> None:
+    async def _abandon(
+        self, request_id: str, decision: RouteDecision, interruption: StreamInterrupted, context: Context | None = None
+    ) -> None:
         # Free the slots the old attempt may still hold (a stalled worker that
         # wakes up, for instance), and tell the health-prober what happened.
-        await self._abort(request_id, decision, "migrated")
+        await self._abort(request_id, decision, "migrated", context)
         if interruption.feedback is not None:
             await self._report(interruption.culprit or decision.worker_id, interruption.feedback, request_id, interruption.reason)
 
-    async def _abort(self, request_id: str, decision: RouteDecision, reason: str) -> None:
+    async def _abort(self, request_id: str, decision: RouteDecision, reason: str, context: Context | None = None) -> None:
         for inbox in _inboxes(decision):
             with contextlib.suppress(Exception):
-                await self._bus.publish(inbox, AbortRequest(request_id=request_id, reason=reason))
+                await self._bus.publish(inbox, AbortRequest(request_id=request_id, reason=reason), context=context)
 
     async def _report(self, worker_id: str, kind: FeedbackKind, request_id: str, detail: str) -> None:
         with contextlib.suppress(Exception):

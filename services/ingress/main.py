@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.metadata
 import time
 import uuid
@@ -11,6 +12,7 @@ import structlog
 from aiohttp import web
 
 from contracts import subjects
+from contracts.autoscaler import RequestServed
 from contracts.balancer import BalancerStatusReply, BalancerStatusRequest
 from contracts.cache import CacheReply, LookupRequest
 from services.ingress.app import IngressApp
@@ -19,7 +21,7 @@ from services.ingress.dispatch import Dispatcher
 from services.ingress.metrics import IngressMetrics
 from services.ingress.nats_api import NatsApi
 from services.ingress.readiness import Dependency, Readiness
-from shared.bus import StreamReceiver
+from shared.bus import Bus, StreamReceiver
 from shared.config import KvlaneConfig
 from shared.periodic import Periodic
 from shared.runner import announce_ready
@@ -37,14 +39,19 @@ async def main(config: KvlaneConfig, stop: asyncio.Event) -> None:
         bus, view = ctx.bus, ctx.view
         streams = StreamReceiver(bus, ingress_id)
         await streams.start()
+        # The fleet's per-node metrics come from the heartbeats in `view`, read at each scrape.
+        metrics = IngressMetrics(view)
         dispatcher = Dispatcher(
-            bus, streams, settings, lambda worker_id: view.is_live(worker_id, time.monotonic()), config.balancer.queue.max_wait_s
+            bus, streams, settings, lambda worker_id: view.is_live(worker_id, time.monotonic()), config.balancer.queue.max_wait_s,
+            metrics=metrics, tracer=ctx.telemetry.tracer,
         )
         dependencies = [Dependency("balancer", subjects.BALANCER_STATUS, BalancerStatusRequest(model="-"), BalancerStatusReply)]
         if config.balancer.allocate_kv:
             dependencies.append(Dependency("cache-manager", subjects.CACHE_REQUEST, LookupRequest([]), CacheReply))
-        metrics = IngressMetrics()
-        completions = Completions(settings, view, dispatcher, metrics)
+        completions = Completions(
+            settings, view, dispatcher, metrics, telemetry=ctx.telemetry,
+            on_served=lambda served: bus.spawn(_publish_served(bus, served)),
+        )
         app = IngressApp(settings.max_body_bytes, view, completions, metrics, lambda: bus.connected, Readiness(bus, dependencies))
         nats_api = NatsApi(bus.client, completions, ingress_id, importlib.metadata.version("kvlane"))
         # handler_cancellation: a client that hangs up cancels its handler at once, so its
@@ -66,3 +73,8 @@ async def main(config: KvlaneConfig, stop: asyncio.Event) -> None:
             # Both stop taking requests, then wait for those in flight.
             await asyncio.gather(nats_api.stop(settings.request_timeout_s), runner.cleanup())
 
+
+async def _publish_served(bus: Bus, served: RequestServed) -> None:
+    # An event for the autoscaler's statistics: one lost while NATS reconnects costs nothing more.
+    with contextlib.suppress(Exception):
+        await bus.publish(subjects.REQUEST_SERVED, served, traced=False)

@@ -23,6 +23,7 @@ from shared.step_profile import get_profile
 from services.worker.service import WorkerService
 from shared.bus import Bus
 from shared.config import KvlaneConfig, WorkerSettings
+from shared.metrics_http import serve_metrics
 from shared.runner import ServiceMain
 from shared.state import ClusterState, connect_redis
 from shared.telemetry import Telemetry
@@ -108,12 +109,17 @@ async def main(config: KvlaneConfig, stop: asyncio.Event) -> None:
         max_num_seqs=settings.sim.max_num_seqs if settings.engine == "sim" else 0,
         step_time=step_time,
     )
-    telemetry = Telemetry(config.tracing, "worker")
+    # kvlane-worker, kvlane-prefill-worker or kvlane-decode-worker in traces.
+    service_name = "worker" if settings.role == "aggregated" else f"{settings.role}-worker"
+    telemetry = Telemetry(config.tracing, service_name, instance_id=worker_id)
     redis_client = connect_redis(config.redis)
     bus = await Bus.connect(config.nats, f"kvlane-worker-{worker_id}", telemetry)
     state = ClusterState(redis_client, config.cluster.heartbeat_ttl_s)
-    service = WorkerService(registration, engine, bus, state, config.cluster, settings)
+    service = WorkerService(registration, engine, bus, state, config.cluster, settings, tracer=telemetry.tracer)
+    metrics_runner = None
     try:
+        if settings.metrics_port:  # before start(), which announces the worker ready
+            metrics_runner = await serve_metrics(service.metrics.registry, settings.metrics_host, settings.metrics_port)
         try:
             await service.start()
         except EngineConfigError as exc:
@@ -122,6 +128,8 @@ async def main(config: KvlaneConfig, stop: asyncio.Event) -> None:
         await stop.wait()
         await service.drain(settings.drain_timeout_s)
     finally:
+        if metrics_runner is not None:
+            await metrics_runner.cleanup()
         await bus.close()
         with contextlib.suppress(Exception):
             await redis_client.aclose()

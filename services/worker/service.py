@@ -22,6 +22,9 @@ from collections.abc import AsyncIterator
 import msgspec
 import structlog
 from nats.aio.msg import Msg
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.trace import Tracer
 from redis.exceptions import RedisError
 
 from contracts import subjects
@@ -49,12 +52,15 @@ from contracts.messages import (
 from contracts.cache import LeaseProgress, RenewLeases
 from services.worker.engines.base import Engine, EngineOutput, EngineRequest, KvPullFailed, RequestRejected
 from services.worker.handoff import KvHolds, KvPuller
+from services.worker.metrics import WorkerMetrics
+from services.worker.tracing import FIRST_OUTPUT_EVENT, KvTransferSpan, end_request_span, kv_attributes, request_span
 from shared.bus import Bus, BusError
 from shared.config import ClusterSettings, WorkerSettings
 from shared.periodic import Periodic
 from shared.runner import announce_ready
 from shared.state import ClusterState
 from shared.stream_outbox import StreamOutbox
+from shared.telemetry import set_error
 
 log = structlog.get_logger("kvlane.worker")
 
@@ -68,8 +74,13 @@ class WorkerService:
         state: ClusterState,
         cluster: ClusterSettings,
         settings: WorkerSettings,
+        metrics: WorkerMetrics | None = None,
+        tracer: Tracer | None = None,
     ) -> None:
         self.registration = registration
+        self._tracer = tracer or trace.NoOpTracer()
+        # What KV crosses from a prefill node to a decode node (span attribute).
+        self._kv_link = settings.sim.kv_link if settings.engine == "sim" else "nixl"
         self._engine = engine
         self._bus = bus
         self._state = state
@@ -79,6 +90,8 @@ class WorkerService:
         self._outbox = StreamOutbox(bus)
         self._kv_pull_failures = 0
         self._running: dict[str, asyncio.Task] = {}
+        self.metrics = metrics or WorkerMetrics()
+        self.metrics.count_in_flight(lambda: len(self._running))
         # Tokens generated so far per running request (lease renewals carry it).
         self._generated: dict[str, int] = {}
         self._abort_reasons: dict[str, str] = {}
@@ -190,6 +203,10 @@ class WorkerService:
         completion_tokens = len(request.resume_token_ids)
         outcome: str = "error"
         send = self._outbox.put
+        # The request's `decode` span is current while it runs here: a KV pull's messages descend from it.
+        span = request_span(self._tracer, "decode", self.registration, request)
+        trace_token = otel_context.attach(trace.set_span_in_context(span))
+        failure: str | None = None
         try:
             # aclosing: however the loop ends, the engine's generator is closed now, which
             # aborts the request in the engine (not whenever the garbage collector gets to it).
@@ -197,6 +214,7 @@ class WorkerService:
                 async for output in outputs:
                     if first_token_at is None:
                         first_token_at = time.monotonic()
+                        span.add_event(FIRST_OUTPUT_EVENT)
                     completion_tokens += len(output.token_ids)
                     self._generated[request.request_id] = completion_tokens
                     cached_tokens = output.cached_tokens
@@ -213,22 +231,25 @@ class WorkerService:
             timings = Timings(first_token_s=None if first_token_at is None else first_token_at - started, finished_s=time.monotonic() - started)
             send(request.stream_to, StreamEnd(request.request_id, seq, outcome, usage, timings, self.registration.worker_id))
         except TimeoutError:
-            outcome = "error"
+            outcome, failure = "error", "deadline_exceeded"
             send(request.stream_to, ErrorReply(code="deadline_exceeded", message="request deadline passed", status=504))
         except RequestRejected as exc:
-            outcome = "error"
+            outcome, failure = "error", "invalid_request"
             send(request.stream_to, ErrorReply(code="invalid_request", message=str(exc), status=400))
         except asyncio.CancelledError:
             outcome = "abort"
             reason = self._abort_reasons.get(request.request_id, "aborted")
+            span.set_attribute("kvlane.abort_reason", reason)
             # A preempted request is resumed elsewhere by whoever streams it.
             status = 503 if reason == "preempted" else 499
             send(request.stream_to, ErrorReply(code=reason, message=f"request {reason}", status=status))
         except Exception as exc:
-            outcome = "error"
+            outcome, failure = "error", "engine_error"
             self._log.exception("request_failed", request_id=request.request_id)
             send(request.stream_to, ErrorReply(code="engine_error", message=f"{type(exc).__name__}: {exc}", status=500))
         finally:
+            end_request_span(span, outcome, failure, completion_tokens, cached_tokens)
+            otel_context.detach(trace_token)
             self._generated.pop(request.request_id, None)
             self._abort_reasons.pop(request.request_id, None)
             await self._publish_finished(request, outcome, completion_tokens, cached_tokens, time.monotonic() - started)
@@ -242,15 +263,19 @@ class WorkerService:
                     yield output
             return
         released = False
+        transfer = KvTransferSpan(self._tracer, ref, self._kv_link)
         try:
             for attempt in range(1, self._settings.kv_pull_attempts + 1):
                 produced = False
+                pull_started = time.monotonic()
                 try:
                     await self._puller.pull(request.request_id, ref)
                     async with contextlib.aclosing(self._engine.generate(request)) as outputs:
                         async for output in outputs:
                             if not produced:
+                                self.metrics.kv_first_token.observe(time.monotonic() - pull_started)
                                 produced = released = True
+                                transfer.done("pulled", attempt)
                                 # The KV is here now: the source may free it.
                                 self._bus.spawn(self._puller.release(request.request_id, ref))
                             yield output
@@ -260,10 +285,13 @@ class WorkerService:
                         raise
                     self._kv_pull_failures += 1
                     self._log.warning("kv_pull_failed", request_id=request.request_id, attempt=attempt, error=str(exc))
+                    transfer.pull_failed(attempt, str(exc))
+            transfer.done("recomputed", self._settings.kv_pull_attempts, "kv_pull_failed")
             async with contextlib.aclosing(self._engine.generate(msgspec.structs.replace(request, kv_ref=None))) as outputs:
                 async for output in outputs:
                     yield output
         finally:
+            transfer.done("aborted", 0)  # unless it ended above
             if not released:
                 self._bus.spawn(self._puller.release(request.request_id, ref))
 
@@ -273,11 +301,20 @@ class WorkerService:
         handed_off = False
         outcome = "error"
         error: ErrorReply | None = None
+        # The `prefill` span; the decode node's spans descend from its `kv.handoff` child.
+        span = request_span(self._tracer, "prefill", self.registration, request)
+        trace_token = otel_context.attach(trace.set_span_in_context(span))
         try:
             async with asyncio.timeout(request.deadline - time.time()):
                 ref = await self._engine.prefill(engine_request, self.registration.worker_id, self._settings.kv_hold_timeout_s)
                 self._holds.hold(request.request_id, ref)
-                error = await self._hand_to_decode(request, ref)
+                handoff_attributes = {**kv_attributes(ref, self._kv_link), "kvlane.decode_worker.id": request.decode_worker_id,
+                                      "kvlane.kv.cached_tokens": ref.cached_tokens}
+                span.set_attributes(handoff_attributes)
+                with self._tracer.start_as_current_span("kv.handoff", attributes=handoff_attributes) as handoff_span:
+                    error = await self._hand_to_decode(request, ref)
+                    if error is not None:
+                        set_error(handoff_span, error.code, error.message)
             if error is None:
                 handed_off = True
                 handoff = Handoff(request.request_id, self.registration.worker_id, request.decode_worker_id, ref.num_tokens)
@@ -290,12 +327,17 @@ class WorkerService:
         except asyncio.CancelledError:
             outcome = "abort"
             reason = self._abort_reasons.get(request.request_id, "aborted")
+            span.set_attribute("kvlane.abort_reason", reason)
             error = ErrorReply(code=reason, message=f"request {reason}", status=503 if reason == "preempted" else 499)
         except Exception as exc:
             self._log.exception("prefill_failed", request_id=request.request_id)
             error = ErrorReply(code="engine_error", message=f"{type(exc).__name__}: {exc}", status=500)
         finally:
+            failed = None if handed_off or outcome == "abort" or error is None else error.code
+            end_request_span(span, "handed_off" if handed_off else outcome, failed)
+            otel_context.detach(trace_token)
             self._abort_reasons.pop(request.request_id, None)
+            self.metrics.handoffs.labels("handed_off" if handed_off else "failed").inc()
             if not handed_off:
                 self._holds.release(request.request_id)
                 if error is not None:
@@ -320,6 +362,7 @@ class WorkerService:
 
     async def _publish_finished(self, request: RequestToRun, outcome: str, completion_tokens: int,
                                 cached_tokens: int, duration_s: float) -> None:
+        self.metrics.finished.labels(outcome).inc()
         finished = RequestFinished(
             request_id=request.request_id,
             worker_id=self.registration.worker_id,

@@ -98,8 +98,9 @@ def test_health_ready_metrics_openapi(shared_fleet: Fleet, client: openai.OpenAI
     status, _, body = http(shared_fleet, "GET", "/metrics")
     text = body.decode()
     assert status == 200
-    for name in ("kvlane_ingress_requests_total", "kvlane_ingress_time_to_first_token_seconds_bucket",
-                 "kvlane_ingress_inter_token_latency_seconds_bucket", "kvlane_ingress_e2e_request_latency_seconds_bucket"):
+    for name in ("kvlane_ingress_requests_total", "vllm:time_to_first_token_seconds_bucket",
+                 "vllm:inter_token_latency_seconds_bucket", "vllm:e2e_request_latency_seconds_bucket",
+                 'vllm:num_requests_running{model_name="kvlane-sim",worker="w0"}'):
         assert name in text
     status, _, body = http(shared_fleet, "GET", "/openapi.json")
     assert status == 200 and "/v1/chat/completions" in json.loads(body)["paths"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import time
 from collections.abc import Iterator
 
@@ -53,6 +54,11 @@ async def test_a_queued_request_is_served_when_the_slot_frees(one_slot_fleet: Fl
     assert reply_2["payload"]["usage"]["completion_tokens"] == 5
     # The second could only start once the first (about 0.45 s of tokens) ended.
     assert took_2 + 0.15 >= took_1 - 0.05, (took_1, took_2)
+    # The balancer told ingress how long it queued, and ingress exports it as vLLM's queue time.
+    async with aiohttp.ClientSession() as session, session.get(f"{one_slot_fleet.base_url}/metrics") as response:
+        exposition = await response.text()
+    queued_s = float(re.search(r'^vllm:request_queue_time_seconds_sum\{model_name="kvlane-sim"\} (\S+)$', exposition, re.M)[1])
+    assert 0 < queued_s <= took_2, (queued_s, took_2)  # only the second waited, and not longer than it took
 
 
 async def test_a_request_past_its_queue_deadline_gets_503_with_retry_after(one_slot_fleet: Fleet) -> None:

@@ -278,14 +278,17 @@ async def test_a_re_route_releases_the_earlier_reservation() -> None:
 
 
 async def test_a_queued_request_takes_the_next_slot_that_frees() -> None:
-    balancer, _, _ = make_balancer(heartbeat("a"), max_per_chain=1)
-    assert isinstance(await balancer.route(route_request("r1")), RouteDecision)
+    balancer, _, wall = make_balancer(heartbeat("a"), max_per_chain=1)
+    first = await balancer.route(route_request("r1"))
+    assert isinstance(first, RouteDecision) and first.queued_s == 0.0
     waiting = asyncio.create_task(balancer.route(route_request("r2")))
     await asyncio.sleep(0.01)
     assert not waiting.done() and len(balancer.router.queue) == 1
+    wall.value += 2.5
     await balancer._on_finished(finished("r1"), None)  # type: ignore[arg-type]
     reply = await asyncio.wait_for(waiting, 1.0)
     assert isinstance(reply, RouteDecision) and reply.request_id == "r2"
+    assert reply.queued_s == 2.5  # what ingress reports as vllm:request_queue_time_seconds
     await balancer._on_finished(finished("r2"), None)  # type: ignore[arg-type]
     assert balancer.router.table.total_used() == 0
 

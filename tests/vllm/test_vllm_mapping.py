@@ -54,3 +54,4 @@ def test_step_counters_sum_the_nixl_transfers_each_step_reports() -> None:
     counters.on_step(step(None), None)
     counters.on_step(step({"transfer_duration": [], "bytes_transferred": [], "num_failed_handshakes": [1]}), None)
     assert (counters.kv_pulls, counters.kv_pull_bytes) == (2, 327_680)
+    assert abs(counters.kv_pull_seconds - 0.021) < 1e-9

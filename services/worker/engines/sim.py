@@ -64,7 +64,7 @@ class StepStats:
         self._prefill_tokens += outcome.prefill_tokens
         self._decode_tokens += outcome.decode_seqs
 
-    def take(self, now: float, kv_pulls: int = 0, kv_pull_bytes: int = 0) -> EngineStats:
+    def take(self, now: float, kv_pulls: int = 0, kv_pull_bytes: int = 0, kv_pull_seconds: float = 0.0) -> EngineStats:
         s = self._scheduler.stats()
         elapsed = max(now - self._since, 1e-9)
         stats = EngineStats(
@@ -81,6 +81,7 @@ class StepStats:
             kv_pulls=kv_pulls,
             kv_pull_bytes=kv_pull_bytes,
             kv_held_blocks=s.blocks_held,
+            kv_pull_seconds=kv_pull_seconds,
         )
         self._prefill_tokens = self._decode_tokens = 0
         self._since = now
@@ -101,6 +102,7 @@ class SimEngine:
         self._step_stats = StepStats(self._scheduler, clock())
         self._kv_pulls = 0
         self._kv_pull_bytes = 0
+        self._kv_pull_seconds = 0.0
 
     async def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="sim-engine")
@@ -145,10 +147,12 @@ class SimEngine:
             self._wake.set()  # freed blocks may admit a waiting request
 
     async def _pull(self, ref: KvRef, token_ids: list[int]) -> None:
+        started = self._clock()
         await asyncio.sleep(self._link.transfer_seconds(ref.kv_bytes) / self._settings.speed)
         self._scheduler.import_prefix(token_ids[: ref.num_tokens])
         self._kv_pulls += 1
         self._kv_pull_bytes += ref.kv_bytes
+        self._kv_pull_seconds += self._clock() - started
 
     def _add(self, request: EngineRequest, max_tokens: int, hold_kv: bool = False) -> asyncio.Queue:
         seed = self._settings.seed if request.sampling.seed is None else request.sampling.seed
@@ -190,7 +194,7 @@ class SimEngine:
         return net_kv_delta((e.kind == "stored", e.block_hash) for e in self._scheduler.drain_kv_events())
 
     def stats(self) -> EngineStats:
-        return self._step_stats.take(self._clock(), self._kv_pulls, self._kv_pull_bytes)
+        return self._step_stats.take(self._clock(), self._kv_pulls, self._kv_pull_bytes, self._kv_pull_seconds)
 
     async def _run(self) -> None:
         while True:

@@ -80,6 +80,7 @@ class StepCounters:
         self.kv_usage = 0.0
         self.prefix_queries = self.prefix_hits = self.preemptions = 0
         self.kv_pulls = self.kv_pull_bytes = 0
+        self.kv_pull_seconds = 0.0
         self._prefill_tokens = self._decode_tokens = 0
         self._rate_since = clock()
 
@@ -104,6 +105,7 @@ class StepCounters:
         moved = transfers.get("bytes_transferred") or ()
         self.kv_pulls += len(moved)
         self.kv_pull_bytes += int(sum(moved))
+        self.kv_pull_seconds += float(sum(transfers.get("transfer_duration") or ()))
 
     def take_rates(self) -> tuple[float, float]:
         """Prefill and decode tokens per second since the previous call."""
@@ -449,6 +451,7 @@ class VllmEngine:
             gpu_utilization=self._gpu.utilization(),
             kv_pulls=counters.kv_pulls,
             kv_pull_bytes=counters.kv_pull_bytes,
+            kv_pull_seconds=counters.kv_pull_seconds,
             # Counted by the worker service, which sees every KvPullFailed
             # (this engine's and its own check with the source) and adds them.
             kv_pull_failures=0,

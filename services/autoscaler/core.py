@@ -1,0 +1,195 @@
+"""Desired replicas per pool, from what clients saw and what nodes report (pure).
+
+Each signal becomes a pressure, observed over target (1.0: at target):
+
+* aggregated: TTFT p99, TPOT p99, KV usage, requests waiting per replica;
+* prefill: TTFT p99 while TPOT is within target (with TPOT over as well,
+  the decode side is what to fix first), requests waiting per replica;
+* decode: TPOT p99, KV usage, requests waiting per replica (the central
+  queue waits for decode slots).
+
+A pool's pressure is its worst signal. Two windows, as Knative's: the
+stable window decides ordinary steps of `step`; a pressure at or over
+`panic_threshold` in the short panic window scales up at once by
+`panic_step` and holds off any scale-down for a stable window.
+
+Pressure is taken to fall in proportion to replicas, so a change already
+asked for counts before its replicas serve: with 2 replicas running and 4
+asked for, a pressure of 1.6 is taken as 0.8 and nothing more is added
+(an engine takes seconds to minutes to start; `up_cooldown_s` should cover
+that, after which the replicas actually running count again). Scale-down is the
+hysteresis: only when one replica fewer would still run under
+`scale_down_pressure`, over a full stable window, and a cooldown after
+every change.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from contracts.autoscaler import POOLS, Pool, PoolDecision
+from contracts.messages import Heartbeat
+from shared.config import AutoscalerSettings
+
+
+@dataclass(frozen=True)
+class PoolGauges:
+    """What a pool's nodes report at one moment."""
+
+    replicas: int
+    kv_usage: float  # mean over the pool's replicas, 0..1
+    waiting: int  # requests waiting for the pool (its engines' queues, plus the central queue for slot-holding pools)
+
+
+# Pools whose nodes hold slots: requests in the central queue wait for one of them.
+_SLOT_POOLS: tuple[Pool, ...] = ("aggregated", "decode")
+
+
+def pool_gauges(heartbeats: list[Heartbeat], central_queue: int) -> dict[Pool, PoolGauges]:
+    """Replicas, mean KV usage and waiting requests per pool, from the nodes that serve (draining ones leave)."""
+    by_pool: dict[Pool, list[Heartbeat]] = {}
+    for heartbeat in heartbeats:
+        if not heartbeat.draining:
+            by_pool.setdefault(heartbeat.registration.role, []).append(heartbeat)
+    gauges = {}
+    for pool, members in by_pool.items():
+        usage = [hb.stats.kv_blocks_used / hb.stats.kv_blocks_total for hb in members if hb.stats.kv_blocks_total]
+        gauges[pool] = PoolGauges(len(members), sum(usage) / len(usage) if usage else 0.0, sum(hb.stats.waiting for hb in members))
+    queued_for = next((pool for pool in _SLOT_POOLS if pool in gauges), None)
+    if queued_for is not None and central_queue:
+        g = gauges[queued_for]
+        gauges[queued_for] = PoolGauges(g.replicas, g.kv_usage, g.waiting + central_queue)
+    return gauges
+
+
+@dataclass(frozen=True)
+class Pressure:
+    value: float
+    signal: str
+
+
+def _p99(values: list[float]) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, math.ceil(0.99 * len(ordered)) - 1)]
+
+
+class Observations:
+    """Client latencies and pool gauges over time, kept as long as the stable window needs them."""
+
+    def __init__(self, keep_s: float) -> None:
+        self._keep_s = keep_s
+        self._served: deque[tuple[float, float | None, float | None]] = deque()
+        self._gauges: deque[tuple[float, Mapping[Pool, PoolGauges]]] = deque()
+        self._first_at: float | None = None
+
+    def served(self, at: float, ttft_s: float | None, tpot_s: float | None) -> None:
+        self._served.append((at, ttft_s, tpot_s))
+
+    def gauges(self, at: float, pools: Mapping[Pool, PoolGauges]) -> None:
+        self._gauges.append((at, dict(pools)))
+        if self._first_at is None:
+            self._first_at = at
+
+    def forget_before(self, now: float) -> None:
+        horizon = now - self._keep_s
+        while self._served and self._served[0][0] < horizon:
+            self._served.popleft()
+        while self._gauges and self._gauges[0][0] < horizon:
+            self._gauges.popleft()
+
+    def spans(self, now: float, span_s: float) -> bool:
+        """Whether gauges reach back over the whole span (a decision to scale down needs that much evidence)."""
+        return self._first_at is not None and self._first_at <= now - span_s + 1e-9
+
+    def pressures(self, now: float, span_s: float, settings: AutoscalerSettings, latest_gauges: bool = False) -> dict[Pool, Pressure]:
+        """Each pool's worst signal: latency p99 over the span; gauges averaged over it, or the latest (a surge shows at once)."""
+        since = now - span_s
+        served = [(ttft, tpot) for at, ttft, tpot in self._served if at >= since]
+        ttft = _p99([t for t, _ in served if t is not None])
+        tpot = _p99([t for _, t in served if t is not None])
+        ttft_ratio = 0.0 if ttft is None else ttft / settings.ttft_p99_s
+        tpot_ratio = 0.0 if tpot is None else tpot / settings.tpot_p99_s
+        samples = [pools for at, pools in self._gauges if at >= since and not latest_gauges]
+        samples = samples or [pools for _, pools in list(self._gauges)[-1:]]
+        pressures = {}
+        for pool in POOLS:
+            seen = [pools[pool] for pools in samples if pool in pools and pools[pool].replicas > 0]
+            kv = sum(g.kv_usage for g in seen) / len(seen) / settings.kv_usage_max if seen else 0.0
+            waiting = (sum(g.waiting / g.replicas for g in seen) / len(seen) / settings.waiting_per_replica_max) if seen else 0.0
+            if pool == "aggregated":
+                signals = {"ttft": ttft_ratio, "tpot": tpot_ratio, "kv_usage": kv, "waiting": waiting}
+            elif pool == "prefill":
+                signals = {"ttft": ttft_ratio if tpot_ratio <= 1.0 else 0.0, "waiting": waiting}
+            else:
+                signals = {"tpot": tpot_ratio, "kv_usage": kv, "waiting": waiting}
+            worst = max(signals, key=signals.__getitem__)
+            pressures[pool] = Pressure(signals[worst], worst)
+        return pressures
+
+
+class Autoscaler:
+    """Decides each interval; remembers what it asked for, when, and whether a pool is in panic."""
+
+    def __init__(self, settings: AutoscalerSettings) -> None:
+        self._settings = settings
+        self._asked: dict[Pool, int] = {}
+        self._changed_at: dict[Pool, float] = {}
+        self._panic_until: dict[Pool, float] = {}
+
+    def decide(self, now: float, observations: Observations, running: Mapping[Pool, int]) -> list[PoolDecision]:
+        """Desired replicas of each pool that has replicas (a pool the fleet does not have is not managed)."""
+        s = self._settings
+        stable = observations.pressures(now, s.stable_window_s, s)
+        panic = observations.pressures(now, s.panic_window_s, s, latest_gauges=True)
+        full_window = observations.spans(now, s.stable_window_s)
+        decisions = []
+        for pool in _managed(running, self._asked):
+            decisions.append(self._decide_pool(pool, now, running.get(pool, 0), stable[pool], panic[pool], full_window))
+        return decisions
+
+    def _decide_pool(self, pool: Pool, now: float, running: int, stable: Pressure, panic: Pressure, full_window: bool) -> PoolDecision:
+        s = self._settings
+        bounds = getattr(s, pool)
+        since_change = now - self._changed_at.get(pool, -math.inf)
+        # A change asked for counts until its cooldown ends; by then replicas that
+        # did not come (an actuator at its limit, a node that failed) are not waited for.
+        asked = self._asked.get(pool, running) if since_change < s.up_cooldown_s else running
+        # Pressure once what was asked for serves (pressure falls as replicas rise).
+        scale = running / asked if asked > 0 and running > 0 else 1.0
+        expected, expected_panic = stable.value * scale, panic.value * scale
+        if panic.value >= s.panic_threshold:
+            self._panic_until[pool] = now + s.stable_window_s
+        in_panic = now < self._panic_until.get(pool, -math.inf)
+        desired, reason = asked, "within target"
+        if expected_panic >= s.panic_threshold:
+            desired, reason = asked + s.panic_step, f"panic: {panic.signal} at {panic.value:.2f}x target"
+        elif expected > 1.0:
+            if since_change >= s.up_cooldown_s:
+                desired, reason = asked + s.step, f"{stable.signal} at {stable.value:.2f}x target"
+            else:
+                reason = "over target, cooling down after the last change"
+        elif asked > 1 and stable.value * running / (asked - 1) < s.scale_down_pressure:
+            if in_panic:
+                reason = "would scale down, but a panic is recent"
+            elif not full_window:
+                reason = "would scale down, once a full stable window is observed"
+            elif since_change < s.down_cooldown_s:
+                reason = "would scale down, cooling down after the last change"
+            else:
+                desired, reason = asked - s.step, f"{stable.signal} at {stable.value:.2f}x target with one replica fewer"
+        bounded = max(bounds.min, min(bounds.max, desired))
+        if bounded != desired:
+            reason += f" (bounded to {bounds.min}..{bounds.max})"
+        if bounded != asked:
+            self._changed_at[pool] = now
+        self._asked[pool] = bounded
+        return PoolDecision(pool, running, bounded, round(stable.value, 4), round(panic.value, 4), stable.signal, reason, in_panic)
+
+
+def _managed(running: Mapping[Pool, int], asked: Mapping[Pool, int]) -> Iterable[Pool]:
+    return [pool for pool in POOLS if running.get(pool, 0) > 0 or asked.get(pool, 0) > 0]

@@ -1,0 +1,78 @@
+"""`kvlane up` as a user runs it: what it starts ends with it, however it ends."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from kvlane.launcher import free_port, port_open
+
+pytestmark = pytest.mark.integration
+
+
+def children_of(pid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                # The command name may hold spaces and parentheses: the fields start after the last ')'.
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue  # gone meanwhile
+            if int(fields[1]) == pid:
+                found.append(int(entry.name))
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signals are Linux's")
+def test_a_killed_kvlane_up_leaves_no_process_behind(tmp_path: Path) -> None:
+    nats_port, redis_port, port = free_port(), free_port(), free_port()
+    config = tmp_path / "kvlane.toml"
+    config.write_text(
+        f'[nats]\nurl = "nats://127.0.0.1:{nats_port}"\n\n[redis]\nurl = "redis://127.0.0.1:{redis_port}/0"\n\n'
+        '[cluster]\nheartbeat_interval_s = 0.25\nheartbeat_ttl_s = 1.0\nresync_interval_s = 0.5\n'
+    )
+    up = subprocess.Popen(
+        [str(Path(sys.executable).parent / "kvlane"), "up", "--config", str(config), "--port", str(port), "--workers", "1",
+         "--log-dir", str(tmp_path / "logs")],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "COLUMNS": "200"},
+    )
+    started: list[int] = []
+    try:
+        seen = []
+        for line in up.stdout:  # ends if kvlane up exits
+            seen.append(line)
+            if "ready" in line and "base URL" in line:
+                break
+        assert up.poll() is None, "".join(seen)
+        started = children_of(up.pid)
+        # NATS, Redis, balancer, cache-manager, health-prober, one worker, ingress.
+        assert len(started) == 7, "".join(seen)
+        up.send_signal(signal.SIGKILL)
+        up.wait(10)
+        deadline = time.monotonic() + 30  # a service drains on SIGTERM before it exits
+        while left := [pid for pid in started if alive(pid)]:
+            assert time.monotonic() < deadline, f"still running after kvlane up was killed: {left}"
+            time.sleep(0.1)
+        for listened in (nats_port, redis_port, port):
+            assert not port_open("127.0.0.1", listened)
+    finally:
+        if up.poll() is None:
+            up.kill()
+        for pid in [*started, *children_of(up.pid)]:
+            if alive(pid):  # what a failure left behind must not outlive the test
+                os.kill(pid, signal.SIGKILL)
