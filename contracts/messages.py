@@ -73,6 +73,9 @@ class RouteDecision(Struct, tag="decision", tag_field="type"):
     prefill_inbox: str = ""
     # Seconds the request waited in the balancer's central queue for a free slot (0: placed at once).
     queued_s: Annotated[float, Meta(ge=0.0)] = 0.0
+    # The tokens it may generate: the route request's max_tokens, or fewer when the
+    # balancer degraded it under overload (0: as asked, from a balancer that does not say).
+    max_tokens: NonNegativeInt = 0
 
 
 RouteReply = RouteDecision | ErrorReply

@@ -148,6 +148,34 @@ class Completion(Struct):
     object: Literal["text_completion"] = "text_completion"
 
 
+class Degraded(Struct):
+    """What kvlane changed to keep serving under overload."""
+
+    reason: Literal["overload"]
+    # The answer was generated under this cap instead of the one asked for.
+    max_tokens: int
+    requested_max_tokens: int
+
+
+class KvlaneNotes(Struct, omit_defaults=True):
+    """kvlane's extension of a response (the `kvlane` field), present only when there is something to say."""
+
+    degraded: Degraded | None = None
+
+
+# A response, or a stream's closing chunk, with kvlane's notes.
+class NotedChatCompletion(ChatCompletion, kw_only=True):
+    kvlane: KvlaneNotes
+
+
+class NotedChatCompletionChunk(ChatCompletionChunk, kw_only=True):
+    kvlane: KvlaneNotes
+
+
+class NotedCompletion(Completion, kw_only=True):
+    kvlane: KvlaneNotes
+
+
 class Model(Struct):
     id: str
     created: int

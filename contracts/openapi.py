@@ -38,9 +38,15 @@ def build_openapi(version: str | None = None) -> dict[str, Any]:
         api.ModelList,
         api.ErrorResponse,
         api.HealthStatus,
+        api.NotedChatCompletion,
+        api.NotedChatCompletionChunk,
+        api.NotedCompletion,
     ]
     (refs, components) = msgspec.json.schema_components(types, ref_template=_REF)
-    chat_req, chat, chat_chunk, comp_req, comp, models, _, health = refs
+    chat_req, plain_chat, plain_chat_chunk, comp_req, plain_comp, models, _, health, noted_chat, noted_chunk, noted_comp = refs
+    # A response (or a stream's closing chunk) carries `kvlane` notes only when kvlane changed something.
+    chat, chat_chunk, comp = ({"anyOf": [plain, noted]} for plain, noted in
+                              ((plain_chat, noted_chat), (plain_chat_chunk, noted_chunk), (plain_comp, noted_comp)))
 
     def completion_op(summary: str, request: dict, response: dict, chunk: dict) -> dict[str, Any]:
         return {

@@ -37,6 +37,9 @@ class Fleet:
         `kind` gives a sim worker its own profile and a fraction of the configured speed (a mixed fleet).
         """
         env = to_env(self.config) | {"KVLANE__WORKER__WORKER_ID": f'"{worker_id}"'}
+        if self.config.worker.metrics_port:
+            # Workers on one host cannot share a port: each takes the next one up.
+            env["KVLANE__WORKER__METRICS_PORT"] = str(self.config.worker.metrics_port + len(self.roles))
         if kind is not None:
             sim = self.config.worker.sim
             env |= {"KVLANE__WORKER__SIM__PROFILE": f'"{kind.profile}"', "KVLANE__WORKER__SIM__SPEED": repr(sim.speed * kind.speed)}

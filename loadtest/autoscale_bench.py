@@ -22,16 +22,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kvlane.fleet_mix import FleetNode
 from loadtest.bench import jsonable
-from loadtest.bench_run import FleetSpec
 from loadtest.client import RequestRecord
-from loadtest.driver import DriveLimits
 from loadtest.metrics import Slo, meets_slo, summarize
-from loadtest.simulate import simulation_config
-from loadtest.simulation.world import Simulation, SimulationResult, SimulationSpec
+from loadtest.sim_bench import capacity_rps, sim_spec
+from loadtest.simulation.world import Simulation, SimulationResult
 from loadtest.workloads import ArrivalSpec, WorkloadSpec
-from shared.config import AutoscalerSettings, KvlaneConfig, PoolBounds
+from shared.config import AutoscalerSettings, PoolBounds
 
 OUT = Path("benchmarks/results/autoscale")
 
@@ -52,27 +49,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def _spec(args: argparse.Namespace, nodes: int, arrival: ArrivalSpec, issue_for_s: float, max_requests: int,
-          concurrency: int | None = None, autoscaling: AutoscalerSettings | None = None) -> SimulationSpec:
-    fleet = FleetSpec(workers=nodes, profile=args.profile, seed=args.seed)
-    config = simulation_config(KvlaneConfig(), fleet, "jffc_per_request", 120.0)
-    workload = WorkloadSpec(kind=args.workload, seed=args.seed, max_requests=max_requests, arrival=arrival,
-                            duration_s=issue_for_s, groups=8, output_tokens=128)
-    limits = DriveLimits(issue_for_s=issue_for_s, hard_stop_s=issue_for_s + 125.0, concurrency=concurrency)
-    kinds = tuple(FleetNode(f"w{i}", args.profile, 1.0) for i in range(nodes))
-    return SimulationSpec(config, kinds, workload, limits, 120.0, autoscaling=autoscaling, node_start_s=args.node_start)
-
-
-def capacity(args: argparse.Namespace) -> float:
-    """Requests per second one node completes when kept busy (a closed loop twice its slots deep)."""
-    spec = _spec(args, 1, ArrivalSpec(mode="closed"), 60.0, 100_000, concurrency=2 * spec_slots(args))
-    result = Simulation(spec).run()
-    done = [r for r in result.records if r.ok]
-    return len(done) / result.simulated_s
-
-
-def spec_slots(args: argparse.Namespace) -> int:
-    return simulation_config(KvlaneConfig(), FleetSpec(workers=1, profile=args.profile), "jffc_per_request", 120.0).worker.sim.max_num_seqs
+def _workload(args: argparse.Namespace, arrival: ArrivalSpec, duration_s: float, max_requests: int) -> WorkloadSpec:
+    return WorkloadSpec(kind=args.workload, seed=args.seed, max_requests=max(1, max_requests), arrival=arrival,
+                        duration_s=duration_s, groups=8, output_tokens=128)
 
 
 def phase_of(record: RequestRecord, phase_s: float) -> str:
@@ -104,7 +83,7 @@ def report(name: str, result: SimulationResult, slo: Slo, phase_s: float) -> dic
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     slo = Slo(args.ttft_slo_ms / 1000.0, args.tpot_slo_ms / 1000.0)
-    per_node = capacity(args)
+    per_node = capacity_rps(args.profile, 1, _workload(args, ArrivalSpec(mode="closed"), 60.0, 0))
     low, high = args.low * per_node, args.high * per_node
     arrival = ArrivalSpec(rate=low, steps=((args.phase, high), (2 * args.phase, low)))
     total_s = 3 * args.phase
@@ -116,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
             (f"fixed {peak_nodes} nodes", peak_nodes, None)]
     results = []
     for name, nodes, scaling in runs:
-        spec = _spec(args, nodes, arrival, total_s, budget, autoscaling=scaling)
+        spec = sim_spec(args.profile, nodes, _workload(args, arrival, total_s, budget), total_s, autoscaling=scaling,
+                        node_start_s=args.node_start)
         result = Simulation(spec).run()
         entry = report(name, result, slo, args.phase)
         if entry["node_seconds"] is None:

@@ -37,6 +37,7 @@ class RequestRecord:
     max_tokens: int
     scheduled_s: float  # when the workload wanted it sent (open loop); sent_s - scheduled_s is client lag
     sent_s: float = 0.0
+    priority: int = 0
     first_token_s: float | None = None
     token_times_s: list[float] = field(default_factory=list)  # one per content chunk (one token each on sim)
     end_s: float | None = None

@@ -30,13 +30,14 @@ class DriveLimits:
 
 def request_body(session: Session, history: list[tuple[str, str]], text: str) -> dict[str, Any]:
     """The JSON body of a session's next turn (model, stream and max_tokens are the client's)."""
+    extra = {"priority": session.priority} if session.priority else {}
     if session.api == "completions":
-        return {"prompt": text}
+        return {"prompt": text, **extra}
     messages = [{"role": "system", "content": session.system}] if session.system else []
     for question, answer in history:
         messages += [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
     messages.append({"role": "user", "content": text})
-    return {"messages": messages}
+    return {"messages": messages, **extra}
 
 
 class WorkloadDriver:
@@ -104,7 +105,8 @@ class WorkloadDriver:
                 if session.think_time_s:
                     await asyncio.sleep(session.think_time_s)
                 scheduled_s = self._client.now()
-            record = RequestRecord(session.session_id, session.group, index, session.api, turn.max_tokens, scheduled_s)
+            record = RequestRecord(session.session_id, session.group, index, session.api, turn.max_tokens, scheduled_s,
+                                   priority=session.priority)
             self.records.append(record)
             try:
                 await self._client.send(record, request_body(session, history, turn.text))

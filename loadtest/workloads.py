@@ -35,7 +35,7 @@ import json
 import math
 import random
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
@@ -69,6 +69,7 @@ class Session:
     api: Api = "completions"
     system: str | None = None  # chat only
     think_time_s: float = 0.0  # pause between a turn's answer and the next turn
+    priority: int = 0  # the requests' `priority` (higher is served first)
 
     @property
     def requests(self) -> int:
@@ -145,6 +146,8 @@ class WorkloadSpec:
     trace_path: Path | None = None
     trace_time_scale: float = 1.0  # multiplies trace timestamps; 0.5 replays twice as fast
     trace_use_timestamps: bool = True  # False: the arrival spec replaces the trace's timestamps
+    # Share of sessions whose requests carry priority 1 (the rest 0), drawn per session.
+    high_priority_share: float = 0.0
 
     def check(self) -> None:
         if self.max_requests < 1:
@@ -153,6 +156,8 @@ class WorkloadSpec:
             raise ValueError("groups, turns, question and output tokens must be at least 1")
         if not 0.0 <= self.long_share <= 1.0:
             raise ValueError("long_share must be in [0, 1]")
+        if not 0.0 <= self.high_priority_share <= 1.0:
+            raise ValueError("high_priority_share must be in [0, 1]")
         if self.kind == "trace" and self.trace_path is None:
             raise ValueError("the trace workload needs a trace file")
         if self.kind in ("shared-prefix", "multi-turn"):
@@ -206,12 +211,13 @@ def sessions(spec: WorkloadSpec) -> Iterator[Session]:
         maker = TextMaker()
         generated = (make(spec, maker, index, arrival) for index, arrival in enumerate(spec.arrival.offsets(spec.seed)))
     budget = spec.max_requests
-    for session in generated:
+    for index, session in enumerate(generated):
+        if spec.high_priority_share and random.Random(f"{spec.seed}:priority:{index}").random() < spec.high_priority_share:
+            session = replace(session, priority=1)
         if spec.duration_s is not None and spec.timed and session.arrival_s > spec.duration_s:
             return
         if session.requests > budget:
-            session = Session(session.session_id, session.group, session.arrival_s, session.turns[:budget],
-                              session.api, session.system, session.think_time_s)
+            session = replace(session, turns=session.turns[:budget])
         budget -= session.requests
         yield session
         if budget <= 0:

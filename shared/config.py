@@ -202,6 +202,35 @@ class DisaggregationSettings(_Section):
     # the chosen decode node is shorter than this is prefilled there, not
     # sent through a prefill node (the hand-off would cost more than it saves).
     min_remote_prefill_tokens: Annotated[int, Meta(ge=0)] = 256
+    # When every prefill node would take longer than this to have the prompt ready
+    # (their backlog plus the prompt) and the decode node itself would be sooner,
+    # the decode node prefills it rather than queueing behind the saturated pool.
+    local_prefill_when_saturated: bool = True
+    prefill_saturated_s: PositiveFloat = 0.5
+
+
+class DegradationSettings(_Section):
+    """How the balancer bends under overload, judged by the central queue's predicted wait."""
+
+    # A queue wait predicted beyond this is overload (the TTFT the fleet is meant to keep).
+    ttft_target_s: PositiveFloat = 0.5
+    # Under overload, requests of a priority below `below_priority` that must queue
+    # are given max_tokens x `max_tokens_factor` (never below `min_max_tokens`);
+    # the response says so (the `kvlane.degraded` field and an X-Kvlane-Degraded header).
+    reduce_max_tokens: bool = False
+    below_priority: int = 1
+    max_tokens_factor: Annotated[float, Meta(gt=0.0, lt=1.0)] = 0.5
+    min_max_tokens: PositiveInt = 16
+    # A request whose predicted wait passes its deadline is refused at once with 429
+    # and Retry-After rather than after waiting for nothing; the lowest class, with
+    # the most ahead of it, is shed first. Off by default: the prediction is an
+    # estimate, and a client that does not retry loses a request that might have run.
+    shed: bool = False
+    # A full queue makes room for a higher class by refusing (429) its newest
+    # request of the lowest class below, instead of refusing the newcomer.
+    evict_lower_when_full: bool = True
+    # Departures (slots freed per second) are measured over this window.
+    rate_window_s: PositiveFloat = 10.0
 
 
 class BalancerSettings(_Section):
@@ -226,6 +255,7 @@ class BalancerSettings(_Section):
     score: ScoreSettings = msgspec.field(default_factory=ScoreSettings)
     jffc_per_request: JffcPerRequestSettings = msgspec.field(default_factory=JffcPerRequestSettings)
     disaggregation: DisaggregationSettings = msgspec.field(default_factory=DisaggregationSettings)
+    degradation: DegradationSettings = msgspec.field(default_factory=DegradationSettings)
 
 
 class CacheManagerSettings(_Section):
@@ -249,6 +279,7 @@ class CacheManagerSettings(_Section):
     prewarm_high_load: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.7
     prewarm_low_load: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.3
     metrics_port: Annotated[int, Meta(ge=0, le=65535)] = 0
+    metrics_host: str = "127.0.0.1"
 
 
 class HealthSettings(_Section):

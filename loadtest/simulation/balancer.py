@@ -73,6 +73,8 @@ class SimBalancer:
                     return self._listener.placed(outcome)
                 continue
             if isinstance(outcome, Queued):
+                if outcome.evicted is not None:
+                    self._listener.refused(outcome.evicted.request_id, router.degradation.evicted_reply(outcome.evicted))
                 return None
             return self._listener.refused(request.request_id, outcome)
         self._listener.refused(request.request_id, router.refusal("no_capacity", "no chain had room for this request's KV"))

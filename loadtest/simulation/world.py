@@ -352,7 +352,8 @@ class Simulation:
 
     def _start_turn(self, session: Session, turn: int, history: list[tuple[str, str]], scheduled_s: float) -> None:
         spec = session.turns[turn]
-        record = RequestRecord(session.session_id, session.group, turn, session.api, spec.max_tokens, scheduled_s)
+        record = RequestRecord(session.session_id, session.group, turn, session.api, spec.max_tokens, scheduled_s,
+                               priority=session.priority)
         record.sent_s = self._now()
         self._records.append(record)
         self._request_seq += 1
@@ -405,6 +406,10 @@ class Simulation:
             self.balancer.withdraw(placement.request_id)
             return
         # The decision goes back to ingress, which hands the request to the worker (or its prefill node).
+        allowed = len(flight.output) + placement.request.max_tokens
+        if allowed < flight.prepared.sampling.max_tokens:  # degraded under overload, as ingress applies it
+            sampling = msgspec.structs.replace(flight.prepared.sampling, max_tokens=allowed)
+            flight.prepared = msgspec.structs.replace(flight.prepared, sampling=sampling)
         prefill = placement.prefill.worker_id if placement.prefill is not None else None
         self._events.after(2 * self._lat.hop_s, self._dispatch, flight, placement.chain.worker_id, prefill)
 

@@ -81,6 +81,10 @@ class CentralQueue:
             self.remove(entry.request_id)
         return expired
 
+    def newest_of(self, priority: int) -> QueuedRequest | None:
+        entries = self._classes.get(priority)
+        return entries[-1] if entries else None
+
     def lengths(self) -> dict[int, int]:
         """Waiting requests per priority class."""
         return {priority: len(entries) for priority, entries in self._classes.items()}

@@ -14,7 +14,10 @@ node this step completes the chain:
   holders: their KV is held only until the decode node pulls it.
 
 No live prefill node means local prefill: a chain degrades to one node
-rather than failing.
+rather than failing. So does a saturated prefill pool: when the best
+prefill node would have the prompt ready only after
+`prefill_saturated_s`, and the decode node itself sooner, the decode node
+prefills it rather than queueing behind the pool.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from services.balancer.snapshot import ChainState
+from shared.config import DisaggregationSettings
 
 
 def prefill_finish_s(candidate: ChainState, prompt_tokens: int) -> float:
@@ -33,13 +37,22 @@ def choose_prefill(
     chain: ChainState,
     prompt_tokens: int,
     candidates: Sequence[ChainState],
-    min_remote_prefill_tokens: int,
+    settings: DisaggregationSettings,
 ) -> ChainState | None:
     """The prefill node for a request placed on `chain`; None: `chain` runs it all."""
     if chain.node.role != "decode" or not candidates:
         return None
-    if chain.uncached_tokens(prompt_tokens) < min_remote_prefill_tokens:
+    if chain.uncached_tokens(prompt_tokens) < settings.min_remote_prefill_tokens:
         return None
     # Idle nodes all finish "now": the one with less in hand wins, not the first by name.
-    return min(candidates, key=lambda c: (prefill_finish_s(c, prompt_tokens),
+    best = min(candidates, key=lambda c: (prefill_finish_s(c, prompt_tokens),
                                           c.node.running + c.node.waiting, c.worker_id))
+    if settings.local_prefill_when_saturated and prefill_saturated(best, chain, prompt_tokens, settings):
+        return None
+    return best
+
+
+def prefill_saturated(best: ChainState, chain: ChainState, prompt_tokens: int, settings: DisaggregationSettings) -> bool:
+    """Whether even the best prefill node is backed up past `prefill_saturated_s`, and `chain` would have the prompt sooner itself."""
+    remote = prefill_finish_s(best, prompt_tokens)
+    return remote > settings.prefill_saturated_s and prefill_finish_s(chain, prompt_tokens) < remote

@@ -46,6 +46,7 @@ def build_router(settings: BalancerSettings, model: StepModel) -> Router:
         CentralQueue(settings.queue.max_length),
         settings.queue,
         settings.disaggregation,
+        settings.degradation,
     )
 
 
@@ -60,8 +61,10 @@ async def main(config: KvlaneConfig, stop: asyncio.Event) -> None:
         if settings.allocate_kv:
             ledger = BlockLedger(ctx.redis, config.cache_manager.lease_ttl_s)
             allocator = KvAllocator(ctx.bus, settings.allocate_timeout_s, ledger, config.cache_manager, tracer=ctx.telemetry.tracer)
+        router = build_router(settings, model)
+        metrics.track_degradation(router.degradation.counts)
         service = BalancerService(
-            ctx.bus, ctx.view, build_router(settings, model), store, settings, metrics, SlotRates(settings.slots), allocator, balancer_id,
+            ctx.bus, ctx.view, router, store, settings, metrics, SlotRates(settings.slots), allocator, balancer_id,
             tracer=ctx.telemetry.tracer,
         )
         metrics_runner = None

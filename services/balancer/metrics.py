@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 _LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
 _WAIT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -31,3 +35,19 @@ class BalancerMetrics:
         )
         self.fast_forwards = Counter("kvlane_balancer_fast_forwards_total", "Score policy fast-forwards to the cache node", registry=r)
         self.arrival_rate = Gauge("kvlane_balancer_arrival_rate", "Route requests per second (moving average)", registry=r)
+
+    def track_degradation(self, counts: Mapping[str, int]) -> None:
+        """Export what the router's degradation did (read at each scrape): `kvlane_balancer_degraded_total{kind}`."""
+        self.registry.register(_CountsCollector("kvlane_balancer_degraded", "Requests degraded under overload, by what was done",
+                                                "kind", counts))
+
+
+class _CountsCollector(Collector):
+    def __init__(self, name: str, documentation: str, label: str, counts: Mapping[str, int]) -> None:
+        self._name, self._documentation, self._label, self._counts = name, documentation, label, counts
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        family = CounterMetricFamily(self._name, self._documentation, labels=[self._label])
+        for value, count in sorted(self._counts.items()):
+            family.add_metric([value], count)
+        yield family

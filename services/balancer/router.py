@@ -20,11 +20,12 @@ from msgspec import Struct
 
 from contracts.messages import ErrorReply, Heartbeat, RouteRequest
 from services.balancer.central_queue import CentralQueue, QueuedRequest
+from services.balancer.degradation import Degradation
 from services.balancer.policies import RoutingPolicy
 from services.balancer.slot_table import SlotTable
-from services.balancer.disaggregation import choose_prefill, prefill_finish_s
+from services.balancer.disaggregation import choose_prefill, prefill_finish_s, prefill_saturated
 from services.balancer.snapshot import GENERATING_ROLES, ChainState, ClusterSnapshot, NodeFacts, SnapshotBuilder
-from shared.config import DisaggregationSettings, QueueSettings
+from shared.config import DegradationSettings, DisaggregationSettings, QueueSettings
 from shared.prefix_index import PrefixIndex
 
 HeartbeatsFor = Callable[[str], Sequence[Heartbeat]]
@@ -45,6 +46,8 @@ class Placement(Struct, frozen=True):
 
 class Queued(Struct, frozen=True):
     entry: QueuedRequest
+    # A request of a lower class that gave its place in a full queue: it is to be refused (`Degradation.evicted_reply`).
+    evicted: QueuedRequest | None = None
 
 
 class Router:
@@ -57,6 +60,7 @@ class Router:
         queue: CentralQueue,
         queue_settings: QueueSettings,
         disaggregation: DisaggregationSettings | None = None,
+        degradation: DegradationSettings | None = None,
     ) -> None:
         self.policy = policy
         self.builder = builder
@@ -65,6 +69,7 @@ class Router:
         self.queue = queue
         self._queue_settings = queue_settings
         self._disaggregation = disaggregation or DisaggregationSettings()
+        self.degradation = Degradation(degradation or DegradationSettings(), queue_settings.retry_after_s)
         # Queued request id -> younger requests of its class served before it (cache-aware dequeue).
         self._overtaken: dict[str, int] = {}
         self._known_workers: set[str] = set()
@@ -83,6 +88,8 @@ class Router:
         if chain.free_slots <= 0 or not self.table.reserve(request.request_id, chain.chain_id, chain.node.slots_total, request.deadline):
             raise RuntimeError(f"policy {self.policy.name} chose full chain {chain.chain_id}")
         prefill = prefill_for.get(chain.chain_id)
+        if prefill is None and chain.node.role == "decode" and self._prefill_saturated(chain, request, heartbeats, cached):
+            self.degradation.counts["local_prefill"] += 1
         self.builder.note_sent(prefill or chain, request)
         return Placement(request, chain, prefill, fast_forward=getattr(self.policy, "fast_forwards", 0) > fast_forwards)
 
@@ -100,13 +107,24 @@ class Router:
         for chain in snapshot.chains:
             prefill = None
             if chain.node.role == "decode":
-                prefill = choose_prefill(chain, request.prompt_tokens, candidates, self._disaggregation.min_remote_prefill_tokens)
+                prefill = choose_prefill(chain, request.prompt_tokens, candidates, self._disaggregation)
             if prefill is None:
                 chains.append(chain)
                 continue
             prefill_for[chain.chain_id] = prefill
             chains.append(msgspec.structs.replace(chain, remote_prefill_s=prefill_finish_s(prefill, request.prompt_tokens)))
         return msgspec.structs.replace(snapshot, chains=tuple(chains)), prefill_for
+
+    def _prefill_saturated(self, chain: ChainState, request: RouteRequest, heartbeats: Sequence[Heartbeat],
+                           cached: Mapping[str, int]) -> bool:
+        """Whether `chain` prefills `request` itself because the prefill pool is backed up (for the metrics)."""
+        settings = self._disaggregation
+        if not settings.local_prefill_when_saturated or chain.uncached_tokens(request.prompt_tokens) < settings.min_remote_prefill_tokens:
+            return False
+        candidates = self.builder.prefill_candidates(request, heartbeats, cached)
+        best = choose_prefill(chain, request.prompt_tokens, candidates,
+                              msgspec.structs.replace(settings, local_prefill_when_saturated=False))
+        return best is not None and prefill_saturated(best, chain, request.prompt_tokens, settings)
 
     def admit(self, request: RouteRequest, heartbeats: Sequence[Heartbeat], now: float) -> Placement | Queued | ErrorReply:
         # A re-route of the same request (ingress could not hand it to the
@@ -116,12 +134,16 @@ class Router:
         placement = self.place(request, heartbeats)
         if placement is not None:
             return placement
+        deadline = min(request.deadline, now + self._queue_settings.max_wait_s)
+        waiting = self.degradation.before_queueing(request, self.queue, deadline, now)
+        if isinstance(waiting, ErrorReply):
+            return waiting
+        evicted = self.degradation.make_room(waiting, self.queue) if self.queue.full else None
         if self.queue.full:
             return self.refusal("queue_full", f"all slots busy and {len(self.queue)} requests already waiting")
-        deadline = min(request.deadline, now + self._queue_settings.max_wait_s)
-        entry = self.queue.push(request, now, deadline)
+        entry = self.queue.push(waiting, now, deadline)
         assert entry is not None
-        return Queued(entry)
+        return Queued(entry, evicted)
 
     def dispatch_queued(self, heartbeats_for: HeartbeatsFor) -> list[tuple[QueuedRequest, Placement]]:
         """Give free slots to queued requests, highest class first; within a class see `dequeue_order`.
@@ -248,6 +270,7 @@ class Router:
         chain_id = self.table.release(request_id, worker_id)
         if chain_id is not None:
             self.builder.note_finished(worker_id)
+            self.degradation.departures.note(self.builder.clock())
         return chain_id
 
     def undo(self, placement: Placement, chain_used: int, entry: QueuedRequest | None = None) -> None:

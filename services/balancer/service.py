@@ -172,7 +172,9 @@ class BalancerService:
                     if confirmed is None:
                         continue
                     return self._count(confirmed, "placed")
-                case Queued(entry=entry):
+                case Queued(entry=entry, evicted=evicted):
+                    if evicted is not None:
+                        self._resolve(evicted.request_id, self.router.degradation.evicted_reply(evicted))
                     return self._count(await self._wait(entry), "queued")
                 case ErrorReply():
                     return self._count(outcome, "refused")
@@ -232,6 +234,7 @@ class BalancerService:
             placement.request_id, chain.worker_id, chain.node.inbox, self.router.policy.name, chain.cached_blocks,
             prefill_worker_id=prefill.worker_id if prefill else "", prefill_inbox=prefill.node.inbox if prefill else "",
             queued_s=0.0 if entry is None else max(0.0, self._wall_clock() - entry.enqueued_at),
+            max_tokens=placement.request.max_tokens,
         )
 
     async def _wait(self, entry: QueuedRequest) -> RouteReply:

@@ -25,7 +25,7 @@ async def main(config: KvlaneConfig, stop: asyncio.Event) -> None:
         try:
             await service.start()
             if settings.metrics_port:
-                metrics_runner = await serve_metrics(metrics.registry, config.ingress.host, settings.metrics_port)
+                metrics_runner = await serve_metrics(metrics.registry, settings.metrics_host, settings.metrics_port)
             announce_ready(manager_id=manager_id)
             await stop.wait()
         finally:

@@ -80,7 +80,7 @@ class IngressApp:
 
     async def _complete(self, request: web.Request, operation: Operation) -> web.StreamResponse:
         call = await self._completions.start(operation, await request.read(), lambda: _hung_up(request), request.headers)
-        headers = {"X-Request-Id": call.request_id}
+        headers = {"X-Request-Id": call.request_id, **call.degraded_header()}
         async with call:
             try:
                 if not call.stream:

@@ -22,7 +22,7 @@ import structlog
 
 from contracts.autoscaler import RequestServed
 from contracts.messages import StreamEnd, TokenChunk, WorkerRegistration
-from contracts.openai_api import ChatCompletionRequest, CompletionRequest, Model, ModelList
+from contracts.openai_api import ChatCompletionRequest, CompletionRequest, Degraded, KvlaneNotes, Model, ModelList
 from services.ingress.dispatch import Dispatcher
 from services.ingress.errors import ApiError, from_decode_error
 from services.ingress.metrics import IngressMetrics
@@ -39,6 +39,10 @@ log = structlog.get_logger("kvlane.ingress")
 _ENCODER = msgspec.json.Encoder()
 
 Frames = AsyncIterator[TokenChunk | StreamEnd]
+
+
+# On a response kvlane degraded under overload (HTTP; the NATS API's replies carry it too).
+DEGRADED_HEADER = "X-Kvlane-Degraded"
 
 
 class CallerGone(ConnectionError):
@@ -120,7 +124,7 @@ class Completions:
         except BaseException as exc:
             span.end(self._clock(), None, exc)
             raise
-        await call.begin(self._dispatcher.run(request_id, prepared, span.context))
+        await call.begin(self._dispatcher.run(request_id, prepared, span.context, on_capped=call.capped))
         return call
 
     def _model(self, name: str) -> WorkerRegistration:
@@ -199,11 +203,26 @@ class CompletionCall:
         self._span = span
         self._on_served = on_served
         self._first_token_at: float | None = None
+        # What kvlane changed in the request (the response's `kvlane` field), if anything.
+        self.notes: KvlaneNotes | None = None
         self._frames: Frames | None = None
         self._first: TokenChunk | StreamEnd | None = None
         self.end: StreamEnd | None = None
         self._end_at: float | None = None  # when the final frame came
         self._failure: BaseException | None = None
+
+    def capped(self, max_tokens: int) -> None:
+        """The balancer degraded the request under overload: it may generate `max_tokens` at most."""
+        requested = self._prepared.sampling.max_tokens
+        self.notes = KvlaneNotes(degraded=Degraded("overload", max_tokens, requested))
+        log.info("degraded", max_tokens=max_tokens, requested_max_tokens=requested)
+
+    def degraded_header(self) -> dict[str, str]:
+        """`X-Kvlane-Degraded` for the transport's reply, when the request was degraded."""
+        if self.notes is None or self.notes.degraded is None:
+            return {}
+        d = self.notes.degraded
+        return {DEGRADED_HEADER: f"reason={d.reason}; max_tokens={d.max_tokens}; requested_max_tokens={d.requested_max_tokens}"}
 
     async def begin(self, frames: Frames) -> None:
         structlog.contextvars.bind_contextvars(request_id=self.request_id)
@@ -260,7 +279,7 @@ class CompletionCall:
             if isinstance(frame, TokenChunk):
                 pieces.append(frame.text)
             else:
-                return self._renderer.whole("".join(pieces), frame)
+                return self._renderer.whole("".join(pieces), frame, self.notes)
         raise self._failed(ApiError(502, "stream ended without a final frame", code="stream_incomplete"))
 
     async def chunks(self) -> AsyncIterator[bytes]:
@@ -272,7 +291,7 @@ class CompletionCall:
                 if (chunk := self._renderer.delta(frame.text)) is not None:
                     yield chunk
                 continue
-            yield self._renderer.closing(frame)
+            yield self._renderer.closing(frame, self.notes)
             if self._prepared.include_usage:
                 yield self._renderer.usage(frame)
             return

@@ -150,11 +150,14 @@ class Dispatcher:
         self._tracer = tracer or trace.NoOpTracer()
 
     async def run(
-        self, request_id: str, prepared: PreparedRequest, trace_context: Context | None = None
+        self, request_id: str, prepared: PreparedRequest, trace_context: Context | None = None,
+        on_capped: Callable[[int], None] = lambda max_tokens: None,
     ) -> AsyncIterator[TokenChunk | StreamEnd]:
         """The request's chunks, ending with its `StreamEnd`; raises `ApiError`.
 
         Each attempt is a `dispatch.attempt` span, child of `trace_context` (the request's span).
+        A balancer that degrades the request under overload caps its tokens:
+        `on_capped` hears the request's new `max_tokens`.
         """
         deadline = time.time() + self._settings.request_timeout_s
         excluded: list[str] = []
@@ -179,6 +182,10 @@ class Dispatcher:
             attempt.routed(decision)
             if self._metrics is not None:
                 self._metrics.queued(prepared.model, decision.queued_s)
+            if 0 < decision.max_tokens < prepared.sampling.max_tokens - len(produced):
+                capped = len(produced) + decision.max_tokens
+                prepared = msgspec.structs.replace(prepared, sampling=msgspec.structs.replace(prepared.sampling, max_tokens=capped))
+                on_capped(capped)
             with self._streams.open(f"{request_id}-{handovers}") as stream:
                 handovers += 1
                 # From the hand-over on, the chain's nodes may be running the request: unless it

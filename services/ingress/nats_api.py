@@ -126,7 +126,8 @@ class NatsApi:
         call = await self._completions.start(operation, request.data, lambda: stream_id in self._departed, headers)
         async with call:
             if not call.stream:
-                await request.respond(await call.body())
+                body = await call.body()
+                await request.respond(body, headers=call.degraded_header() or None)
                 return None
             reply, probe = request._msg.reply, f"{self._probe_prefix}.{stream_id}"
             self._streaming.add(stream_id)
@@ -135,7 +136,8 @@ class NatsApi:
             try:
                 try:
                     async for chunk in call.chunks():
-                        await self._nc.publish(reply, chunk, reply=probe, headers={subjects.API_SEQ_HEADER: str(seq)})
+                        headers = {subjects.API_SEQ_HEADER: str(seq), **call.degraded_header()}
+                        await self._nc.publish(reply, chunk, reply=probe, headers=headers)
                         seq += 1
                 except ApiError as exc:
                     log.warning("stream_failed", code=exc.code, error=exc.message)

@@ -22,6 +22,10 @@ from contracts.openai_api import (
     Completion,
     CompletionChoice,
     CompletionUsage,
+    KvlaneNotes,
+    NotedChatCompletion,
+    NotedChatCompletionChunk,
+    NotedCompletion,
     PromptTokensDetails,
 )
 
@@ -48,18 +52,20 @@ class Renderer(Protocol):
 
     def delta(self, text: str) -> bytes | None: ...
 
-    def closing(self, end: StreamEnd) -> bytes: ...
+    def closing(self, end: StreamEnd, notes: KvlaneNotes | None = None) -> bytes: ...
 
     def usage(self, end: StreamEnd) -> bytes: ...
 
-    def whole(self, text: str, end: StreamEnd) -> bytes: ...
+    def whole(self, text: str, end: StreamEnd, notes: KvlaneNotes | None = None) -> bytes: ...
 
 
 class ChatRenderer:
     def __init__(self, response_id: str, created: int, model: str) -> None:
         self._id, self._created, self._model = response_id, created, model
 
-    def _chunk(self, choices: list[ChatChunkChoice], usage: CompletionUsage | None = None) -> bytes:
+    def _chunk(self, choices: list[ChatChunkChoice], usage: CompletionUsage | None = None, notes: KvlaneNotes | None = None) -> bytes:
+        if notes is not None:
+            return _ENCODER.encode(NotedChatCompletionChunk(self._id, self._created, self._model, choices, usage, kvlane=notes))
         return _ENCODER.encode(ChatCompletionChunk(self._id, self._created, self._model, choices, usage))
 
     def opening(self) -> bytes | None:
@@ -68,23 +74,25 @@ class ChatRenderer:
     def delta(self, text: str) -> bytes | None:
         return self._chunk([ChatChunkChoice(0, ChatDelta(content=text))]) if text else None
 
-    def closing(self, end: StreamEnd) -> bytes:
-        return self._chunk([ChatChunkChoice(0, ChatDelta(), end.finish_reason)])
+    def closing(self, end: StreamEnd, notes: KvlaneNotes | None = None) -> bytes:
+        return self._chunk([ChatChunkChoice(0, ChatDelta(), end.finish_reason)], notes=notes)
 
     def usage(self, end: StreamEnd) -> bytes:
         return self._chunk([], completion_usage(end.usage))
 
-    def whole(self, text: str, end: StreamEnd) -> bytes:
+    def whole(self, text: str, end: StreamEnd, notes: KvlaneNotes | None = None) -> bytes:
         choice = ChatChoice(0, AssistantMessage(content=text), end.finish_reason)
-        return _ENCODER.encode(ChatCompletion(self._id, self._created, self._model, [choice], completion_usage(end.usage)))
+        fields = (self._id, self._created, self._model, [choice], completion_usage(end.usage))
+        return _ENCODER.encode(ChatCompletion(*fields) if notes is None else NotedChatCompletion(*fields, kvlane=notes))
 
 
 class CompletionRenderer:
     def __init__(self, response_id: str, created: int, model: str) -> None:
         self._id, self._created, self._model = response_id, created, model
 
-    def _chunk(self, choices: list[CompletionChoice], usage: CompletionUsage | None = None) -> bytes:
-        return _ENCODER.encode(Completion(self._id, self._created, self._model, choices, usage))
+    def _chunk(self, choices: list[CompletionChoice], usage: CompletionUsage | None = None, notes: KvlaneNotes | None = None) -> bytes:
+        fields = (self._id, self._created, self._model, choices, usage)
+        return _ENCODER.encode(Completion(*fields) if notes is None else NotedCompletion(*fields, kvlane=notes))
 
     def opening(self) -> bytes | None:
         return None
@@ -92,12 +100,11 @@ class CompletionRenderer:
     def delta(self, text: str) -> bytes | None:
         return self._chunk([CompletionChoice(0, text)]) if text else None
 
-    def closing(self, end: StreamEnd) -> bytes:
-        return self._chunk([CompletionChoice(0, "", end.finish_reason)])
+    def closing(self, end: StreamEnd, notes: KvlaneNotes | None = None) -> bytes:
+        return self._chunk([CompletionChoice(0, "", end.finish_reason)], notes=notes)
 
     def usage(self, end: StreamEnd) -> bytes:
         return self._chunk([], completion_usage(end.usage))
 
-    def whole(self, text: str, end: StreamEnd) -> bytes:
-        choice = CompletionChoice(0, text, end.finish_reason)
-        return _ENCODER.encode(Completion(self._id, self._created, self._model, [choice], completion_usage(end.usage)))
+    def whole(self, text: str, end: StreamEnd, notes: KvlaneNotes | None = None) -> bytes:
+        return self._chunk([CompletionChoice(0, text, end.finish_reason)], completion_usage(end.usage), notes)

@@ -406,7 +406,9 @@ async def test_queued_request_is_placed_and_allocated_within_its_own_route_span(
                                                      extra_headers={"traceparent": header})
             await first
         assert second.usage.completion_tokens == 3
-        spans = await wait_for(lambda: {"route", "kv.allocate", "decode"} <= names(found := receiver.trace(trace_id)) and found)
+        # Each service exports on its own schedule: wait for the ingress's spans too.
+        spans = await wait_for(lambda: {"route", "kv.allocate", "decode", "dispatch.attempt"} <= names(found := receiver.trace(trace_id))
+                               and found)
         route = one(spans, "route")
         assert route.attributes["kvlane.route.outcome"] == "queued" and route.attributes["kvlane.route.queue_wait_s"] > 0
         assert one(spans, "kv.allocate").parent_id == route.span_id

@@ -4,7 +4,8 @@
 puts kubectl beside this Python); `schema_errors` validates every object with
 kubernetes-validate in strict mode (unknown fields fail) for the oldest and the
 newest Kubernetes the manifests promise, and custom resources, which are not in
-those schemas, against the minimal schemas below.
+those schemas (the Prometheus Operator's ServiceMonitor, KEDA's ScaledObject),
+against the minimal schemas below.
 """
 
 from __future__ import annotations
@@ -41,8 +42,34 @@ _LABEL_SELECTOR: dict[str, Any] = {
 }
 _STRINGS = {"type": "object", "additionalProperties": {"type": "string"}}
 _DURATION = {"type": "string", "pattern": r"^(0|(([0-9]+)y)?(([0-9]+)w)?(([0-9]+)d)?(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?(([0-9]+)ms)?)$"}
+_METADATA: dict[str, Any] = {"type": "object", "required": ["name"], "additionalProperties": False, "properties": {
+    "name": {"type": "string"}, "namespace": {"type": "string"}, "labels": _STRINGS, "annotations": _STRINGS,
+}}
+# An HPA's scaling rules (autoscaling/v2 HPAScalingRules), as KEDA passes them on.
+_HPA_SCALING_RULES: dict[str, Any] = {"type": "object", "additionalProperties": False, "properties": {
+    "stabilizationWindowSeconds": {"type": "integer", "minimum": 0, "maximum": 3600},
+    "selectPolicy": {"enum": ["Max", "Min", "Disabled"]},
+    "policies": {"type": "array", "items": {
+        "type": "object", "required": ["type", "value", "periodSeconds"], "additionalProperties": False, "properties": {
+            "type": {"enum": ["Pods", "Percent"]}, "value": {"type": "integer", "minimum": 1},
+            "periodSeconds": {"type": "integer", "minimum": 1, "maximum": 1800},
+        }}},
+}}
+_NUMBER_STRING = {"type": "string", "pattern": r"^[0-9]+(\.[0-9]+)?$"}
+_BOOL_STRING = {"enum": ["true", "false"]}
+# The prometheus scaler's metadata (keda.sh/docs/latest/scalers/prometheus): KEDA
+# reads these keys as strings and ignores any other, so a misspelt one is an error here.
+_PROMETHEUS_TRIGGER_METADATA: dict[str, Any] = {
+    "type": "object", "required": ["serverAddress", "query", "threshold"], "additionalProperties": False, "properties": {
+        "serverAddress": {"type": "string", "pattern": "^https?://"}, "query": {"type": "string", "minLength": 1},
+        "queryParameters": {"type": "string"}, "threshold": _NUMBER_STRING, "activationThreshold": _NUMBER_STRING,
+        "namespace": {"type": "string"}, "customHeaders": {"type": "string"}, "ignoreNullValues": _BOOL_STRING,
+        "unsafeSsl": _BOOL_STRING, "authModes": {"type": "string"},
+    },
+}
 # Custom resources are not in the Kubernetes schemas: the fields kvlane uses,
-# strict, from the Prometheus Operator's CRD (monitoring.coreos.com/v1).
+# strict, from the Prometheus Operator's CRD (monitoring.coreos.com/v1) and
+# KEDA's (keda.sh/v1alpha1).
 CUSTOM_SCHEMAS: dict[tuple[str, str], dict[str, Any]] = {
     ("monitoring.coreos.com/v1", "ServiceMonitor"): {
         "type": "object",
@@ -51,9 +78,7 @@ CUSTOM_SCHEMAS: dict[tuple[str, str], dict[str, Any]] = {
         "properties": {
             "apiVersion": {"const": "monitoring.coreos.com/v1"},
             "kind": {"const": "ServiceMonitor"},
-            "metadata": {"type": "object", "required": ["name"], "additionalProperties": False, "properties": {
-                "name": {"type": "string"}, "namespace": {"type": "string"}, "labels": _STRINGS, "annotations": _STRINGS,
-            }},
+            "metadata": _METADATA,
             "spec": {"type": "object", "required": ["selector", "endpoints"], "additionalProperties": False, "properties": {
                 "selector": _LABEL_SELECTOR,
                 "namespaceSelector": {"type": "object", "additionalProperties": False, "properties": {
@@ -67,6 +92,45 @@ CUSTOM_SCHEMAS: dict[tuple[str, str], dict[str, Any]] = {
                         "scheme": {"enum": ["http", "https"]}, "interval": _DURATION, "scrapeTimeout": _DURATION,
                         "honorLabels": {"type": "boolean"},
                     }}},
+            }},
+        },
+    },
+    ("keda.sh/v1alpha1", "ScaledObject"): {
+        "type": "object",
+        "required": ["apiVersion", "kind", "metadata", "spec"],
+        "additionalProperties": False,
+        "properties": {
+            "apiVersion": {"const": "keda.sh/v1alpha1"},
+            "kind": {"const": "ScaledObject"},
+            "metadata": _METADATA,
+            "spec": {"type": "object", "required": ["scaleTargetRef", "triggers"], "additionalProperties": False, "properties": {
+                "scaleTargetRef": {"type": "object", "required": ["name"], "additionalProperties": False, "properties": {
+                    "apiVersion": {"type": "string"}, "kind": {"type": "string"}, "name": {"type": "string", "minLength": 1},
+                    "envSourceContainerName": {"type": "string"}}},
+                "pollingInterval": {"type": "integer", "minimum": 1},
+                "cooldownPeriod": {"type": "integer", "minimum": 0},
+                "initialCooldownPeriod": {"type": "integer", "minimum": 0},
+                "idleReplicaCount": {"type": "integer", "minimum": 0},
+                "minReplicaCount": {"type": "integer", "minimum": 0},
+                "maxReplicaCount": {"type": "integer", "minimum": 1},
+                "fallback": {"type": "object", "required": ["failureThreshold", "replicas"], "additionalProperties": False, "properties": {
+                    "failureThreshold": {"type": "integer", "minimum": 1}, "replicas": {"type": "integer", "minimum": 0}}},
+                "advanced": {"type": "object", "additionalProperties": False, "properties": {
+                    "restoreToOriginalReplicaCount": {"type": "boolean"},
+                    "horizontalPodAutoscalerConfig": {"type": "object", "additionalProperties": False, "properties": {
+                        "name": {"type": "string"},
+                        "behavior": {"type": "object", "additionalProperties": False, "properties": {
+                            "scaleUp": _HPA_SCALING_RULES, "scaleDown": _HPA_SCALING_RULES}}}}}},
+                "triggers": {"type": "array", "minItems": 1, "items": {
+                    "type": "object", "required": ["type", "metadata"], "additionalProperties": False, "properties": {
+                        "type": {"type": "string"}, "name": {"type": "string"}, "metadata": _STRINGS,
+                        "metricType": {"enum": ["AverageValue", "Value", "Utilization"]}, "useCachedMetrics": {"type": "boolean"},
+                        "authenticationRef": {"type": "object", "required": ["name"], "additionalProperties": False, "properties": {
+                            "name": {"type": "string"}, "kind": {"enum": ["TriggerAuthentication", "ClusterTriggerAuthentication"]}}},
+                    },
+                    "if": {"properties": {"type": {"const": "prometheus"}}},
+                    "then": {"properties": {"metadata": _PROMETHEUS_TRIGGER_METADATA}},
+                }},
             }},
         },
     },

@@ -13,9 +13,12 @@ from hypothesis import strategies as st
 from contracts.messages import GenerateRequest, KvRef, SamplingParams, WorkerRequest
 from services.balancer.disaggregation import choose_prefill, prefill_finish_s
 from services.worker.sim import SimRequest, get_profile
+from shared.config import DisaggregationSettings
 from shared.kv_links import NAMED_LINKS, get_link, kv_bytes_per_token
 from tests.unit.balancer_fixtures import NOW_WALL, TINY, chain, heartbeat, request, router
 from tests.unit.test_sim_scheduler import make_scheduler, run_all
+
+SETTINGS = DisaggregationSettings(min_remote_prefill_tokens=256)
 
 # --- links and KV sizes -----------------------------------------------------------
 
@@ -91,22 +94,22 @@ def test_import_into_a_full_pool_imports_nothing() -> None:
 def test_only_decode_chains_get_a_prefill_node_and_only_for_long_uncached_prompts() -> None:
     decode = chain("d0", role="decode")
     prefill = [chain("p0", role="prefill")]
-    assert choose_prefill(chain("w0"), 1000, prefill, 256) is None
-    assert choose_prefill(decode, 1000, [], 256) is None
-    assert choose_prefill(decode, 200, prefill, 256) is None
-    assert choose_prefill(decode, 300, prefill, 256).worker_id == "p0"
+    assert choose_prefill(chain("w0"), 1000, prefill, SETTINGS) is None
+    assert choose_prefill(decode, 1000, [], SETTINGS) is None
+    assert choose_prefill(decode, 200, prefill, SETTINGS) is None
+    assert choose_prefill(decode, 300, prefill, SETTINGS).worker_id == "p0"
     # 40 of 48 blocks cached on the decode node: 128 tokens to prefill there, below the threshold.
-    assert choose_prefill(chain("d0", role="decode", cached=40), 768, prefill, 256) is None
+    assert choose_prefill(chain("d0", role="decode", cached=40), 768, prefill, SETTINGS) is None
 
 
 def test_the_prefill_node_that_finishes_first_wins() -> None:
     decode = chain("d0", role="decode")
     slow = chain("p0", role="prefill", speed=0.5)
     cached = chain("p1", role="prefill", cached=40)  # holds 640 of the 700 tokens
-    assert choose_prefill(decode, 700, [slow, cached], 256).worker_id == "p1"
+    assert choose_prefill(decode, 700, [slow, cached], SETTINGS).worker_id == "p1"
     assert prefill_finish_s(slow, 700) == pytest.approx(700 * TINY.b / 0.5)
     fast = chain("p2", role="prefill", speed=2.0)
-    assert choose_prefill(decode, 700, [slow, fast], 256).worker_id == "p2"
+    assert choose_prefill(decode, 700, [slow, fast], SETTINGS).worker_id == "p2"
 
 
 def test_the_router_completes_a_decode_chain_and_degrades_to_local_prefill() -> None:
@@ -124,10 +127,33 @@ def test_the_router_completes_a_decode_chain_and_degrades_to_local_prefill() -> 
     assert r.place(request("r4", prompt=1024), [heartbeat("p0", role="prefill")]) is None
 
 
+def test_a_saturated_prefill_pool_leaves_the_prompt_to_the_decode_node() -> None:
+    decode = chain("d0", role="decode")
+    backed_up = msgspec.structs.replace(chain("p0", role="prefill"), prefill_backlog_s=2.0)
+    assert choose_prefill(decode, 700, [backed_up], SETTINGS) is None  # 2 s behind; d0 starts now
+    off = msgspec.structs.replace(SETTINGS, local_prefill_when_saturated=False)
+    assert choose_prefill(decode, 700, [backed_up], off).worker_id == "p0"
+    # Busy, but within the bound: still disaggregated.
+    busy = msgspec.structs.replace(chain("p0", role="prefill"), prefill_backlog_s=0.2)
+    assert choose_prefill(decode, 700, [busy], SETTINGS).worker_id == "p0"
+    # The decode node itself is further behind than the saturated pool: the pool still does it.
+    swamped = msgspec.structs.replace(decode, prefill_backlog_s=5.0)
+    assert choose_prefill(swamped, 700, [backed_up], SETTINGS).worker_id == "p0"
+
+
+def test_the_router_counts_local_prefills_of_a_saturated_pool() -> None:
+    r = router()
+    heartbeats = [heartbeat("d0", role="decode"), heartbeat("p0", role="prefill")]
+    first = r.place(request("r1", prompt=100_000, blocks=64), heartbeats)  # a prompt that keeps p0 busy for a while
+    assert first.prefill is not None and first.prefill.worker_id == "p0"
+    second = r.place(request("r2", prompt=100_000, blocks=64), heartbeats)
+    assert second.prefill is None and r.degradation.counts["local_prefill"] == 1
+
+
 def test_among_idle_prefill_nodes_the_one_with_less_in_hand_wins() -> None:
     decode = chain("d0", role="decode")
     busy, quiet = chain("p0", role="prefill", running=2), chain("p1", role="prefill")
-    assert choose_prefill(decode, 700, [busy, quiet], 256).worker_id == "p1"
+    assert choose_prefill(decode, 700, [busy, quiet], SETTINGS).worker_id == "p1"
 
 
 def test_a_two_node_chain_is_costed_with_its_prefill_node() -> None:

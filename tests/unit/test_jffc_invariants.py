@@ -72,11 +72,17 @@ class RouterMachine(RuleBasedStateMachine):
         match outcome:
             case Placement():
                 self.record(outcome)
-            case Queued():
+            case Queued(evicted=evicted):
+                if evicted is not None:
+                    # A full queue made room: the newest request of the lowest class below this one left it.
+                    victim = self.queued.pop(evicted.request_id)
+                    lowest = min(p for p, _, _ in [*self.queued.values(), victim])
+                    assert victim[0] < priority and victim[0] == lowest
+                    assert victim[1] == max(seq for p, seq, _ in [*self.queued.values(), victim] if p == victim[0])
                 self.queued[request_id] = (priority, self.arrivals, frozenset(exclude))
             case ErrorReply():
                 assert outcome.status == 503 and outcome.retry_after_s
-                assert len(self.queued) == 6
+                assert len(self.queued) == 6 and all(p >= priority for p, _, _ in self.queued.values())
 
     @precondition(lambda self: self.running)
     @rule(index=st.integers(0, 100))

@@ -7,7 +7,9 @@ command runs through kvlane's own entry point on the configuration its
 ConfigMaps, env and mounted TOML make (shared/config.py refuses unknown
 sections and keys), and its probes, grace period, disruption budget and
 Services are checked against that configuration (tests/unit/k8s_checks.py).
-The last tests break a copy of k8s/ on purpose and expect the checks to say so.
+KEDA's ScaledObjects must scale each worker Deployment to the autoscaler's
+decision for that worker's pool, within the autoscaler's bounds. The last
+tests break a copy of k8s/ on purpose and expect the checks to say so.
 """
 
 from __future__ import annotations
@@ -20,18 +22,22 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from tests.unit.k8s_checks import problems
 from tests.unit.k8s_render import K8S, REPO, render, render_composed, schema_errors
 
 OVERLAYS = sorted(path.parent.name for path in (K8S / "overlays").glob("*/kustomization.yaml"))
-COMPONENTS = sorted(path.parent.name for path in (K8S / "components").glob("*/kustomization.yaml"))
+# Components at any depth (components/keda/aggregated), as paths under k8s/.
+COMPONENTS = sorted(str(path.parent.relative_to(K8S)) for path in (K8S / "components").rglob("kustomization.yaml"))
 SIM_IMAGES = {"kvlane": "kvlane:sim"}
 # What the overlays do not show: the optional components on top of the sim
 # overlay, and disaggregation on the sim engine (the overlay runs vLLM).
 COMPOSED: dict[str, tuple[list[str], list[str]]] = {
     "sim+monitoring+external-redis": (["overlays/sim"], ["components/monitoring", "components/external-redis"]),
     "disaggregated-sim": (["base", "workers/disaggregated"], []),
+    # KEDA on the prefill and decode pools (overlays/sim-autoscaled shows the aggregated one).
+    "disaggregated-sim+monitoring+keda": (["base", "workers/disaggregated"], ["components/monitoring", "components/keda/disaggregated"]),
 }
 TARGETS = [f"overlays/{name}" for name in OVERLAYS] + sorted(COMPOSED)
 
@@ -49,10 +55,21 @@ def test_the_three_overlays_exist() -> None:
 
 
 def test_every_component_is_rendered_somewhere() -> None:
-    used = {c for _, components in COMPOSED.values() for c in components}
+    def included(kustomization: Path) -> set[str]:
+        """The components a kustomization includes, and the ones those include."""
+        found = set()
+        for ref in yaml.safe_load(kustomization.read_text()).get("components", []):
+            path = (kustomization.parent / ref).resolve()
+            found |= {str(path.relative_to(K8S))} | included(path / "kustomization.yaml")
+        return found
+
+    used = set()
+    for _, components in COMPOSED.values():
+        for component in components:
+            used |= {component} | included(K8S / component / "kustomization.yaml")
     for name in OVERLAYS:
-        used |= {f"components/{Path(c).name}" for c in re.findall(r"components/([\w-]+)", (K8S / "overlays" / name / "kustomization.yaml").read_text())}
-    assert {f"components/{name}" for name in COMPONENTS} <= used
+        used |= included(K8S / "overlays" / name / "kustomization.yaml")
+    assert set(COMPONENTS) <= used
 
 
 @pytest.mark.parametrize("target", TARGETS)
@@ -80,6 +97,23 @@ def test_overlays_run_the_workers_they_promise() -> None:
             assert container["image"] == "kvlane:vllm"
     ingress = next(d for d in rendered("overlays/vllm-gpu") if d["metadata"]["name"] == "kvlane-ingress" and d["kind"] == "Deployment")
     assert ingress["spec"]["template"]["spec"]["containers"][0]["image"] == "kvlane:sim"
+
+
+def test_keda_scales_each_worker_pool_on_the_autoscalers_decision() -> None:
+    def scaled(target: str) -> dict[str, str]:
+        return {d["spec"]["scaleTargetRef"]["name"]: d["spec"]["triggers"][0]["metadata"]["query"]
+                for d in rendered(target) if d["kind"] == "ScaledObject"}
+
+    assert scaled("overlays/sim-autoscaled") == {"kvlane-worker": 'max(kvlane_autoscaler_desired_replicas{pool="aggregated"})'}
+    assert scaled("disaggregated-sim+monitoring+keda") == {
+        "kvlane-prefill-worker": 'max(kvlane_autoscaler_desired_replicas{pool="prefill"})',
+        "kvlane-decode-worker": 'max(kvlane_autoscaler_desired_replicas{pool="decode"})',
+    }
+    # The overlays that need no CRDs stay without them.
+    for target in ("overlays/sim", "overlays/vllm-gpu", "overlays/disaggregated"):
+        assert not scaled(target)
+    autoscaler = next(d for d in rendered("overlays/sim") if d["kind"] == "Deployment" and d["metadata"]["name"] == "kvlane-autoscaler")
+    assert autoscaler["spec"]["replicas"] == 1 and autoscaler["spec"]["strategy"] == {"type": "Recreate"}
 
 
 def test_external_redis_component_removes_the_statefulset() -> None:
@@ -115,6 +149,7 @@ BREAKAGES = [
     ("base/config/kvlane.env", "KVLANE__LOGGING__FORMAT=json", "KVLANE_LOGGING__FORMAT=json", "neither KVLANE__SECTION__KEY"),
     ("base/config/kvlane.toml", "drain_timeout_s = 60.0", "drain_timeout_s = 600.0", "terminationGracePeriodSeconds 90"),
     ("base/config/kvlane.toml", "[cache_manager]\nmetrics_port = 9090", "[cache_manager]\nmetrics_port = 9191", "serves HTTP on 9191"),
+    ("base/config/kvlane.toml", "[autoscaler]\nmetrics_port = 9090", "[autoscaler]\nmetrics_port = 0", "serves HTTP on no port"),
     ("base/config/kvlane.toml", 'metrics_host = "0.0.0.0"', 'metrics_host = "127.0.0.1"', "listens on 127.0.0.1 only"),
     ("base/ingress.yaml", '"services.ingress"', '"services.no_such_service"', "is not a kvlane service"),
     ("base/ingress.yaml", "terminationGracePeriodSeconds: 330", "terminationGracePeriodSeconds: 60", "terminationGracePeriodSeconds 60"),
@@ -128,15 +163,51 @@ BREAKAGES = [
 ]
 
 
-@pytest.mark.parametrize(("path", "old", "new", "expected"), BREAKAGES, ids=[f"{b[0]}:{b[3]}" for b in BREAKAGES])
-def test_a_broken_copy_is_refused(tmp_path: Path, sim_without_changes: None, path: str, old: str, new: str, expected: str) -> None:
+def broken_copy_problems(tmp_path: Path, overlay: str, path: str, old: str, new: str) -> list[str]:
+    """What the checks say of `overlay`, rendered from a copy of k8s/ with `old` replaced by `new` in `path`."""
     copy = tmp_path / "k8s"
     shutil.copytree(K8S, copy)
     target = copy / path
     text = target.read_text()
     assert old in text, f"{path} no longer contains {old!r}: update the breakage"
     target.write_text(text.replace(old, new, 1))
-    found = problems(render(copy / "overlays" / "sim"))
+    return problems(render(copy / "overlays" / overlay))
+
+
+@pytest.mark.parametrize(("path", "old", "new", "expected"), BREAKAGES, ids=[f"{b[0]}:{b[3]}" for b in BREAKAGES])
+def test_a_broken_copy_is_refused(tmp_path: Path, sim_without_changes: None, path: str, old: str, new: str, expected: str) -> None:
+    found = broken_copy_problems(tmp_path, "sim", path, old, new)
+    assert any(expected in problem for problem in found), found
+
+
+@pytest.fixture(scope="module")
+def autoscaled_without_changes() -> None:
+    assert problems(rendered("overlays/sim-autoscaled")) == []
+
+
+AGGREGATED_SCALEDOBJECT = "components/keda/aggregated/scaledobject.yaml"
+QUERY = 'query: max(kvlane_autoscaler_desired_replicas{pool="aggregated"})'
+KEDA_BREAKAGES = [
+    # (file under k8s/, text to replace, replacement, what the checks must say), on overlays/sim-autoscaled
+    (AGGREGATED_SCALEDOBJECT, QUERY, 'query: max(kvlane_autoscaler_desired_replicas{pool="decode"})', "runs aggregated workers"),
+    (AGGREGATED_SCALEDOBJECT, QUERY, 'query: max(kvlane_autoscaler_desired_replicas{pool="everything"})', "must select one pool"),
+    (AGGREGATED_SCALEDOBJECT, QUERY, 'query: max(kvlane_autoscaler_desired_replicas{pool=~"aggregated|decode"})', "must select one pool"),
+    (AGGREGATED_SCALEDOBJECT, QUERY, QUERY.replace("desired", "current"), "must name only the metric"),
+    (AGGREGATED_SCALEDOBJECT, QUERY, QUERY.replace("max", "sum"), "max(...) alone"),
+    (AGGREGATED_SCALEDOBJECT, "maxReplicaCount: 4", "maxReplicaCount: 8", "differ from [autoscaler.aggregated] min..max 1..4"),
+    ("base/config/kvlane.toml", "[autoscaler.aggregated]\nmin = 1\nmax = 4", "[autoscaler.aggregated]\nmin = 1\nmax = 6", "1..6"),
+    (AGGREGATED_SCALEDOBJECT, "    name: kvlane-worker\n", "    name: kvlane-workers\n", "names no Deployment"),
+    (AGGREGATED_SCALEDOBJECT, "metricType: AverageValue", "metricType: Value", "does not make replicas = the desired replicas"),
+    (AGGREGATED_SCALEDOBJECT, 'threshold: "1"', 'threshold: "2"', "does not make replicas = the desired replicas"),
+    (AGGREGATED_SCALEDOBJECT, 'ignoreNullValues: "false"', 'ignoreNullValues: "true"', "ignoreNullValues"),
+    ("base/autoscaler.yaml", "    type: Recreate", "    type: RollingUpdate", "two would decide at once"),
+    ("overlays/sim-autoscaled/kustomization.yaml", "  - ../../components/monitoring\n", "", "no ServiceMonitor scrapes the autoscaler"),
+]
+
+
+@pytest.mark.parametrize(("path", "old", "new", "expected"), KEDA_BREAKAGES, ids=[f"{b[0]}:{b[3]}" for b in KEDA_BREAKAGES])
+def test_a_broken_keda_copy_is_refused(tmp_path: Path, autoscaled_without_changes: None, path: str, old: str, new: str, expected: str) -> None:
+    found = broken_copy_problems(tmp_path, "sim-autoscaled", path, old, new)
     assert any(expected in problem for problem in found), found
 
 
@@ -147,4 +218,10 @@ def test_strict_schema_validation_refuses_an_unknown_field() -> None:
     assert any("replica" in error for error in schema_errors([broken]))
     monitor = next(d for d in rendered("sim+monitoring+external-redis") if d["kind"] == "ServiceMonitor")
     assert any("interval" in error for error in schema_errors([{**monitor, "spec": {**monitor["spec"], "endpoints": [{"port": "x", "interval": "soon"}]}}]))
+    scaled = next(d for d in rendered("overlays/sim-autoscaled") if d["kind"] == "ScaledObject")
+    trigger = scaled["spec"]["triggers"][0]
+    assert any("minReplicas" in error for error in schema_errors([{**scaled, "spec": {**scaled["spec"], "minReplicas": 1}}]))
+    misspelt = {**trigger, "metadata": {**trigger["metadata"], "ignoreNullValue": "false"}}
+    assert any("ignoreNullValue" in error for error in schema_errors([{**scaled, "spec": {**scaled["spec"], "triggers": [misspelt]}}]))
+    assert any("Average" in error for error in schema_errors([{**scaled, "spec": {**scaled["spec"], "triggers": [{**trigger, "metricType": "Average"}]}}]))
     assert schema_errors([{"apiVersion": "example.com/v1", "kind": "Unknown", "metadata": {"name": "x"}}])

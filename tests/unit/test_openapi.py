@@ -71,13 +71,16 @@ def test_completion_operations(doc: dict[str, Any]) -> None:
         assert post["requestBody"]["required"] is True
         assert post["requestBody"]["content"]["application/json"]["schema"] == {"$ref": PREFIX + request}
         ok = post["responses"]["200"]["content"]
-        assert ok["application/json"]["schema"] == {"$ref": PREFIX + response}
+        # kvlane's notes (`kvlane.degraded`) come only with a response kvlane changed.
+        assert ok["application/json"]["schema"] == {"anyOf": [{"$ref": PREFIX + response}, {"$ref": PREFIX + "Noted" + response}]}
         assert "text/event-stream" in ok
         for status in ("400", "404", "429", "500", "503"):
             error = post["responses"][status]["content"]["application/json"]["schema"]
             assert error == {"$ref": PREFIX + "ErrorResponse"}
     chunk = doc["paths"]["/v1/chat/completions"]["post"]["responses"]["200"]["content"]["text/event-stream"]
-    assert chunk["schema"] == {"$ref": PREFIX + "ChatCompletionChunk"}
+    assert chunk["schema"] == {"anyOf": [{"$ref": PREFIX + "ChatCompletionChunk"}, {"$ref": PREFIX + "NotedChatCompletionChunk"}]}
+    noted = doc["components"]["schemas"]["NotedChatCompletion"]
+    assert "kvlane" in noted["required"] and doc["components"]["schemas"]["KvlaneNotes"]["properties"]["degraded"]
 
 
 def test_get_operations(doc: dict[str, Any]) -> None:

@@ -63,11 +63,15 @@ class NoMetrics:
 class FakeDispatcher:
     """Yields two tokens and the end, and remembers the trace context it was given."""
 
-    def __init__(self) -> None:
+    def __init__(self, cap: int | None = None) -> None:
         self.contexts: list[object] = []
+        self._cap = cap  # the balancer degraded the request to this many tokens
 
-    async def run(self, request_id: str, prepared, trace_context=None) -> AsyncIterator[TokenChunk | StreamEnd]:
+    async def run(self, request_id: str, prepared, trace_context=None,
+                  on_capped=lambda max_tokens: None) -> AsyncIterator[TokenChunk | StreamEnd]:
         self.contexts.append(trace_context)
+        if self._cap is not None:
+            on_capped(self._cap)
         yield TokenChunk(request_id, 0, [5], "a")
         yield TokenChunk(request_id, 1, [6], "b")
         yield StreamEnd(request_id, 2, "length", Usage(len(prepared.prompt_token_ids), 2, 1), Timings(), "w7")
@@ -117,6 +121,25 @@ async def test_the_ingress_span_continues_the_callers_trace_and_carries_the_gena
     assert recorded.histogram_counts() == {genai.TIME_TO_FIRST_TOKEN: 1, genai.TIME_PER_OUTPUT_TOKEN: 1, genai.REQUEST_DURATION: 1}
 
 
+async def test_a_degraded_request_says_so_in_its_body_closing_chunk_and_header() -> None:
+    import json
+
+    body = b'{"model": "m", "prompt": "x", "max_tokens": 40}'
+    call = await completions(Recorded(), FakeDispatcher(cap=2)).start(TEXT_COMPLETION, body, lambda: False, {})
+    async with call:
+        whole = json.loads(await call.body())
+    assert whole["kvlane"] == {"degraded": {"reason": "overload", "max_tokens": 2, "requested_max_tokens": 40}}
+    assert call.degraded_header() == {"X-Kvlane-Degraded": "reason=overload; max_tokens=2; requested_max_tokens=40"}
+    streamed = await completions(Recorded(), FakeDispatcher(cap=2)).start(TEXT_COMPLETION, body[:-1] + b', "stream": true}',
+                                                                           lambda: False, {})
+    async with streamed:
+        chunks = [json.loads(chunk) async for chunk in streamed.chunks()]
+    assert [("kvlane" in chunk) for chunk in chunks] == [False, False, True]  # the closing chunk only
+    plain = await completions(Recorded(), FakeDispatcher()).start(TEXT_COMPLETION, body, lambda: False, {})
+    async with plain:
+        assert "kvlane" not in json.loads(await plain.body()) and plain.degraded_header() == {}
+
+
 async def test_without_a_traceparent_the_ingress_starts_the_trace() -> None:
     recorded = Recorded()
     call = await completions(recorded, FakeDispatcher()).start(TEXT_COMPLETION, b'{"model": "m", "prompt": "x"}', lambda: False, {})
@@ -145,7 +168,7 @@ async def test_a_request_that_fails_validation_still_gets_its_span_with_the_erro
 
 async def test_a_request_failing_mid_stream_ends_its_span_with_the_error() -> None:
     class Failing(FakeDispatcher):
-        async def run(self, request_id: str, prepared, trace_context=None):
+        async def run(self, request_id: str, prepared, trace_context=None, on_capped=None):
             yield TokenChunk(request_id, 0, [5], "a")
             raise ApiError(502, "request failed after 2 resumptions", code="stream_interrupted")
 
