@@ -15,6 +15,11 @@ from msgspec import Meta, Struct
 RequestId = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
 WorkerId = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
 NonNegativeInt = Annotated[int, Meta(ge=0)]
+# A moment as Unix epoch seconds, finite and at most 1e11 (the year 5138). Deadlines and expiries become
+# timers; a NaN or infinite one would corrupt an event loop's timer heap, so it never decodes.
+EpochSeconds = Annotated[float, Meta(ge=0.0, le=1e11)]
+# A subject kvlane publishes to (an inbox, a stream): dot-separated tokens, no wildcards or spaces.
+Subject = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*$", max_length=256)]
 FinishReason = Literal["stop", "length", "abort"]
 WorkerRole = Literal["aggregated", "prefill", "decode"]
 EngineKind = Literal["sim", "vllm"]
@@ -41,12 +46,14 @@ class RouteRequest(Struct, tag="route", tag_field="type"):
     model: str
     prompt_tokens: NonNegativeInt
     max_tokens: Annotated[int, Meta(ge=1)]
-    deadline: float
+    deadline: EpochSeconds
     block_hashes: list[int] = []
     priority: int = 0
     exclude_workers: list[WorkerId] = []
     # The prompt's first tokens, for the cache-manager's hot-prefix pre-warming.
     prefix_token_ids: list[int] = []
+    # The tenant of the caller's API key (empty when the ingress does not require keys); balancers label spans with it.
+    tenant: str = ""
 
 
 class RouteWithdrawn(Struct, tag="route_withdrawn", tag_field="type"):
@@ -109,7 +116,7 @@ class KvRef(Struct, frozen=True):
     engine_id: str
     request_id: str
     num_tokens: NonNegativeInt  # prompt tokens whose KV the source holds
-    expires_at: float
+    expires_at: EpochSeconds
     block_ids: list[list[int]] = []
     host: str = ""
     port: Annotated[int, Meta(ge=0, le=65535)] = 0
@@ -127,8 +134,8 @@ class RequestToRun(Struct):
     model: str
     prompt_token_ids: Annotated[list[int], Meta(min_length=1)]
     sampling: SamplingParams
-    stream_to: str
-    deadline: float
+    stream_to: Subject
+    deadline: EpochSeconds
     # Tokens a previous run already streamed to the client (migration after a
     # worker died, or resumption after preemption): generation continues
     # after them, and they count toward `sampling.max_tokens` and usage.
@@ -158,7 +165,7 @@ class PrefillRequest(RequestToRun, tag="prefill", tag_field="type", kw_only=True
     """
 
     decode_worker_id: WorkerId
-    decode_inbox: str
+    decode_inbox: Subject
 
 
 class AbortRequest(Struct, tag="abort", tag_field="type"):
@@ -301,11 +308,11 @@ class WorkerRegistration(Struct, frozen=True):
     role: WorkerRole
     model: str
     engine: EngineKind
-    inbox: str
+    inbox: Subject
     block_size: Annotated[int, Meta(ge=1)]
     max_model_len: Annotated[int, Meta(ge=1)]
     tokenizer: str
-    started_at: float
+    started_at: EpochSeconds
     host: str = ""
     # Most sequences the engine batches at once; 0 = not reported.
     max_num_seqs: Annotated[int, Meta(ge=0)] = 0
@@ -339,7 +346,7 @@ class EngineStats(Struct):
 class Heartbeat(Struct, tag="heartbeat", tag_field="type"):
     registration: WorkerRegistration
     stats: EngineStats
-    sent_at: float
+    sent_at: EpochSeconds
     seq: NonNegativeInt
     draining: bool = False
 

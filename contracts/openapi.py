@@ -21,6 +21,30 @@ def _error_responses(*statuses: int) -> dict[str, Any]:
     return {str(s): {"description": "Error in the OpenAI error shape", "content": _json(ref)} for s in statuses}
 
 
+def _sse_event(chunk: dict[str, Any]) -> dict[str, Any]:
+    """One server-sent event of a streamed completion (what OpenAPI 3.1 tools validate each event against).
+
+    An event is not the chunk itself: its `data` is the chunk's JSON text (or,
+    mid-stream, an error body), and the last event's data is `[DONE]`.
+    """
+    payload = {"anyOf": [chunk, {"$ref": _REF.format(name="ErrorResponse")}]}
+    return {
+        "type": "object",
+        "required": ["data"],
+        "properties": {
+            "data": {"type": "string", "if": {"const": "[DONE]"}, "then": True,
+                     "else": {"contentMediaType": "application/json", "contentSchema": payload}},
+            "event": {"type": "string"},
+            "id": {"type": "string"},
+            "retry": {"type": "integer"},
+        },
+    }
+
+
+# What the ingress's HTTP guard and limits answer besides the handlers' own errors (services/ingress/http_guard.py).
+_EDGE_ERRORS = (408, 413, 414, 429, 431)
+
+
 def package_version() -> str:
     try:
         return importlib.metadata.version("kvlane")
@@ -56,9 +80,9 @@ def build_openapi(version: str | None = None) -> dict[str, Any]:
                 "responses": {
                     "200": {
                         "description": "The completion, or with stream=true an SSE stream of chunks ending with `data: [DONE]`",
-                        "content": {**_json(response), "text/event-stream": {"schema": chunk}},
+                        "content": {**_json(response), "text/event-stream": {"schema": _sse_event(chunk)}},
                     },
-                    **_error_responses(400, 404, 429, 500, 503),
+                    **_error_responses(400, 404, 500, 503, 504, *_EDGE_ERRORS),
                 },
             }
         }
@@ -67,7 +91,8 @@ def build_openapi(version: str | None = None) -> dict[str, Any]:
         return {
             "get": {
                 "summary": summary,
-                "responses": {"200": {"description": summary, "content": _json(response)}, **_error_responses(*errors)},
+                "responses": {"200": {"description": summary, "content": _json(response)},
+                              **_error_responses(*errors, *_EDGE_ERRORS)},
             }
         }
 

@@ -50,12 +50,20 @@ def _up(args: argparse.Namespace, console: Console) -> int:
     if (refused := _up_flags_refused(args)) is not None:
         console.print(f"[red]{refused}[/]")
         return 2
+    if args.tls and not args.secure:
+        console.print("[red]--tls applies to --secure only[/]")
+        return 2
     config = up_config(args)
     args.engine = config.worker.engine
     if args.engine == "vllm":
         config = _with_vllm_model(config, console)
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="kvlane-"))
     launcher = Launcher(log_dir)
+    security = None
+    if args.secure:
+        from kvlane.secure import Security
+
+        security = Security(log_dir / "secure", tls=args.tls)
     if args.mode == "disaggregated":
         workers, prefill, decode = 0, args.prefill_workers, args.decode_workers
         shape = f"{prefill} prefill + {decode} decode {args.engine} worker(s)"
@@ -74,10 +82,15 @@ def _up(args: argparse.Namespace, console: Console) -> int:
             return 2
         workers, shape = len(mix), f"{len(mix)} sim workers ({args.fleet})"
     console.print(f"[bold]kvlane up[/]: {shape}, logs in {log_dir}")
+    if config.ingress.auth.required:
+        console.print("API keys required (ingress.auth.required): create one with `kvlane keys create --tenant NAME`")
+    else:
+        console.print("API keys off (local use): anyone who reaches the ingress may use it; "
+                      "set ingress.auth.required = true to require keys (`kvlane keys create`)")
     try:
         ready_timeout = args.ready_timeout or (VLLM_READY_TIMEOUT_S if args.engine == "vllm" else 60.0)
         fleet = start_fleet(launcher, config, workers, ready_timeout=ready_timeout, prefill_workers=prefill,
-                            decode_workers=decode, mix=mix)
+                            decode_workers=decode, mix=mix, security=security)
     except (LaunchError, ValueError) as exc:
         console.print(f"[red]failed to start:[/] {exc}")
         return 1
@@ -95,6 +108,10 @@ def _up(args: argparse.Namespace, console: Console) -> int:
         if actuator is None:
             fleet.stop()
             return 1
+    if security is not None:
+        console.print(f"secured: one NATS user and Redis ACL user per process; credentials in {security.directory} "
+                      f"(mode 0600){', TLS with the CA ' + str(security.certs.ca) if security.certs else ''}; "
+                      f"`kvlane status --config {security.operator_config}`")
     console.print(f"[green]ready[/]  base URL: [bold]{fleet.base_url}/v1[/]  model: [bold]{config.worker.model}[/]")
     console.print("Ctrl-C stops everything kvlane started.")
     try:
@@ -126,7 +143,11 @@ def _start_autoscaling(fleet, console: Console):
     except LaunchError as exc:
         console.print(f"[red]the autoscaler failed to start:[/] {exc}")
         return None
-    client = redis.Redis.from_url(fleet.config.redis.url)
+    from shared.credentials import redis_url_and_options
+
+    config = fleet.security.settings_for(fleet.config, "operator") if fleet.security else fleet.config
+    url, options = redis_url_and_options(config.redis)
+    client = redis.Redis.from_url(url, **options)
     bounds = {pool: getattr(fleet.config.autoscaler, pool) for pool in ("aggregated", "prefill", "decode")}
     console.print("autoscaling: " + ", ".join(f"{pool} {b.min}..{b.max}" for pool, b in bounds.items()))
     return FleetActuator(fleet, lambda: client.get(subjects.AUTOSCALER_DECISION_KEY), lambda change: console.print(f"autoscale: {change}"))
@@ -173,9 +194,13 @@ def _schema(args: argparse.Namespace, console: Console) -> int:
 def _status(args: argparse.Namespace, console: Console) -> int:
     import asyncio
 
+    import msgspec
+
     from kvlane.status import StatusError, fetch_statuses, render_status, watch_status
 
-    nats_url = args.nats_url or load_config(args.config).nats.url
+    nats = load_config(args.config).nats
+    # The configuration's credentials and TLS settings apply to --nats-url too.
+    nats_url = msgspec.structs.replace(nats, url=args.nats_url) if args.nats_url else nats
     if args.watch:
         with contextlib.suppress(KeyboardInterrupt):
             asyncio.run(watch_status(nats_url, args.model, args.timeout, args.interval, console))
@@ -204,6 +229,12 @@ def _dashboard(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def _keys(args: argparse.Namespace, console: Console) -> int:
+    from kvlane.keys import run
+
+    return run(args, console)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvlane", description="LLM-serving control plane")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -224,6 +255,10 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--console-logs", action="store_true", help="human-readable logs instead of JSON")
     up.add_argument("--autoscale", action="store_true",
                     help="run the autoscaler and start or drain workers as it decides (targets and bounds: [autoscaler])")
+    up.add_argument("--secure", action="store_true",
+                    help="require credentials: every process its own NATS user and Redis ACL user, "
+                         "with least-privilege permissions (docs/security.md)")
+    up.add_argument("--tls", action="store_true", help="with --secure: NATS and Redis over TLS, from a locally generated CA")
     up.add_argument("--otlp-endpoint", metavar="URL",
                     help="send traces and GenAI metrics over OTLP/HTTP to this collector (e.g. http://localhost:4318)")
     up.set_defaults(handler=_up)
@@ -246,6 +281,11 @@ def build_parser() -> argparse.ArgumentParser:
     dashboard.add_argument("--output", default="-", help="file to write (default: standard output); "
                            "deploy/grafana/kvlane.json is the checked-in copy")
     dashboard.set_defaults(handler=_dashboard)
+    from kvlane.keys import add_arguments as add_keys_arguments
+
+    keys = commands.add_parser("keys", help="create, list and revoke API keys (ingress.auth.required turns them on)")
+    add_keys_arguments(keys)
+    keys.set_defaults(handler=_keys)
     # `kvlane bench` has its own parser (loadtest/bench.py); everything after the word goes to it.
     commands.add_parser("bench", help="run a workload against fresh sim fleets, one per routing policy", add_help=False)
     commands.add_parser("simulate", help="the same comparison in virtual time, in one process (no servers)", add_help=False)

@@ -7,6 +7,11 @@
 
 Bodies are the OpenAI JSON bodies, as dicts. An error reply raises
 `KvlaneApiError` with the HTTP status and the OpenAI error body.
+
+Against a secured NATS (docs/security.md), connect with the settings'
+credentials, TLS and inbox prefix (`_INBOX.client.<user>`):
+`KvlaneClient.connect(**nats_options(load_config(path).nats))`, with
+`shared.credentials.nats_options`.
 """
 
 from __future__ import annotations

@@ -159,6 +159,20 @@ def build_dashboard() -> DashboardBuilder:
         (f"max by (worker) (rate(kvlane_worker_kv_pull_failures_total{{{MODEL}}}{RATE}))", "failed pulls: {{worker}}"),
         (f"max by (worker) (kvlane_worker_kv_held_blocks{{{MODEL}}})", "blocks held: {{worker}}"),
     ], "Prefill nodes' hand-offs per second, decode nodes' failed pulls, and blocks held for pulls.")
+
+    layout.row("Overload and scaling")
+    layout.panel("Degraded under overload", "reqps", [
+        (f"sum by (kind) (rate(kvlane_balancer_degraded_total{RATE}))", "{{kind}}"),
+    ], "Requests the balancers degraded: shorter answers (max_tokens), shed or evicted with 429, prompts prefilled "
+       "on the decode node because the prefill pool was saturated (local_prefill).")
+    layout.panel("Replicas per pool", "short", [
+        ("max by (pool) (kvlane_autoscaler_desired_replicas)", "desired {{pool}}"),
+        ("max by (pool) (kvlane_autoscaler_current_replicas)", "serving {{pool}}"),
+    ], "What the autoscaler wants per pool (what KEDA or kvlane up --autoscale acts on) and what serves.")
+    layout.panel("Autoscaler pressure", "short", [
+        ('max by (pool) (kvlane_autoscaler_pressure{window="stable"})', "{{pool}} (stable window)"),
+        ('max by (pool) (kvlane_autoscaler_pressure{window="panic"})', "{{pool}} (panic window)"),
+    ], "Each pool's worst signal over its target: above 1 it grows, in the panic window at 2 at once.")
     return builder
 
 

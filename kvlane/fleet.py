@@ -6,6 +6,7 @@ from __future__ import annotations
 import signal
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 from urllib.parse import urlparse
 
 import msgspec
@@ -14,6 +15,12 @@ from contracts.messages import WorkerRole
 from kvlane.fleet_mix import FleetNode
 from kvlane.launcher import Launcher, Process, url_reachable, wait_ready, wait_services_ready
 from shared.config import KvlaneConfig, to_env
+
+if TYPE_CHECKING:
+    from kvlane.secure import Security
+
+# The permission role (shared/permissions.py) of each kind of worker.
+WORKER_ROLES = {"aggregated": "worker", "prefill": "prefill-worker", "decode": "decode-worker"}
 
 
 @dataclass
@@ -30,13 +37,22 @@ class Fleet:
     autoscalers: list[Process] = field(default_factory=list)
     # Each worker process's role, by process name.
     roles: dict[str, WorkerRole] = field(default_factory=dict)
+    # `kvlane up --secure`: each process gets its own credentials from here.
+    security: Security | None = None
+
+    def service_env(self, role: str, instance_id: str) -> dict[str, str]:
+        """The environment of one service process: the config, and with `security` its own credentials."""
+        env = to_env(self.config)
+        if self.security is not None:
+            env |= self.security.env(role, instance_id)
+        return env
 
     def add_worker(self, worker_id: str, role: WorkerRole = "aggregated", kind: FleetNode | None = None) -> Process:
         """Start one worker; a prefill or decode worker runs as its own service.
 
         `kind` gives a sim worker its own profile and a fraction of the configured speed (a mixed fleet).
         """
-        env = to_env(self.config) | {"KVLANE__WORKER__WORKER_ID": f'"{worker_id}"'}
+        env = self.service_env(WORKER_ROLES[role], worker_id) | {"KVLANE__WORKER__WORKER_ID": f'"{worker_id}"'}
         if self.config.worker.metrics_port:
             # Workers on one host cannot share a port: each takes the next one up.
             env["KVLANE__WORKER__METRICS_PORT"] = str(self.config.worker.metrics_port + len(self.roles))
@@ -55,19 +71,20 @@ class Fleet:
         process.signal(signal.SIGTERM)
 
     def add_autoscaler(self) -> Process:
-        process = self.launcher.start_service("autoscaler", to_env(self.config), name=f"autoscaler-{len(self.autoscalers)}")
+        index = len(self.autoscalers)
+        process = self.launcher.start_service("autoscaler", self.service_env("autoscaler", str(index)), name=f"autoscaler-{index}")
         self.autoscalers.append(process)
         return process
 
     def add_balancer(self) -> Process:
         index = len(self.balancers)
-        process = self.launcher.start_service("balancer", to_env(self.config), name=f"balancer-{index}")
+        process = self.launcher.start_service("balancer", self.service_env("balancer", str(index)), name=f"balancer-{index}")
         self.balancers.append(process)
         return process
 
     def add_cache_manager(self) -> Process:
         index = len(self.cache_managers)
-        process = self.launcher.start_service("cache_manager", to_env(self.config), name=f"cache-manager-{index}")
+        process = self.launcher.start_service("cache_manager", self.service_env("cache-manager", str(index)), name=f"cache-manager-{index}")
         self.cache_managers.append(process)
         return process
 
@@ -77,6 +94,8 @@ class Fleet:
 
     def stop(self) -> None:
         self.launcher.stop_all()
+        if self.security is not None:
+            self.security.close()
 
 
 def _local_port(url: str) -> int:
@@ -91,8 +110,9 @@ def _local_port(url: str) -> int:
 def ensure_servers(launcher: Launcher, config: KvlaneConfig) -> list[Process]:
     """Start nats-server and redis-server for the configured URLs unless they answer already."""
     started = []
-    if not url_reachable(config.nats.url):
-        started.append(launcher.start_nats(_local_port(config.nats.url)))
+    nats_url = config.nats.servers()[0]  # of several, kvlane starts the first
+    if not url_reachable(nats_url):
+        started.append(launcher.start_nats(_local_port(nats_url)))
     if not url_reachable(config.redis.url):
         started.append(launcher.start_redis(_local_port(config.redis.url)))
     return started
@@ -107,32 +127,47 @@ def start_fleet(
     prefill_workers: int = 0,
     decode_workers: int = 0,
     mix: Sequence[FleetNode] = (),
+    security: Security | None = None,
 ) -> Fleet:
     """Servers, routing, then `workers` aggregated workers (w0, w1...), prefill
     workers (p0...) and decode workers (d0...), then ingress; returns once all serve.
 
     With `mix`, the aggregated workers are those nodes, each with its own sim profile and speed.
+    With `security` (`kvlane up --secure`), the servers it starts require credentials and
+    every process gets its own.
     """
     if mix:
         workers = len(mix)
     host = "127.0.0.1" if config.ingress.host in ("0.0.0.0", "") else config.ingress.host
-    fleet = Fleet(launcher, config, f"http://{host}:{config.ingress.port}")
+    fleet = Fleet(launcher, config, f"http://{host}:{config.ingress.port}", security=security)
+    pools = (("w", "aggregated", workers), ("p", "prefill", prefill_workers), ("d", "decode", decode_workers))
+    prober_id, ingress_id = config.health.prober_id or "h0", config.ingress.ingress_id or "i0"
     try:
-        fleet.servers = ensure_servers(launcher, config)
-        env = to_env(config)
-        fleet.balancers.append(launcher.start_service("balancer", env))
+        if security is not None:
+            # Every planned process's user is in the servers' first configuration: no reload while they connect.
+            for role, instance_id in [
+                ("balancer", "0"), ("cache-manager", "0"), ("health-prober", prober_id), ("ingress", ingress_id),
+                *((WORKER_ROLES[role], f"{prefix}{index}") for prefix, role, count in pools for index in range(count)),
+            ]:
+                security.account(role, instance_id)
+            fleet.servers, config = security.start_servers(launcher, config)
+            fleet.config = config
+        else:
+            fleet.servers = ensure_servers(launcher, config)
+        fleet.balancers.append(launcher.start_service("balancer", fleet.service_env("balancer", "0")))
         if config.balancer.allocate_kv:
             fleet.add_cache_manager()
         if health_prober:
-            fleet.health_probers.append(launcher.start_service("health_prober", env, name="health-prober"))
+            prober = fleet.service_env("health-prober", prober_id)
+            fleet.health_probers.append(launcher.start_service("health_prober", prober, name="health-prober"))
         # Routing must be up before the first request can arrive.
         wait_services_ready([*fleet.balancers, *fleet.cache_managers], ready_timeout)
         kinds = {node.worker_id: node for node in mix}
-        for prefix, role, count in (("w", "aggregated", workers), ("p", "prefill", prefill_workers), ("d", "decode", decode_workers)):
+        for prefix, role, count in pools:
             for index in range(count):
                 worker_id = f"{prefix}{index}"
                 fleet.add_worker(worker_id, role, kinds.get(worker_id))
-        fleet.ingress = launcher.start_service("ingress", env)
+        fleet.ingress = launcher.start_service("ingress", fleet.service_env("ingress", ingress_id))
         wait_ready(fleet.base_url, ready_timeout, fleet.services(), min_workers=workers + prefill_workers + decode_workers)
     except BaseException:
         fleet.stop()

@@ -170,14 +170,20 @@ class Launcher:
         self.processes.append(process)
         return process
 
-    def start_nats(self, port: int, name: str = "nats-server") -> Process:
-        process = self.spawn(name, [find_nats_server(), "-a", "127.0.0.1", "-p", str(port)])
+    def start_nats(self, port: int, name: str = "nats-server", config_file: Path | None = None) -> Process:
+        """`config_file`: a nats-server configuration (users, permissions, TLS); address and port stay these."""
+        argv = [find_nats_server(), "-a", "127.0.0.1", "-p", str(port)]
+        if config_file is not None:
+            argv += ["-c", str(config_file)]
+        process = self.spawn(name, argv)
         self._wait_port(process, port)
         return process
 
-    def start_redis(self, port: int, name: str = "redis-server") -> Process:
-        argv = [find_redis_server(), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                "--dir", str(self.log_dir)]
+    def start_redis(self, port: int, name: str = "redis-server", config_file: Path | None = None, tls: bool = False) -> Process:
+        """`config_file`: a redis.conf (an ACL file, TLS files) read before these options; `tls`: the port speaks TLS only."""
+        ports = ["--port", "0", "--tls-port", str(port)] if tls else ["--port", str(port)]
+        argv = [find_redis_server(), *([str(config_file)] if config_file is not None else []), *ports, "--bind", "127.0.0.1",
+                "--save", "", "--appendonly", "no", "--dir", str(self.log_dir)]
         process = self.spawn(name, argv)
         self._wait_port(process, port)
         return process

@@ -15,25 +15,30 @@ from rich.table import Table
 
 from contracts import subjects
 from contracts.balancer import BalancerStatus, BalancerStatusReply, BalancerStatusRequest
+from shared.config import NatsSettings
+from shared.credentials import nats_options
 
 
 class StatusError(RuntimeError):
     pass
 
 
-async def fetch_statuses(nats_url: str, model: str = "", timeout: float = 5.0, settle_s: float = 0.3) -> list[BalancerStatus]:
-    """Every balancer replica's status, by balancer id.
+async def fetch_statuses(
+    nats_url: str | NatsSettings, model: str = "", timeout: float = 5.0, settle_s: float = 0.3
+) -> list[BalancerStatus]:
+    """Every balancer replica's status, by balancer id (`nats_url`: a URL, or settings with credentials).
 
     Replicas answer one broadcast; nothing says how many there are, so once
     the first has answered the others get `settle_s` more (they answer within
     milliseconds of each other unless one is stuck).
     """
+    settings = NatsSettings(url=nats_url) if isinstance(nats_url, str) else nats_url
     try:
         nc = await asyncio.wait_for(
-            nats.connect(nats_url, connect_timeout=timeout, allow_reconnect=False, error_cb=_quiet), timeout
+            nats.connect(**nats_options(settings), connect_timeout=timeout, allow_reconnect=False, error_cb=_quiet), timeout
         )
     except (OSError, nats.errors.Error, asyncio.TimeoutError) as exc:
-        raise StatusError(f"cannot reach NATS at {nats_url}: {exc!r}") from exc
+        raise StatusError(f"cannot reach NATS at {settings.url}: {exc!r}") from exc
     replies: list[BalancerStatusReply] = []
     try:
         inbox = nc.new_inbox()
@@ -110,7 +115,7 @@ def render_status(statuses: list[BalancerStatus], console: Console) -> None:
     console.print(status_tables(statuses))
 
 
-async def watch_status(nats_url: str, model: str, timeout: float, interval_s: float, console: Console) -> None:
+async def watch_status(nats_url: str | NatsSettings, model: str, timeout: float, interval_s: float, console: Console) -> None:
     """Refresh the tables in place every `interval_s` until interrupted; a failed fetch shows as a line, and the watch goes on."""
     with Live(console=console, auto_refresh=False) as live:
         while True:

@@ -27,6 +27,7 @@ from opentelemetry.trace import SpanKind
 from contracts import subjects
 from contracts.messages import ErrorReply, StreamBatch, StreamEnd, StreamFrame, StreamMessage
 from shared.config import NatsSettings
+from shared.credentials import nats_options
 from shared.telemetry import Telemetry
 
 T = TypeVar("T")
@@ -71,7 +72,7 @@ class Bus:
         while True:
             try:
                 await bus._nc.connect(
-                    settings.url,
+                    **nats_options(settings),
                     name=name,
                     connect_timeout=settings.connect_timeout_s,
                     reconnect_time_wait=settings.reconnect_wait_s,

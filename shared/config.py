@@ -46,6 +46,24 @@ class NatsSettings(_Section):
     # already hold before the connection closes anyway (nats-py's own is 30 s,
     # as long as a typical orchestrator waits before SIGKILL).
     drain_timeout_s: PositiveFloat = 10.0
+    # Credentials (docs/security.md): a user and password, an NKey seed file, or
+    # a `.creds` file (JWT and seed); empty: connect anonymously.
+    user: str = ""
+    password: str = ""
+    nkeys_seed_file: str = ""
+    credentials_file: str = ""
+    # Where this connection's replies arrive; with subject permissions, each
+    # user's own (`_INBOX.<user>`), so no user may read another's replies.
+    inbox_prefix: str = "_INBOX"
+    # TLS: the CA that signed the server's certificate (TLS on when set), and
+    # a client certificate and key where the server verifies clients.
+    tls_ca: str = ""
+    tls_cert: str = ""
+    tls_key: str = ""
+
+    def servers(self) -> list[str]:
+        """`url` may list several servers, comma-separated (the client tries them all)."""
+        return [part.strip() for part in self.url.split(",") if part.strip()]
 
 
 class RedisSettings(_Section):
@@ -54,6 +72,15 @@ class RedisSettings(_Section):
     max_connections: PositiveInt = 32
     # How long a command may wait for a free pooled connection under a burst.
     pool_timeout_s: PositiveFloat = 10.0
+    # An ACL user and password (or `requirepass` with the password alone); they
+    # override any in the URL (`redis://user:password@host:port/0`).
+    username: str = ""
+    password: str = ""
+    # TLS (`rediss://`, also implied by tls_ca): the CA that signed the server's
+    # certificate, and a client certificate and key where the server asks for one.
+    tls_ca: str = ""
+    tls_cert: str = ""
+    tls_key: str = ""
 
 
 class LoggingSettings(_Section):
@@ -87,10 +114,25 @@ class ClusterSettings(_Section):
     lease_renew_interval_s: PositiveFloat = 2.0
 
 
+class AuthSettings(_Section):
+    """API keys at the ingress (shared/api_keys.py, docs/design.md "API keys and tenants")."""
+
+    # Off: no key is needed or checked. On: every /v1 request (HTTP and NATS) needs `Authorization: Bearer <key>`.
+    required: bool = False
+    # Static keys beside Redis's: a TOML ([[keys]] tables) or .json file of key hashes and their policy, re-read when it changes.
+    keys_file: str = ""
+    # Key records are cached this long per ingress: a revoked key stops working within it.
+    cache_ttl_s: PositiveFloat = 2.0
+    # A running request's concurrency slot expires this long after its ingress last renewed it
+    # (every third of it): the safety net for an ingress that crashed holding slots.
+    slot_ttl_s: PositiveFloat = 30.0
+
+
 class IngressSettings(_Section):
     host: str = "127.0.0.1"
     port: Annotated[int, Meta(ge=0, le=65535)] = 8000
     ingress_id: str = ""
+    auth: AuthSettings = msgspec.field(default_factory=AuthSettings)
     request_timeout_s: PositiveFloat = 600.0
     route_timeout_s: PositiveFloat = 5.0
     accept_timeout_s: PositiveFloat = 2.0
@@ -111,6 +153,24 @@ class IngressSettings(_Section):
     max_body_bytes: PositiveInt = 8 * 1024 * 1024
     # How many leading prompt tokens ride along for hot-prefix pre-warming.
     forward_prefix_tokens: Annotated[int, Meta(ge=0)] = 2048
+    # HTTP hardening (services/ingress/http_guard.py). A request head (request line and
+    # headers) must arrive whole within header_timeout_s of its first byte (of the
+    # connection's opening, for the first request), its body within body_timeout_s of
+    # the head, or the client gets 408 and the connection is closed (slowloris).
+    header_timeout_s: PositiveFloat = 10.0
+    body_timeout_s: PositiveFloat = 60.0
+    # An idle keep-alive connection is closed after this long.
+    keepalive_timeout_s: PositiveFloat = 75.0
+    # Longest request line, longest header line, most headers: beyond them 431 (or 414).
+    max_line_size: PositiveInt = 8190
+    max_field_size: PositiveInt = 8190
+    max_headers: PositiveInt = 128
+    # Open connections, in all and per client address, and completions in flight per
+    # client address; over a limit the request gets 429 with Retry-After. 0: no limit
+    # (behind a proxy every client has the proxy's address).
+    max_connections: Annotated[int, Meta(ge=0)] = 4096
+    max_connections_per_client: Annotated[int, Meta(ge=0)] = 1024
+    max_streams_per_client: Annotated[int, Meta(ge=0)] = 512
 
 
 BalancerPolicyName = Literal[
@@ -283,6 +343,8 @@ class CacheManagerSettings(_Section):
 
 
 class HealthSettings(_Section):
+    # The prober's id (its stream subject; with subject permissions, its user's). Empty: a random one.
+    prober_id: str = ""
     probe_interval_s: PositiveFloat = 2.0
     probe_timeout_s: PositiveFloat = 2.0
     # A probe slower than max(factor x the node's baseline, baseline + floor) is bad.

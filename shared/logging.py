@@ -12,6 +12,7 @@ import sys
 
 import structlog
 
+from shared import redact
 from shared.config import LoggingSettings
 
 
@@ -28,6 +29,8 @@ def configure_logging(settings: LoggingSettings, service: str) -> None:
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
             structlog.processors.format_exc_info,
+            # No secret reaches a log line (API keys, bearer tokens, URL passwords), tracebacks included.
+            redact.structlog_processor,
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(level),
@@ -37,3 +40,5 @@ def configure_logging(settings: LoggingSettings, service: str) -> None:
     structlog.contextvars.bind_contextvars(service=service)
     # Libraries that log through the standard library end up on stderr too.
     logging.basicConfig(level=max(level, logging.WARNING), stream=sys.stderr)
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(redact.RedactingFilter())

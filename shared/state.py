@@ -15,6 +15,7 @@ import structlog
 from contracts import subjects
 from contracts.messages import Heartbeat
 from shared.config import RedisSettings
+from shared.credentials import redis_url_and_options
 
 log = structlog.get_logger("kvlane.state")
 
@@ -22,8 +23,10 @@ log = structlog.get_logger("kvlane.state")
 def connect_redis(settings: RedisSettings) -> redis.Redis:
     # A blocking pool makes a burst of concurrent commands wait for a
     # connection instead of failing with "Too many connections".
+    url, options = redis_url_and_options(settings)
     pool = redis.BlockingConnectionPool.from_url(
-        settings.url,
+        url,
+        **options,
         max_connections=settings.max_connections,
         timeout=settings.pool_timeout_s,
         socket_timeout=settings.socket_timeout_s,

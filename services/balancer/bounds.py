@@ -64,12 +64,28 @@ def _cumulative(rates: Sequence[float]) -> list[float]:
     return out
 
 
+# Slots the bounds consider at most: their cost grows with the slot count, which a node only
+# reports (an unbounded fleet has 2^30 per chain; a bogus heartbeat any number). Beyond a few
+# thousand slots the last ones change the bounds by nothing measurable at any arrival rate that
+# the first ones do not already serve.
+MAX_SLOTS = 4096
+
+
+def _slot_rates(chains: Sequence[ChainRate], fastest: bool) -> list[float]:
+    """The per-slot rates of the `MAX_SLOTS` fastest (or slowest) slots, in that order."""
+    rates: list[float] = []
+    for chain in sorted((c for c in chains if c.rate_per_slot > 0 and c.slots > 0), key=lambda c: c.rate_per_slot,
+                        reverse=fastest):
+        rates.extend([chain.rate_per_slot] * min(chain.slots, MAX_SLOTS - len(rates)))
+        if len(rates) >= MAX_SLOTS:
+            break
+    return rates
+
+
 def response_bounds(chains: Sequence[ChainRate], arrival_rate: float) -> ResponseBounds:
-    slot_rates = [c.rate_per_slot for c in chains for _ in range(c.slots) if c.rate_per_slot > 0]
-    fastest_first = sorted(slot_rates, reverse=True)
     return ResponseBounds(
-        lower_s=mean_response(_cumulative(fastest_first), arrival_rate),
-        upper_s=mean_response(_cumulative(fastest_first[::-1]), arrival_rate),
+        lower_s=mean_response(_cumulative(_slot_rates(chains, fastest=True)), arrival_rate),
+        upper_s=mean_response(_cumulative(_slot_rates(chains, fastest=False)), arrival_rate),
     )
 
 
@@ -99,7 +115,7 @@ def recommend_slots(
     if not kv_slots or arrival_rate <= 0:
         return None
     best: tuple[int, ResponseBounds] | None = None
-    for cap in candidate_caps(max(s for _, s in kv_slots)):
+    for cap in candidate_caps(min(max(s for _, s in kv_slots), MAX_SLOTS)):
         chains = [ChainRate(c, min(s, cap), rate_at(c, min(s, cap))) for c, s in kv_slots]
         bounds = response_bounds(chains, arrival_rate)
         if best is None or bounds.lower_s < best[1].lower_s:

@@ -239,6 +239,13 @@ class Router:
         excluded = set(request.exclude_workers)
         if all(hb.registration.worker_id in excluded for hb in routable):
             return self.refusal("no_capacity", "no other live worker to retry on")
+        # No node could ever run it: refused now, not queued until its deadline (ingress checks
+        # the same per model; a resumed request keeps prompt + max_tokens as first asked).
+        needed = request.prompt_tokens + request.max_tokens
+        if all(needed > hb.registration.max_model_len for hb in routable):
+            longest = max(hb.registration.max_model_len for hb in routable)
+            return ErrorReply(code="context_length_exceeded", status=400,
+                              message=f"{needed} tokens (prompt and completion) exceed every node's context ({longest})")
         return None
 
     def observe(self, heartbeat: Heartbeat) -> None:

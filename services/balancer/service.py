@@ -136,6 +136,8 @@ class BalancerService:
     async def _on_route(self, request: RouteRequest, msg: Msg) -> RouteReply:
         attributes = {"kvlane.request_id": request.request_id, "gen_ai.request.model": request.model,
                       "kvlane.route.prompt_tokens": request.prompt_tokens, "kvlane.priority": request.priority}
+        if request.tenant:
+            attributes["kvlane.tenant"] = request.tenant
         if request.exclude_workers:
             attributes["kvlane.route.excluded"] = request.exclude_workers
         with self._tracer.start_as_current_span("route", attributes=attributes) as span:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 
+from contracts import subjects
 from services.health_prober.service import HealthProberService
 from shared.bus import StreamReceiver
 from shared.config import KvlaneConfig
@@ -14,7 +15,9 @@ from shared.service_context import service_context
 
 
 async def main(config: KvlaneConfig, stop: asyncio.Event) -> None:
-    prober_id = f"h-{uuid.uuid4().hex[:8]}"
+    prober_id = config.health.prober_id or f"h-{uuid.uuid4().hex[:8]}"
+    if not subjects.is_valid_token(prober_id):
+        raise SystemExit(f"health.prober_id {prober_id!r} must be 1-64 characters of A-Z a-z 0-9 _ -")
     async with service_context(config, "health-prober", prober_id) as ctx:
         streams = StreamReceiver(ctx.bus, prober_id)
         await streams.start()

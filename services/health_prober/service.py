@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 
 import msgspec
+import nats.errors
 import structlog
 from nats.aio.msg import Msg
 from redis.exceptions import RedisError
@@ -133,7 +134,7 @@ class HealthProberService:
                         return self._clock() - started if isinstance(frame, StreamEnd) else None
             except RequestTimeout:
                 return math.inf
-            except BusError:
+            except (BusError, nats.errors.Error):  # one node's failure is its own, not the whole round's
                 return None
 
     async def _publish(self, node: NodeHealth) -> None:

@@ -14,6 +14,7 @@ from contracts.openai_api import HealthStatus
 from contracts.openapi import build_openapi
 from services.ingress.completions import CHAT, TEXT_COMPLETION, Completions, Operation, error_json
 from services.ingress.errors import ApiError
+from services.ingress.http_guard import HttpGuard
 from services.ingress.metrics import IngressMetrics
 from services.ingress.readiness import Readiness
 from services.ingress.render import DONE, sse
@@ -21,6 +22,9 @@ from shared.cluster import ClusterView
 
 log = structlog.get_logger("kvlane.ingress")
 _ENCODER = msgspec.json.Encoder()
+# The endpoints whose requests run completions (counted per client by `HttpGuard`).
+COMPLETION_PATHS = ("/v1/chat/completions", "/v1/completions")
+
 
 class IngressApp:
     def __init__(
@@ -32,6 +36,7 @@ class IngressApp:
         is_connected: Callable[[], bool],
         readiness: Readiness | None = None,
         clock: Callable[[], float] = time.monotonic,
+        guard: HttpGuard | None = None,
     ) -> None:
         self._max_body_bytes = max_body_bytes
         self._view = view
@@ -40,10 +45,13 @@ class IngressApp:
         self._is_connected = is_connected
         self._readiness = readiness
         self._clock = clock
+        self._guard = guard
         self._openapi = _ENCODER.encode(build_openapi())
 
     def build(self) -> web.Application:
-        app = web.Application(middlewares=[self._errors], client_max_size=self._max_body_bytes)
+        # The guard's refusals and timeouts go through `_errors` too (the metrics count them).
+        middlewares = [self._errors] if self._guard is None else [self._errors, self._guard.middleware]
+        app = web.Application(middlewares=middlewares, client_max_size=self._max_body_bytes)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_get("/v1/models", self.models)
@@ -105,7 +113,7 @@ class IngressApp:
     # --- the rest -----------------------------------------------------------------
 
     async def models(self, request: web.Request) -> web.Response:
-        return web.Response(body=self._completions.models_body(), content_type="application/json")
+        return web.Response(body=await self._completions.models(request.headers), content_type="application/json")
 
     async def health(self, request: web.Request) -> web.Response:
         return web.Response(body=_ENCODER.encode(HealthStatus("ok")), content_type="application/json")

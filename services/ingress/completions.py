@@ -23,6 +23,7 @@ import structlog
 from contracts.autoscaler import RequestServed
 from contracts.messages import StreamEnd, TokenChunk, WorkerRegistration
 from contracts.openai_api import ChatCompletionRequest, CompletionRequest, Degraded, KvlaneNotes, Model, ModelList
+from services.ingress.auth import Admission, Authenticator
 from services.ingress.dispatch import Dispatcher
 from services.ingress.errors import ApiError, from_decode_error
 from services.ingress.metrics import IngressMetrics
@@ -73,8 +74,11 @@ class Completions:
         clock: Callable[[], float] = time.monotonic,
         telemetry: Telemetry | None = None,
         on_served: Callable[[RequestServed], None] = lambda served: None,
+        auth: Authenticator | None = None,
     ) -> None:
         self._settings = settings
+        # API keys, their policy and limits (None, or not required: anyone may ask, as before).
+        self._auth = auth if auth is not None and auth.required else None
         # Told of each request answered, with the latencies its client saw (the autoscaler's signal).
         self._on_served = on_served
         self._view = view
@@ -103,7 +107,12 @@ class Completions:
         """
         received = self._clock()
         span = RequestTrace(self._telemetry.tracer, self._genai, operation.name, self._telemetry.extract(headers), received)
+        key = admission = None
         try:
+            # The key first: a caller without one learns nothing else (not even that its body is bad).
+            key = await self._auth.authenticate(headers) if self._auth is not None else None
+            if key is not None:
+                span.caller(key.tenant, key.id)
             if len(payload) > self._settings.max_body_bytes:
                 raise ApiError(413, f"request body too large ({len(payload)} bytes, at most {self._settings.max_body_bytes})",
                                code="request_entity_too_large")
@@ -112,17 +121,26 @@ class Completions:
             except msgspec.DecodeError as exc:
                 raise from_decode_error(exc) from exc
             span.model(body.model)
+            Authenticator.check_model(key, body.model)
             registration = self._model(body.model)
             tokenizer = await self._tokenizer(registration.tokenizer)
-            prepared = prepare(body, registration, tokenizer, self._settings.max_tokens_default)
+            asked = prepare(body, registration, tokenizer, self._settings.max_tokens_default)
+            # The key's tenant rides along; a priority above the key's maximum is lowered to it.
+            prepared = Authenticator.apply(key, asked)
             request_id = uuid.uuid4().hex
             response_id = f"{operation.id_prefix}-{request_id}"
-            span.prepared(request_id, response_id, prepared)
+            span.prepared(request_id, response_id, prepared, requested_priority=asked.priority)
+            if key is not None:
+                assert self._auth is not None
+                admission = await self._auth.admit(key, request_id, prepared)
             renderer = operation.renderer(response_id, int(time.time()), body.model)
             call = CompletionCall(request_id, prepared, renderer, caller_gone, self._metrics, self._clock, received, span,
-                                  self._on_served)
+                                  self._on_served, admission)
         except BaseException as exc:
+            if admission is not None:
+                admission.settle(None)
             span.end(self._clock(), None, exc)
+            self._metrics.tenant_request(key.tenant if key is not None else "", status_of(exc))
             raise
         await call.begin(self._dispatcher.run(request_id, prepared, span.context, on_capped=call.capped))
         return call
@@ -133,11 +151,17 @@ class Completions:
             raise ApiError(404, f"The model `{name}` does not exist or no live worker serves it.", code="model_not_found", param="model")
         return registration
 
-    def models_body(self) -> bytes:
-        """The `/v1/models` body: every model a live worker serves."""
+    def models_body(self, visible: Callable[[str], bool] = lambda model: True) -> bytes:
+        """The `/v1/models` body: every model a live worker serves (that `visible` lets through)."""
         models = self._view.models(self._clock())
-        data = [Model(id=name, created=int(reg.started_at), max_model_len=reg.max_model_len) for name, reg in sorted(models.items())]
+        data = [Model(id=name, created=int(reg.started_at), max_model_len=reg.max_model_len)
+                for name, reg in sorted(models.items()) if visible(name)]
         return _ENCODER.encode(ModelList(data))
+
+    async def models(self, headers: Mapping[str, str] | None = None) -> bytes:
+        """`/v1/models` for this caller: with auth required, it needs a key and lists what the key may use (else `ApiError`)."""
+        key = await self._auth.authenticate(headers) if self._auth is not None else None
+        return self.models_body() if key is None else self.models_body(key.allows_model)
 
     # --- tokenizers ---------------------------------------------------------------
 
@@ -191,6 +215,7 @@ class CompletionCall:
         received: float,
         span: RequestTrace,
         on_served: Callable[[RequestServed], None],
+        admission: Admission | None = None,
     ) -> None:
         self.request_id = request_id
         self.stream = prepared.stream
@@ -202,6 +227,9 @@ class CompletionCall:
         self._received = received
         self._span = span
         self._on_served = on_served
+        # The request's hold on its API key's limits, settled with the tokens it used when it ends.
+        self._admission = admission
+        self._generated = 0  # tokens relayed so far
         self._first_token_at: float | None = None
         # What kvlane changed in the request (the response's `kvlane` field), if anything.
         self.notes: KvlaneNotes | None = None
@@ -246,6 +274,7 @@ class CompletionCall:
             async for frame in frames:
                 now = self._clock()
                 if isinstance(frame, TokenChunk):
+                    self._generated += len(frame.token_ids)
                     if last is None:
                         self._first_token_at = now
                         self._metrics.first_token(model, now - self._received)
@@ -312,7 +341,15 @@ class CompletionCall:
             self._metrics.in_flight.dec()
             structlog.contextvars.unbind_contextvars("request_id")
             ended_at = self._end_at if self._end_at is not None else self._clock()
-            self._span.end(ended_at, self.end, self._failure or error)
+            failure = self._failure or error
+            if self._admission is not None:
+                # What it used: the prompt and every token generated (all of them, if it finished).
+                usage = self.end.usage if self.end is not None else None
+                used = usage.prompt_tokens + usage.completion_tokens if usage else len(self._prepared.prompt_token_ids) + self._generated
+                self._admission.settle(used)
+            self._metrics.tenant_request(self._prepared.tenant, 200 if self.end is not None and failure is None
+                                         else status_of(failure), self.end)
+            self._span.end(ended_at, self.end, failure)
             if self.end is not None:
                 self._on_served(self._served(ended_at, self.end))
 
@@ -331,3 +368,12 @@ class CompletionCall:
 
 def error_json(error: ApiError) -> bytes:
     return _ENCODER.encode(error.body())
+
+
+def status_of(exc: BaseException | None) -> int:
+    """The HTTP status a request that ended with `exc` gets (499: its caller left, or it ended unfinished)."""
+    if isinstance(exc, ApiError):
+        return exc.status
+    if exc is None or isinstance(exc, (ConnectionError, asyncio.CancelledError, GeneratorExit)):
+        return 499
+    return 500

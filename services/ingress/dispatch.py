@@ -259,6 +259,7 @@ class Dispatcher:
             block_hashes=prepared.block_hashes,
             exclude_workers=excluded,
             priority=prepared.priority,
+            tenant=prepared.tenant,
             prefix_token_ids=prepared.prompt_token_ids[: self._settings.forward_prefix_tokens],
         )
         # The balancer may hold the request in its central queue, at most

@@ -16,8 +16,9 @@ _PATH = re.compile(r"at `\$\.([A-Za-z0-9_]+)")
 _UNKNOWN_FIELD = re.compile(r"Object contains unknown field `([^`]+)`")
 _MISSING_FIELD = re.compile(r"Object missing required field `([^`]+)`")
 
-_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error", 413: "invalid_request_error",
-          429: "rate_limit_error", 499: "invalid_request_error", 504: "timeout_error"}
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_denied_error",
+          404: "invalid_request_error", 408: "timeout_error",
+          413: "invalid_request_error", 429: "rate_limit_error", 499: "invalid_request_error", 504: "timeout_error"}
 
 
 class ApiError(Exception):
@@ -48,6 +49,8 @@ class ApiError(Exception):
         headers = {}
         if self.retry_after_s is not None:
             headers["Retry-After"] = str(max(1, math.ceil(self.retry_after_s)))
+        if self.status == 401:
+            headers["WWW-Authenticate"] = 'Bearer realm="kvlane"'
         return web.Response(
             status=self.status, body=_ENCODER.encode(self.body()), content_type="application/json", headers=headers
         )

@@ -15,14 +15,18 @@ from contracts import subjects
 from contracts.autoscaler import RequestServed
 from contracts.balancer import BalancerStatusReply, BalancerStatusRequest
 from contracts.cache import CacheReply, LookupRequest
-from services.ingress.app import IngressApp
+from services.ingress.app import COMPLETION_PATHS, IngressApp
+from services.ingress.auth import Authenticator
 from services.ingress.completions import Completions
 from services.ingress.dispatch import Dispatcher
+from services.ingress.http_guard import HttpGuard
 from services.ingress.metrics import IngressMetrics
 from services.ingress.nats_api import NatsApi
 from services.ingress.readiness import Dependency, Readiness
+from shared.api_keys import ApiKeyStore
 from shared.bus import Bus, StreamReceiver
 from shared.config import KvlaneConfig
+from shared.key_limits import KeyLimiter
 from shared.periodic import Periodic
 from shared.runner import announce_ready
 from shared.service_context import service_context
@@ -48,17 +52,24 @@ async def main(config: KvlaneConfig, stop: asyncio.Event) -> None:
         dependencies = [Dependency("balancer", subjects.BALANCER_STATUS, BalancerStatusRequest(model="-"), BalancerStatusReply)]
         if config.balancer.allocate_kv:
             dependencies.append(Dependency("cache-manager", subjects.CACHE_REQUEST, LookupRequest([]), CacheReply))
+        try:  # API keys: in Redis (shared by every replica) and, optionally, a keys file
+            auth = Authenticator(settings.auth, ApiKeyStore(ctx.redis), KeyLimiter(ctx.redis))
+        except ValueError as exc:
+            raise SystemExit(str(exc)) from exc
         completions = Completions(
             settings, view, dispatcher, metrics, telemetry=ctx.telemetry,
-            on_served=lambda served: bus.spawn(_publish_served(bus, served)),
+            on_served=lambda served: bus.spawn(_publish_served(bus, served)), auth=auth,
         )
-        app = IngressApp(settings.max_body_bytes, view, completions, metrics, lambda: bus.connected, Readiness(bus, dependencies))
+        # Slow clients, oversized heads, too many connections or streams per client (http_guard.py).
+        guard = HttpGuard(settings, COMPLETION_PATHS)
+        app = IngressApp(settings.max_body_bytes, view, completions, metrics, lambda: bus.connected, Readiness(bus, dependencies),
+                         guard=guard)
         nats_api = NatsApi(bus.client, completions, ingress_id, importlib.metadata.version("kvlane"))
         # handler_cancellation: a client that hangs up cancels its handler at once, so its
         # request is aborted on the worker even while nothing is being written to it
         # (a queue wait, a prefill, output that is not text yet, a non-streamed reply).
-        runner = web.AppRunner(app.build(), access_log=None, shutdown_timeout=settings.request_timeout_s,
-                               handler_cancellation=True)
+        runner = guard.runner(app.build(), access_log=None, shutdown_timeout=settings.request_timeout_s,
+                              handler_cancellation=True)
         # A model's tokenizer loads as soon as a worker for it shows up, not on its first request.
         preloading = Periodic("tokenizers", config.cluster.heartbeat_interval_s, completions.preload_tokenizers, immediately=True)
         try:
@@ -66,12 +77,15 @@ async def main(config: KvlaneConfig, stop: asyncio.Event) -> None:
             await web.TCPSite(runner, settings.host, settings.port).start()
             await nats_api.start()
             preloading.start()
+            auth.start()
+            log.info("api_keys", required=settings.auth.required, keys_file=settings.auth.keys_file or None)
             announce_ready(host=settings.host, port=settings.port, ingress_id=ingress_id)
             await stop.wait()
         finally:
             await preloading.stop()
             # Both stop taking requests, then wait for those in flight.
             await asyncio.gather(nats_api.stop(settings.request_timeout_s), runner.cleanup())
+            await auth.close()  # the last requests' limits settled in Redis
 
 
 async def _publish_served(bus: Bus, served: RequestServed) -> None:

@@ -46,6 +46,14 @@ class IngressMetrics:
         r = self.registry
         self.requests = Counter("kvlane_ingress_requests", "HTTP requests by endpoint and status", ["endpoint", "status"], registry=r)
         self.in_flight = Gauge("kvlane_ingress_requests_in_flight", "Requests being served", registry=r)
+        # Completions (HTTP and NATS) by the tenant of their API key ("-": none, auth off or no valid key) and outcome.
+        self._tenant_requests = Counter(
+            "kvlane_ingress_tenant_requests", "Completion requests by API-key tenant and status", ["tenant", "status"], registry=r,
+        )
+        self._tenant_tokens = Counter(
+            "kvlane_ingress_tenant_tokens", "Tokens of finished completions by API-key tenant and kind (prompt, completion)",
+            ["tenant", "kind"], registry=r,
+        )
         self._ttft = Histogram(
             "vllm:time_to_first_token_seconds", "Time from the request's arrival at ingress to its first token.",
             MODEL, buckets=TTFT_BUCKETS, registry=r,
@@ -103,6 +111,14 @@ class IngressMetrics:
 
     def migrated(self, model: str, cause: str) -> None:
         self._migrations.labels(model, cause).inc()
+
+    def tenant_request(self, tenant: str, status: int, end: StreamEnd | None = None) -> None:
+        """A completion request ended with `status` (its HTTP status; 499: the caller left); `end`: its usage, if it finished."""
+        label = tenant or "-"
+        self._tenant_requests.labels(label, str(status)).inc()
+        if end is not None:
+            self._tenant_tokens.labels(label, "prompt").inc(end.usage.prompt_tokens)
+            self._tenant_tokens.labels(label, "completion").inc(end.usage.completion_tokens)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

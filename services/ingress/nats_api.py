@@ -84,7 +84,12 @@ class NatsApi:
             await asyncio.gather(*late, return_exceptions=True)
 
     async def _models(self, request: Request) -> None:
-        await request.respond(self._completions.models_body())
+        try:
+            body = await self._completions.models(dict(request.headers or {}))
+        except ApiError as exc:
+            await self._reply_error(request, exc)
+            return
+        await request.respond(body)
 
     def _spawning(self, name: str, operation: Operation) -> Callable[[Request], Awaitable[None]]:
         # nats.micro awaits each handler before the next message of its subscription:

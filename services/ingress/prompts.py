@@ -23,6 +23,8 @@ class PreparedRequest(Struct, frozen=True):
     stream: bool
     include_usage: bool
     priority: int = 0
+    # Who asks (the API key's tenant; empty without auth).
+    tenant: str = ""
 
 
 def prepare(

@@ -65,7 +65,12 @@ class RequestTrace:
         self.span.update_name(genai.span_name(self._operation, model))
         self.span.set_attribute(genai.REQUEST_MODEL, model)
 
-    def prepared(self, request_id: str, response_id: str, prepared: PreparedRequest) -> None:
+    def caller(self, tenant: str, key_id: str) -> None:
+        """Who asks: the tenant of the request's API key and the key's public id (never the key)."""
+        self.span.set_attributes({"kvlane.tenant": tenant, "kvlane.api_key.id": key_id})
+
+    def prepared(self, request_id: str, response_id: str, prepared: PreparedRequest, requested_priority: int | None = None) -> None:
+        """`requested_priority`: what the body asked for, when the key's maximum may have lowered it."""
         span = self.span
         if not span.is_recording():
             return
@@ -80,6 +85,8 @@ class RequestTrace:
             "kvlane.priority": prepared.priority,
             "kvlane.prompt_blocks": len(prepared.block_hashes),
         }
+        if requested_priority is not None and requested_priority != prepared.priority:
+            attributes["kvlane.priority.requested"] = requested_priority
         if sampling.top_k > 0:
             attributes[genai.REQUEST_TOP_K] = sampling.top_k
         if sampling.seed is not None:

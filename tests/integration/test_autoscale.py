@@ -20,6 +20,8 @@ import redis
 from contracts import subjects
 from contracts.autoscaler import ScalingDecision
 from kvlane.launcher import free_port
+from shared.config import RedisSettings, load_config
+from shared.credentials import redis_url_and_options
 from tests.integration.conftest import MODEL
 
 pytestmark = pytest.mark.integration
@@ -52,7 +54,9 @@ class Output:
                 self._arrived.wait(left)
 
 
-def test_autoscale_grows_under_load_and_drains_when_idle(tmp_path: Path) -> None:
+@pytest.mark.parametrize("secure", [False, True], ids=["open", "secure"])
+def test_autoscale_grows_under_load_and_drains_when_idle(tmp_path: Path, secure: bool) -> None:
+    """Secured, each worker the actuator starts gets its own NATS and Redis user as it starts (a live reload)."""
     nats_port, redis_port, port = free_port(), free_port(), free_port()
     config = tmp_path / "kvlane.toml"
     config.write_text("\n".join([
@@ -66,7 +70,7 @@ def test_autoscale_grows_under_load_and_drains_when_idle(tmp_path: Path) -> None
     ]))
     up = subprocess.Popen(
         [str(Path(sys.executable).parent / "kvlane"), "up", "--config", str(config), "--port", str(port), "--workers", "1",
-         "--autoscale", "--log-dir", str(tmp_path / "logs")],
+         "--autoscale", "--log-dir", str(tmp_path / "logs"), *(["--secure"] if secure else [])],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "COLUMNS": "200"},
     )
     output = Output(up)
@@ -90,7 +94,11 @@ def test_autoscale_grows_under_load_and_drains_when_idle(tmp_path: Path) -> None
         assert statuses == [200] * 16, statuses
         # Idle: one replica fewer stays under target, so the extra workers drain, down to the minimum.
         output.wait_for("autoscale: draining worker-w", 40, after=grown)
-        client = redis.Redis(port=redis_port)
+        settings = RedisSettings(url=f"redis://127.0.0.1:{redis_port}/0")
+        if secure:  # the operator's credentials, which `kvlane up --secure` wrote
+            settings = load_config(tmp_path / "logs" / "secure" / "operator.toml").redis
+        url, options = redis_url_and_options(settings)
+        client = redis.Redis.from_url(url, **options)
         deadline = time.monotonic() + 40
         while True:
             decision = msgspec.json.decode(client.get(subjects.AUTOSCALER_DECISION_KEY), type=ScalingDecision)
@@ -100,6 +108,9 @@ def test_autoscale_grows_under_load_and_drains_when_idle(tmp_path: Path) -> None
             time.sleep(0.2)
         client.close()
         assert up.poll() is None, "kvlane up keeps serving while workers come and go"
+        if secure:  # the workers started later had their permissions from their first message on
+            nats_log = (tmp_path / "logs" / "nats-server.log").read_text()
+            assert "Violation" not in nats_log and "authentication error" not in nats_log, nats_log[-3000:]
     finally:
         up.send_signal(signal.SIGINT)
         try:

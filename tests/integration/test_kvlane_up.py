@@ -59,6 +59,8 @@ def test_a_killed_kvlane_up_leaves_no_process_behind(tmp_path: Path) -> None:
             if "ready" in line and "base URL" in line:
                 break
         assert up.poll() is None, "".join(seen)
+        # Local use: no API keys, and it says so.
+        assert any("API keys off" in line for line in seen), "".join(seen)
         started = children_of(up.pid)
         # NATS, Redis, balancer, cache-manager, health-prober, one worker, ingress.
         assert len(started) == 7, "".join(seen)

@@ -148,7 +148,7 @@ def test_body_without_code_or_param_has_nulls() -> None:
     [
         (400, "invalid_request_error"),
         (401, "authentication_error"),
-        (403, "invalid_request_error"),
+        (403, "permission_denied_error"),
         (404, "invalid_request_error"),
         (413, "invalid_request_error"),
         (429, "rate_limit_error"),

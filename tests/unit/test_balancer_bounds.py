@@ -199,3 +199,17 @@ def test_an_idle_node_measured_slow_drifts_back_to_the_fleet_median() -> None:
     for t in range(4, 14):
         tracker.observe(beat("slow", t, 0, 0.0))
     assert tracker.measured("slow") > 0.9 * tracker.measured("fast")
+
+
+def test_bounds_of_huge_slot_counts_are_quick_and_as_with_the_first_few_thousand() -> None:
+    # Found by the NATS fuzzer: a heartbeat claiming 2^63 KV blocks made `kvlane status` build a list per slot
+    # (the balancer hung); an unbounded fleet (2^30 slots a chain) did the same.
+    import time
+
+    from services.balancer.bounds import MAX_SLOTS
+
+    started = time.perf_counter()
+    huge = response_bounds([ChainRate("a", 2**62, 1.0), ChainRate("b", 1 << 30, 0.5)], arrival_rate=100.0)
+    assert time.perf_counter() - started < 1.0
+    assert huge == response_bounds([ChainRate("a", MAX_SLOTS, 1.0), ChainRate("b", MAX_SLOTS, 0.5)], arrival_rate=100.0)
+    assert recommend_slots([("a", 2**62)], lambda chain, slots: 1.0, 10.0) is not None

@@ -238,6 +238,16 @@ async def test_every_worker_excluded_is_503() -> None:
     assert (reply.status, reply.code, reply.retry_after_s) == (503, "no_capacity", 1.0)
 
 
+async def test_a_request_no_node_could_hold_is_refused_not_queued() -> None:
+    # Found by the NATS fuzzer: such a route request used to wait in the queue until its deadline.
+    balancer, _, _ = make_balancer(heartbeat("a"), heartbeat("b"))  # max_model_len 4096
+    reply = await balancer.route(request("big", prompt=4000, output=97, blocks=0))
+    assert isinstance(reply, ErrorReply)
+    assert (reply.status, reply.code) == (400, "context_length_exceeded")
+    assert not balancer.router.queue and isinstance(await balancer.route(request("fits", prompt=4000, output=96, blocks=0)),
+                                                    RouteDecision)
+
+
 @pytest.mark.parametrize("offset", [0.0, -1.0])
 async def test_deadline_passed_is_504(offset: float) -> None:
     balancer, _, _ = make_balancer(heartbeat("a"))

@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry  # noqa: E402
 
 from kvlane.cli import main  # noqa: E402
 from kvlane.dashboard import expressions, render  # noqa: E402
+from services.autoscaler.metrics import AutoscalerMetrics  # noqa: E402
 from services.balancer.metrics import BalancerMetrics  # noqa: E402
 from services.cache_manager.metrics import CacheMetrics  # noqa: E402
 from services.health_prober.metrics import HealthMetrics  # noqa: E402
@@ -44,9 +45,11 @@ def exported_names() -> set[str]:
     """Every sample name the services' registries expose, as PromQL sees them."""
     health = HealthMetrics()
     health.watch(lambda: [])
+    balancer = BalancerMetrics()
+    balancer.track_degradation({"shed": 0})
     registries: list[CollectorRegistry] = [
-        IngressMetrics(ClusterView(3.0)).registry, BalancerMetrics().registry, CacheMetrics().registry,
-        WorkerMetrics().registry, health.registry,
+        IngressMetrics(ClusterView(3.0)).registry, balancer.registry, CacheMetrics().registry,
+        WorkerMetrics().registry, health.registry, AutoscalerMetrics().registry,
     ]
     suffixes = {"counter": ("_total", "_created"), "histogram": ("_bucket", "_count", "_sum", "_created"), "gauge": ("",)}
     names = set()

@@ -74,11 +74,18 @@ def test_completion_operations(doc: dict[str, Any]) -> None:
         # kvlane's notes (`kvlane.degraded`) come only with a response kvlane changed.
         assert ok["application/json"]["schema"] == {"anyOf": [{"$ref": PREFIX + response}, {"$ref": PREFIX + "Noted" + response}]}
         assert "text/event-stream" in ok
-        for status in ("400", "404", "429", "500", "503"):
+        for status in ("400", "404", "408", "413", "414", "429", "431", "500", "503", "504"):
             error = post["responses"][status]["content"]["application/json"]["schema"]
             assert error == {"$ref": PREFIX + "ErrorResponse"}
-    chunk = doc["paths"]["/v1/chat/completions"]["post"]["responses"]["200"]["content"]["text/event-stream"]
-    assert chunk["schema"] == {"anyOf": [{"$ref": PREFIX + "ChatCompletionChunk"}, {"$ref": PREFIX + "NotedChatCompletionChunk"}]}
+    # Each server-sent event: its `data` is a chunk's (or an error body's) JSON text, the last one `[DONE]`.
+    event = doc["paths"]["/v1/chat/completions"]["post"]["responses"]["200"]["content"]["text/event-stream"]["schema"]
+    assert event["required"] == ["data"]
+    data = event["properties"]["data"]
+    assert data["if"] == {"const": "[DONE]"} and data["else"]["contentMediaType"] == "application/json"
+    assert data["else"]["contentSchema"] == {"anyOf": [
+        {"anyOf": [{"$ref": PREFIX + "ChatCompletionChunk"}, {"$ref": PREFIX + "NotedChatCompletionChunk"}]},
+        {"$ref": PREFIX + "ErrorResponse"},
+    ]}
     noted = doc["components"]["schemas"]["NotedChatCompletion"]
     assert "kvlane" in noted["required"] and doc["components"]["schemas"]["KvlaneNotes"]["properties"]["degraded"]
 

@@ -1,0 +1,43 @@
+"""Wire values that would harm a receiver never decode (found by tests/integration/test_fuzz_nats.py)."""
+
+from __future__ import annotations
+
+import math
+
+import msgspec
+import pytest
+
+from contracts.messages import GenerateRequest, Heartbeat, RouteRequest, SamplingParams, WorkerRequest
+from tests.unit.balancer_fixtures import heartbeat
+
+
+def route(deadline: float) -> bytes:
+    return msgspec.msgpack.encode(RouteRequest(request_id="r", model="m", prompt_tokens=1, max_tokens=1, deadline=deadline))
+
+
+@pytest.mark.parametrize("deadline", [math.nan, math.inf, -math.inf, -1.0, 1e12])
+def test_deadlines_are_finite_moments(deadline: float) -> None:
+    # A NaN or infinite deadline becomes a timer (worker, balancer queue) or an int() (slot store): refused at decode.
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.msgpack.decode(route(deadline), type=RouteRequest)
+    assert msgspec.msgpack.decode(route(1.8e9), type=RouteRequest).deadline == 1.8e9
+
+
+@pytest.mark.parametrize("stream_to", ["", "a b", "kvlane.v1.>", "kvlane..x", "kvlane.*.x", "a." * 200])
+def test_subjects_kvlane_publishes_to_are_plain_subjects(stream_to: str) -> None:
+    # A bad inbox in one heartbeat made the health prober's whole probe round fail (nats BadSubjectError).
+    request = GenerateRequest(request_id="r", model="m", prompt_token_ids=[1], sampling=SamplingParams(max_tokens=1),
+                              stream_to=stream_to, deadline=1.8e9)
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.msgpack.decode(msgspec.msgpack.encode(request), type=WorkerRequest)
+
+
+@pytest.mark.parametrize("field", ["inbox", "started_at"])
+def test_a_heartbeat_with_a_bad_registration_does_not_decode(field: str) -> None:
+    hb = heartbeat("a")
+    bad = {"inbox": "not a subject", "started_at": math.inf}[field]
+    value = msgspec.to_builtins(hb)
+    value["registration"][field] = bad
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.msgpack.decode(msgspec.msgpack.encode(value), type=Heartbeat)
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(hb), type=Heartbeat) == hb
