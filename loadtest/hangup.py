@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import datetime as dt
 import json
+import math
 import os
 import subprocess
 import sys
@@ -109,15 +110,19 @@ class HangUp:
     ended_before_hang_up: bool
     seconds_to_finish: float | None
 
-    def verdict(self, max_tokens: int) -> str:
+    def verdict(self, max_tokens: int, stall_s: float = math.inf) -> str:
         """`aborted` (every attempt stopped early), `ended_first` (it ran to its end before the
-        client left: nothing to abort) or `leaked` (an attempt ran on for nobody, or none reported)."""
+        client left: nothing to abort), `stalled` (it ran on, but the fleet took longer than
+        `stall_s` to deliver the client's first chunks: a machine too busy to tell anything)
+        or `leaked` (an attempt ran on for nobody, or none reported)."""
         reasons = [entry.rpartition(":")[2] for entry in self.finish_reasons]
         ran_to_end = any(reason in ("length", "stop") for reason in reasons)
         if "abort" in reasons and not ran_to_end and (self.completion_tokens or 0) < max_tokens:
             return "aborted"
         if self.ended_before_hang_up and len(reasons) == 1 and ran_to_end:
             return "ended_first"
+        if self.seconds_to_hang_up > stall_s:
+            return "stalled"
         return "leaked"
 
 
@@ -191,7 +196,11 @@ class Options:
     after_chunks: int = 5
     background: int = 1
     busy_core: bool = True
-    out: Path = DEFAULT_OUT
+    # A hang-up whose first chunks took longer than this is not counted (`HangUp.verdict`).
+    # Two vLLM engines on two cores can starve the other processes for seconds; a fleet that
+    # delivers a few chunks that late has let the engine run most of the request by then,
+    # whatever the ingress does. Ordinary hang-ups here come within a fraction of a second.
+    stall_s: float = math.inf
 
 
 @dataclass
@@ -202,9 +211,10 @@ class Report:
     aborted: int = 0
     leaked: int = 0
     # Not hang-ups mid-request: the request had ended before the client read
-    # `after_chunks` chunks, or was refused (an overloaded fleet may).
+    # `after_chunks` chunks, or was refused (an overloaded fleet may), or the fleet stalled.
     ended_first: int = 0
     refused: int = 0
+    stalled: int = 0
     background_completed: int = 0
 
 
@@ -221,13 +231,14 @@ async def soak(fleet: Fleet, options: Options, log: bool = True) -> Report:
     model = fleet.config.worker.model
     stop = asyncio.Event()
     async with aiohttp.ClientSession() as session, FinishedWatch.open(fleet.config.nats.url) as watch:
-        background_body = request_body(model, max(16, options.max_tokens // 20))
+        # Long streams beside the hang-ups: decoding alongside, without the churn of many short requests.
+        background_body = request_body(model, max(16, options.max_tokens // 4))
         background = [asyncio.create_task(streams_to_the_end(session, fleet.base_url, background_body, stop))
                       for _ in range(options.background)]
         try:
             with busy_core() if options.busy_core else contextlib.nullcontext():
-                # `runs` hang-ups of running requests: one refused, or ended before its client
-                # left (an overloaded fleet may do either), does not count; 3 x `runs` tries at most.
+                # `runs` hang-ups of running requests: one refused, ended before its client left
+                # or stalled (an overloaded fleet may do each) does not count; 3 x `runs` tries at most.
                 for run in range(1, 3 * options.runs + 1):
                     if report.aborted + report.leaked >= options.runs:
                         break
@@ -240,7 +251,7 @@ async def soak(fleet: Fleet, options: Options, log: bool = True) -> Report:
                             print(f"{run:3d} refused: {exc}", flush=True)
                         continue
                     report.hang_ups.append(asdict(result))
-                    verdict = result.verdict(options.max_tokens)
+                    verdict = result.verdict(options.max_tokens, options.stall_s)
                     setattr(report, verdict, getattr(report, verdict) + 1)
                     if log:
                         print(f"{run:3d} {verdict:13s} {result.request_id} {result.finish_reasons} "
@@ -302,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     options.out.parent.mkdir(parents=True, exist_ok=True)
     options.out.write_text(json.dumps(summary, indent=2))
     print(f"{options.engine}: {report.aborted} of {options.runs} hang-ups aborted, {report.leaked} leaked, "
-          f"{report.ended_first} ended before the hang-up, {report.refused} refused; "
+          f"{report.ended_first} ended before the hang-up, {report.refused} refused, {report.stalled} stalled; "
           f"{report.background_completed} background streams completed; JSON in {options.out}")
     return 0 if report.leaked == 0 else 1
 

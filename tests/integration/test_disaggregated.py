@@ -159,7 +159,8 @@ async def test_short_prompts_are_prefilled_on_the_decode_node(pd_fleet: Fleet) -
         texts = [await complete(pd_fleet, f"short {i}", seed=i) for i in range(3)]
     assert texts == [expected_text(f"short {i}", i, 12) for i in range(3)]
     assert not [m for m in watch.seen if isinstance(m, PrefillRequest | Handoff)]
-    generates = [m for m in watch.seen if isinstance(m, GenerateRequest)]
+    # Health probes (one token, straight to each node) may pass meanwhile: only the clients' requests count.
+    generates = [m for m in watch.seen if isinstance(m, GenerateRequest) and not m.request_id.startswith("probe-")]
     assert len(generates) == 3 and all(g.kv_ref is None for g in generates)
     assert (await fresh_stats(pd_fleet, "d0")).kv_pulls == before.kv_pulls
 

@@ -400,7 +400,8 @@ async def test_queued_request_is_placed_and_allocated_within_its_own_route_span(
         client = openai.AsyncOpenAI(base_url=f"{fleet.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
         async with BusWatch(fleet) as watch:
             first = asyncio.create_task(client.completions.create(model=MODEL, prompt="holds the slot", max_tokens=30))
-            await wait_for(lambda: [m for m in watch.seen if isinstance(m, GenerateRequest)], what="the first request")
+            await wait_for(lambda: [m for m in watch.seen if isinstance(m, GenerateRequest) and not m.request_id.startswith("probe-")],
+                           what="the first request")
             header, trace_id, _ = traceparent()
             second = await client.completions.create(model=MODEL, prompt="waits", max_tokens=3,
                                                      extra_headers={"traceparent": header})

@@ -20,6 +20,7 @@ import structlog
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from contracts.messages import StreamEnd, Timings, TokenChunk, Usage
+from services.ingress import auth as auth_module
 from services.ingress.auth import Authenticator
 from services.ingress.completions import CHAT, TEXT_COMPLETION, CallerGone, Completions
 from services.ingress.errors import ApiError
@@ -134,7 +135,7 @@ async def test_without_auth_required_nothing_is_asked_or_checked() -> None:
 
 
 @pytest.mark.parametrize("case", ["missing", "malformed", "wrong_secret", "unknown_id", "basic"])
-async def test_a_missing_or_bad_key_is_401_and_is_never_echoed(case: str) -> None:
+async def test_a_missing_or_bad_key_is_401_and_is_never_echoed(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
     record, key = make_record("acme")
     other_record, other_key = make_record("acme")
     setup = Setup(record)
@@ -142,6 +143,8 @@ async def test_a_missing_or_bad_key_is_401_and_is_never_echoed(case: str) -> Non
                  "wrong_secret": f"kvl_{record.id}_{other_key[17:]}", "basic": None}[case]
     headers = {"Authorization": "Basic c2VjcmV0LXVzZXI6czNjcjN0"} if case == "basic" else None
     with structlog.testing.capture_logs() as logs:
+        # A logger another test used first is cached with that test's processors: take a fresh one.
+        monkeypatch.setattr(auth_module, "log", structlog.get_logger("kvlane.ingress"))
         error = await setup.refused(presented, headers=headers)
     assert error.status == 401 and error.type == "authentication_error"
     assert error.code == ("missing_api_key" if case in ("missing", "basic") else "invalid_api_key")
