@@ -265,7 +265,8 @@ class DisaggregationSettings(_Section):
     # When every prefill node would take longer than this to have the prompt ready
     # (their backlog plus the prompt) and the decode node itself would be sooner,
     # the decode node prefills it rather than queueing behind the saturated pool.
-    local_prefill_when_saturated: bool = True
+    # Off by default: it moves prompts onto decode nodes on an estimate of the backlog.
+    local_prefill_when_saturated: bool = False
     prefill_saturated_s: PositiveFloat = 0.5
 
 

@@ -18,7 +18,7 @@ from shared.kv_links import NAMED_LINKS, get_link, kv_bytes_per_token
 from tests.unit.balancer_fixtures import NOW_WALL, TINY, chain, heartbeat, request, router
 from tests.unit.test_sim_scheduler import make_scheduler, run_all
 
-SETTINGS = DisaggregationSettings(min_remote_prefill_tokens=256)
+SETTINGS = DisaggregationSettings(min_remote_prefill_tokens=256, local_prefill_when_saturated=True)
 
 # --- links and KV sizes -----------------------------------------------------------
 
@@ -143,6 +143,7 @@ def test_a_saturated_prefill_pool_leaves_the_prompt_to_the_decode_node() -> None
 
 def test_the_router_counts_local_prefills_of_a_saturated_pool() -> None:
     r = router()
+    r._disaggregation = SETTINGS
     heartbeats = [heartbeat("d0", role="decode"), heartbeat("p0", role="prefill")]
     first = r.place(request("r1", prompt=100_000, blocks=64), heartbeats)  # a prompt that keeps p0 busy for a while
     assert first.prefill is not None and first.prefill.worker_id == "p0"

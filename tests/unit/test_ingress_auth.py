@@ -142,10 +142,16 @@ async def test_a_missing_or_bad_key_is_401_and_is_never_echoed(case: str, monkey
     presented = {"missing": None, "malformed": "kvl_oops_not-a-key-at-all-s3cr3t", "unknown_id": other_key,
                  "wrong_secret": f"kvl_{record.id}_{other_key[17:]}", "basic": None}[case]
     headers = {"Authorization": "Basic c2VjcmV0LXVzZXI6czNjcjN0"} if case == "basic" else None
-    with structlog.testing.capture_logs() as logs:
-        # A logger another test used first is cached with that test's processors: take a fresh one.
-        monkeypatch.setattr(auth_module, "log", structlog.get_logger("kvlane.ingress"))
-        error = await setup.refused(presented, headers=headers)
+    # Another test may have configured structlog for a service (a level filter, cached loggers):
+    # log through structlog's defaults here, and put that configuration back afterwards.
+    configured = structlog.get_config()
+    structlog.reset_defaults()
+    try:
+        with structlog.testing.capture_logs() as logs:
+            monkeypatch.setattr(auth_module, "log", structlog.get_logger("kvlane.ingress"))
+            error = await setup.refused(presented, headers=headers)
+    finally:
+        structlog.configure(**configured)
     assert error.status == 401 and error.type == "authentication_error"
     assert error.code == ("missing_api_key" if case in ("missing", "basic") else "invalid_api_key")
     response = error.response()
