@@ -6,11 +6,17 @@ each other's workers and fault tests may kill or restart servers freely.
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import msgspec
+import nats
 import pytest
 
+from contracts import subjects
+from contracts.balancer import BalancerStatus, BalancerStatusReply, BalancerStatusRequest
 from kvlane.fleet import Fleet, start_fleet
 from kvlane.launcher import Launcher, free_port
 from shared.config import (
@@ -81,3 +87,19 @@ def own_fleet(tmp_path: Path) -> Iterator[Fleet]:
     fleet = launch(tmp_path)
     yield fleet
     _stop(fleet)
+
+
+async def until_status(fleet: Fleet, holds: Callable[[BalancerStatus], bool], timeout_s: float = 10.0) -> None:
+    """Until a balancer's status satisfies `holds` (polled, bounded by `timeout_s`)."""
+    nc = await nats.connect(fleet.config.nats.url)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            msg = await nc.request(subjects.BALANCER_STATUS, msgspec.msgpack.encode(BalancerStatusRequest()), timeout=5)
+            status = msgspec.msgpack.decode(msg.data, type=BalancerStatusReply)
+            if isinstance(status, BalancerStatus) and holds(status):
+                return
+            assert time.monotonic() < deadline, f"the balancer never reached the state: {status}"
+            await asyncio.sleep(0.02)
+    finally:
+        await nc.close()

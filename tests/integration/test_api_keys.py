@@ -27,6 +27,7 @@ from kvlane.launcher import Process, free_port, wait_services_ready
 from shared.api_keys import make_record, write_keys_file
 from shared.config import to_env
 from tests.integration.conftest import MODEL, _stop, launch
+from tests.integration.test_nats_api import run as nats_run
 
 pytestmark = pytest.mark.integration
 
@@ -100,17 +101,6 @@ def wait_for(condition: Callable[[], object], timeout_s: float, what: str) -> ob
         if time.monotonic() > deadline:
             raise AssertionError(f"not within {timeout_s}s: {what}")
         time.sleep(0.05)
-
-
-def nats_run(fleet: Fleet, scenario) -> object:
-    async def main() -> object:
-        nc = await nats.connect(fleet.config.nats.url)
-        try:
-            return await scenario(nc)
-        finally:
-            await nc.close()
-
-    return asyncio.run(main())
 
 
 # --- who may ask ---------------------------------------------------------------------------

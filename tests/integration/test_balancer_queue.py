@@ -16,7 +16,7 @@ from contracts import subjects
 from contracts.balancer import BalancerStatus, BalancerStatusReply, BalancerStatusRequest
 from kvlane.fleet import Fleet, with_overrides
 from kvlane.launcher import wait_services_ready
-from tests.integration.conftest import MODEL, _stop, launch
+from tests.integration.conftest import MODEL, _stop, launch, until_status
 
 pytestmark = pytest.mark.integration
 
@@ -140,16 +140,4 @@ async def test_a_client_that_leaves_while_queued_gives_its_turn_to_the_next(one_
 
 async def until_slot_taken(fleet: Fleet, timeout_s: float = 10.0) -> None:
     """Until the balancer reports the one slot in use."""
-    import nats
-
-    nc = await nats.connect(fleet.config.nats.url)
-    try:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            msg = await nc.request(subjects.BALANCER_STATUS, msgspec.msgpack.encode(BalancerStatusRequest()), timeout=5)
-            status = msgspec.msgpack.decode(msg.data, type=BalancerStatusReply)
-            if isinstance(status, BalancerStatus) and any(chain.slots_used for chain in status.chains):
-                return
-        raise AssertionError("the balancer never reported the slot taken")
-    finally:
-        await nc.close()
+    await until_status(fleet, lambda status: any(chain.slots_used for chain in status.chains), timeout_s)

@@ -10,19 +10,15 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from collections.abc import Callable, Iterator
 
 import aiohttp
-import msgspec
-import nats
 import pytest
 
-from contracts import subjects
-from contracts.balancer import BalancerStatus, BalancerStatusReply, BalancerStatusRequest
+from contracts.balancer import BalancerStatus
 from kvlane.fleet import Fleet, with_overrides
 from kvlane.launcher import wait_services_ready
-from tests.integration.conftest import MODEL, _stop, launch
+from tests.integration.conftest import MODEL, _stop, launch, until_status
 
 pytestmark = pytest.mark.integration
 
@@ -42,21 +38,6 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     wait_services_ready(fleet.balancers)
     yield fleet
     _stop(fleet)
-
-
-async def until_status(fleet: Fleet, holds: Callable[[BalancerStatus], bool], timeout_s: float = 10.0) -> None:
-    nc = await nats.connect(fleet.config.nats.url)
-    try:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            msg = await nc.request(subjects.BALANCER_STATUS, msgspec.msgpack.encode(BalancerStatusRequest()), timeout=5)
-            status = msgspec.msgpack.decode(msg.data, type=BalancerStatusReply)
-            if isinstance(status, BalancerStatus) and holds(status):
-                return
-            assert time.monotonic() < deadline, f"the balancer never reached the state: {status}"
-            await asyncio.sleep(0.02)
-    finally:
-        await nc.close()
 
 
 async def complete(session: aiohttp.ClientSession, fleet: Fleet, prompt: str, max_tokens: int, priority: int) -> tuple[int, dict, dict]:
