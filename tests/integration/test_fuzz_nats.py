@@ -66,7 +66,7 @@ from contracts.openai_api import ChatCompletionRequest, CompletionRequest, Error
 from kvlane.fleet import Fleet, with_overrides
 from kvlane.launcher import wait_ready, wait_services_ready
 from shared.runner import READY_EVENT
-from tests.integration.conftest import MODEL, _stop, launch
+from tests.integration.conftest import MODEL, _stop, launch, until_status
 from tests.msgspec_strategies import json_values, near_misses, wire_values
 
 pytestmark = pytest.mark.integration
@@ -354,8 +354,10 @@ def test_every_subscribed_subject_survives_fuzzing(fleet: Fleet, tmp_path: Path)
     assert not tally.failures, "\n".join(tally.failures[:30])
     assert len(tally.cases) == len(targets(fleet)) and min(tally.cases.values()) >= EXAMPLES_PER_SUBJECT // 2
     assert sum(tally.cases.values()) >= 1000
-    # Made-up nodes have expired; the real ones serve a normal request.
-    time.sleep(2 * fleet.config.cluster.heartbeat_ttl_s)
+    # Once the made-up nodes have expired, the real ones serve a normal request.
+    real = {process.name.removeprefix("worker-") for process in fleet.workers}
+    asyncio.run(until_status(fleet, lambda status: {chain.worker_id for chain in status.chains} <= real,
+                             timeout_s=10 * fleet.config.cluster.heartbeat_ttl_s))
     wait_ready(fleet.base_url, 30, fleet.services(), min_workers=2)
     assert normal_request(fleet)["usage"]["completion_tokens"] == 6
     crashes = crash_lines(fleet)
