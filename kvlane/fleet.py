@@ -98,7 +98,8 @@ class Fleet:
             self.security.close()
 
 
-def _local_port(url: str) -> int:
+def local_port(url: str) -> int:
+    """The port of a server kvlane may start itself (ValueError for one elsewhere, or without a port)."""
     parsed = urlparse(url)
     if parsed.hostname not in ("127.0.0.1", "localhost"):
         raise ValueError(f"{url} is not reachable and not local, so kvlane cannot start it")
@@ -112,9 +113,9 @@ def ensure_servers(launcher: Launcher, config: KvlaneConfig) -> list[Process]:
     started = []
     nats_url = config.nats.servers()[0]  # of several, kvlane starts the first
     if not url_reachable(nats_url):
-        started.append(launcher.start_nats(_local_port(nats_url)))
+        started.append(launcher.start_nats(local_port(nats_url)))
     if not url_reachable(config.redis.url):
-        started.append(launcher.start_redis(_local_port(config.redis.url)))
+        started.append(launcher.start_redis(local_port(config.redis.url)))
     return started
 
 

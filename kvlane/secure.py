@@ -33,6 +33,7 @@ from urllib.parse import urlsplit
 import msgspec
 
 from kvlane.certs import write_private
+from kvlane.fleet import local_port
 from kvlane.launcher import LaunchError, Launcher, Process, url_reachable
 from shared import permissions
 from shared.config import KvlaneConfig
@@ -270,12 +271,10 @@ def _replace(config: KvlaneConfig, section: str, **fields: object) -> KvlaneConf
 
 
 def _local_port(url: str) -> int:
-    parsed = urlsplit(url)
-    if parsed.hostname not in ("127.0.0.1", "localhost"):
-        raise SecureError(f"{url} is not reachable and not local, so kvlane cannot start it")
-    if not parsed.port:
-        raise SecureError(f"{url} names no port")
-    return parsed.port
+    try:
+        return local_port(url)
+    except ValueError as exc:
+        raise SecureError(str(exc)) from exc
 
 
 def _count(path: Path, text: str) -> int:
