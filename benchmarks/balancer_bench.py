@@ -2,9 +2,13 @@
 
 Two measurements:
 
-* pure core: `Router.admit` on a snapshot of N nodes (measured speeds,
-  cached prefixes in the prefix index), then the slot's release, in one
-  process; no I/O.
+* pure core: `Router.admit` over N nodes (measured speeds, cached
+  prefixes in the prefix index), then the slot's release, in one process;
+  no I/O. Each policy is measured as the balancer routes (on the chain
+  index, for the policies that support it) and, side by side, on a fresh
+  snapshot per decision (the reference the index is checked against;
+  `--no-snapshot` skips it).
+  `--heartbeat-every N` replaces one node's heartbeat every N decisions.
 * through NATS: a real nats-server, redis-server, balancer and
   cache-manager process (slots in Redis and a KV allocation per decision,
   the defaults; `--no-kv` leaves the cache-manager out), N fake-but-real
@@ -12,7 +16,7 @@ Two measurements:
   followed by its RequestFinished. Latency from sequential requests,
   decisions per second from `--concurrency` requests in flight.
 
-    python -m benchmarks.balancer_bench [--quick] [--policies jffc,least_loaded]
+    python -m benchmarks.balancer_bench [--quick] [--skip-nats] [--policies jffc,least_loaded] [--sizes 16,256]
 
 Writes benchmarks/results/balancer_bench.json and prints a table.
 """
@@ -63,10 +67,10 @@ def prompt_tokens(i: int) -> list[int]:
     return [1000 + i % PREFIXES] * 256 + [i % 4000 + 1] * 64
 
 
-def route_request(i: int, deadline: float) -> RouteRequest:
+def route_request(i: int, timeout_s: float) -> RouteRequest:
     tokens = prompt_tokens(i)
     return RouteRequest(
-        request_id=f"b{i}", model=MODEL, prompt_tokens=len(tokens), max_tokens=128, deadline=deadline,
+        request_id=f"b{i}", model=MODEL, prompt_tokens=len(tokens), max_tokens=128, timeout_s=timeout_s,
         block_hashes=chained_block_hashes(tokens, BLOCK_SIZE),
     )
 
@@ -76,9 +80,10 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def bench_core(policy: str, nodes: int, decisions: int) -> dict:
+def bench_core(policy: str, nodes: int, decisions: int, use_index: bool = True, heartbeat_every: int = 0) -> dict:
+    """`use_index=False`: every decision on a fresh snapshot. `heartbeat_every`: a new heartbeat from the next node every that many decisions."""
     settings = BalancerSettings(policy=policy, slots=msgspec.structs.replace(BalancerSettings().slots, store="local"))  # type: ignore[arg-type]
-    router = build_router(settings, fallback_step_model(settings.speed.fallback_profile))
+    router = build_router(settings, fallback_step_model(settings.speed.fallback_profile), use_index=use_index)
     now = time.time()
     heartbeats = [make_heartbeat(i, now) for i in range(nodes)]
     for hb in heartbeats:
@@ -87,16 +92,30 @@ def bench_core(policy: str, nodes: int, decisions: int) -> dict:
         hashes = chained_block_hashes(prompt_tokens(i), BLOCK_SIZE)[:16]
         for node in range(i, nodes, max(1, nodes // 3)):
             router.index.apply(heartbeats[node].registration.worker_id, stored=hashes)
-    requests = [route_request(i, now + 3600) for i in range(decisions)]
-    latencies = []
-    started = time.perf_counter()
-    for req in requests:
-        t0 = time.perf_counter()
+    requests = [route_request(i, 3600.0) for i in range(decisions)]
+    latencies, cpu_latencies = [], []
+    started, cpu_started = time.perf_counter(), time.thread_time()
+    for i, req in enumerate(requests):
+        if heartbeat_every and i % heartbeat_every == 0:
+            node = (i // heartbeat_every) % nodes
+            heartbeats[node] = make_heartbeat(node, now + 1e-3 * (i + 1))
+            router.observe(heartbeats[node])
+        t0, c0 = time.perf_counter(), time.thread_time()
         router.admit(req, heartbeats, now)
+        cpu_latencies.append(time.thread_time() - c0)
         latencies.append(time.perf_counter() - t0)
         router.table.release(req.request_id)
-    elapsed = time.perf_counter() - started
-    return _summary(latencies, decisions / elapsed)
+    elapsed, cpu_elapsed = time.perf_counter() - started, time.thread_time() - cpu_started
+    summary = _summary(latencies, decisions / elapsed)
+    # CPU time is what the core costs whatever else the machine runs; wall time is what a caller waits.
+    cpu = _summary(cpu_latencies, decisions / cpu_elapsed)
+    summary.update({f"cpu_{key}": value for key, value in cpu.items()})
+    return summary
+
+
+def _core_figures(r: dict) -> str:
+    return (f"{r['decisions_per_s']:6d}/s (p50 {r['p50_us']:6.1f} p99 {r['p99_us']:7.1f} us), "
+            f"CPU {r['cpu_decisions_per_s']:6d}/s (p50 {r['cpu_p50_us']:6.1f} p99 {r['cpu_p99_us']:7.1f} us)")
 
 
 def _summary(latencies: list[float], per_second: float) -> dict:
@@ -138,7 +157,7 @@ async def bench_nats(policy: str, sizes: tuple[int, ...], sequential: int, concu
             nonlocal counter
             counter += 1
             i = counter
-            req = route_request(i, time.time() + 600)
+            req = route_request(i, 600.0)
             t0 = time.perf_counter()
             reply = decoder.decode((await nc.request(subjects.ROUTE, encode(req), timeout=30)).data)
             took = time.perf_counter() - t0
@@ -193,20 +212,29 @@ def main() -> None:
     parser.add_argument("--policies", default=",".join(POLICY_NAMES))
     parser.add_argument("--sizes", default=",".join(map(str, SIZES)))
     parser.add_argument("--concurrency", type=int, default=32)
-    parser.add_argument("--skip-nats", action="store_true")
+    parser.add_argument("--skip-nats", "--pure-only", action="store_true", help="measure the pure core only")
+    parser.add_argument("--no-snapshot", action="store_true", help="skip the snapshot-per-decision reference in the pure core")
+    parser.add_argument("--heartbeat-every", type=int, default=0, help="pure core: a new heartbeat every N decisions (0: none)")
     parser.add_argument("--no-kv", action="store_true", help="through NATS without the cache-manager's KV allocation")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "balancer_bench.json"))
     args = parser.parse_args()
     policies = [p for p in args.policies.split(",") if p]
     sizes = tuple(int(s) for s in args.sizes.split(","))
     core_decisions, sequential, concurrent = (300, 100, 300) if args.quick else (3000, 400, 2000)
-    report: dict = {"sizes": sizes, "core": {}, "nats": {}, "concurrency": args.concurrency, "allocate_kv": not args.no_kv}
-    print("pure core (admit + release, no I/O):")
+    report: dict = {"sizes": sizes, "core": {}, "core_snapshot": {}, "nats": {}, "concurrency": args.concurrency,
+                    "allocate_kv": not args.no_kv, "heartbeat_every": args.heartbeat_every}
+    print("pure core (admit + release, no I/O): as the balancer routes (on the chain index where the policy supports it),"
+          " and on a snapshot per decision")
     for policy in policies:
         report["core"][policy] = {}
+        report["core_snapshot"][policy] = {}
         for nodes in sizes:
-            r = report["core"][policy][nodes] = bench_core(policy, nodes, core_decisions)
-            print(f"  core {policy:17s} {nodes:4d} nodes  p50 {r['p50_us']:8.1f} us  p99 {r['p99_us']:8.1f} us  {r['decisions_per_s']:7d}/s", flush=True)
+            r = report["core"][policy][nodes] = bench_core(policy, nodes, core_decisions, True, args.heartbeat_every)
+            line = f"  core {policy:17s} {nodes:4d} nodes  as routed: {_core_figures(r)}"
+            if not args.no_snapshot:
+                s = report["core_snapshot"][policy][nodes] = bench_core(policy, nodes, core_decisions, False, args.heartbeat_every)
+                line += f"   snapshot: {_core_figures(s)}"
+            print(line, flush=True)
     if not args.skip_nats:
         kv = "no KV allocation" if args.no_kv else "a KV allocation from the cache-manager per decision"
         print(f"through NATS (real balancer process, slots in Redis, {kv}, {args.concurrency} in flight for throughput):")

@@ -11,7 +11,7 @@ from typing import Annotated, Literal
 
 from msgspec import Meta, Struct
 
-from contracts.messages import ErrorReply, NonNegativeInt, RequestId, WorkerId
+from contracts.messages import ErrorReply, NonNegativeInt, RemainingSeconds, RequestId, WorkerId
 
 Pool = Literal["short", "general"]
 
@@ -45,7 +45,8 @@ class Allocation(Struct, tag="allocation", tag_field="type"):
     blocks: NonNegativeInt
     cached_blocks: NonNegativeInt
     pool: Pool
-    lease_expires_at: float
+    # How long the lease lasts unless renewed, from when the reply was sent (a moment would carry the sender's clock).
+    lease_ttl_s: RemainingSeconds
     # Requests preempted to make room (their workers were told to stop them).
     preempted: list[RequestId] = []
 

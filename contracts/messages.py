@@ -2,8 +2,11 @@
 
 Each subject that carries several kinds of message uses a tagged union
 (`type` field), so a receiver decodes with one typed decoder and dispatches
-with `match`. Times on the wire are Unix epoch seconds (float) so that
-deadlines mean the same thing in every process.
+with `match`. A deadline crosses the wire as the time left (`timeout_s`,
+seconds when sent), never as a moment: hosts' clocks disagree, so each
+receiver turns it into a moment on its own clock as it arrives. The other
+moments on the wire (heartbeats' `sent_at`, registrations' `started_at`) are
+Unix epoch seconds, only ever compared with moments of the same sender.
 """
 
 from __future__ import annotations
@@ -15,9 +18,11 @@ from msgspec import Meta, Struct
 RequestId = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
 WorkerId = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
 NonNegativeInt = Annotated[int, Meta(ge=0)]
-# A moment as Unix epoch seconds, finite and at most 1e11 (the year 5138). Deadlines and expiries become
-# timers; a NaN or infinite one would corrupt an event loop's timer heap, so it never decodes.
+# A moment as Unix epoch seconds, finite and at most 1e11 (the year 5138); a NaN or infinite one never decodes.
 EpochSeconds = Annotated[float, Meta(ge=0.0, le=1e11)]
+# Time left before a deadline, in seconds when the message was sent (0: already passed), finite and at most
+# about 31 years. Its receiver turns it into a moment on its own clock; a NaN or infinite one never decodes.
+RemainingSeconds = Annotated[float, Meta(ge=0.0, le=1e9)]
 # A subject kvlane publishes to (an inbox, a stream): dot-separated tokens, no wildcards or spaces.
 Subject = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*$", max_length=256)]
 FinishReason = Literal["stop", "length", "abort"]
@@ -46,7 +51,7 @@ class RouteRequest(Struct, tag="route", tag_field="type"):
     model: str
     prompt_tokens: NonNegativeInt
     max_tokens: Annotated[int, Meta(ge=1)]
-    deadline: EpochSeconds
+    timeout_s: RemainingSeconds
     block_hashes: list[int] = []
     priority: int = 0
     exclude_workers: list[WorkerId] = []
@@ -107,7 +112,7 @@ class KvRef(Struct, frozen=True):
     """Where a prompt's KV cache waits to be pulled: a reference, never the bytes.
 
     The source node holds the blocks until the puller releases them or
-    `expires_at` passes. For vLLM the fields are its NixlConnector's
+    `hold_s` has passed. For vLLM the fields are its NixlConnector's
     `kv_transfer_params`; `engine_extras` carries the keys of that dict
     kvlane does not name, passed back to the engine untouched.
     """
@@ -116,7 +121,8 @@ class KvRef(Struct, frozen=True):
     engine_id: str
     request_id: str
     num_tokens: NonNegativeInt  # prompt tokens whose KV the source holds
-    expires_at: EpochSeconds
+    # How much longer the source holds the blocks, in seconds when the reference was sent.
+    hold_s: RemainingSeconds
     block_ids: list[list[int]] = []
     host: str = ""
     port: Annotated[int, Meta(ge=0, le=65535)] = 0
@@ -135,7 +141,8 @@ class RequestToRun(Struct):
     prompt_token_ids: Annotated[list[int], Meta(min_length=1)]
     sampling: SamplingParams
     stream_to: Subject
-    deadline: EpochSeconds
+    # Time left to finish the request: a node that forwards it sends what is left then.
+    timeout_s: RemainingSeconds
     # Tokens a previous run already streamed to the client (migration after a
     # worker died, or resumption after preemption): generation continues
     # after them, and they count toward `sampling.max_tokens` and usage.
@@ -303,7 +310,17 @@ class StepTime(Struct, frozen=True):
     per_request: NonNegativeSeconds = 0.0
 
 
-class WorkerRegistration(Struct, frozen=True):
+class KvTransfer(Struct, frozen=True):
+    """How this node's KV moves to or from another node: the model's KV bytes per token, over this node's link
+    (a transfer of n bytes takes `link_latency_s + n / link_bytes_per_s`)."""
+
+    bytes_per_token: Annotated[int, Meta(ge=1)]
+    link_bytes_per_s: Annotated[float, Meta(gt=0.0)]
+    link_latency_s: NonNegativeSeconds = 0.0
+
+
+# Fields at their default stay off the wire (a reader fills them in): most of a heartbeat is zeros.
+class WorkerRegistration(Struct, frozen=True, omit_defaults=True):
     worker_id: WorkerId
     role: WorkerRole
     model: str
@@ -319,9 +336,15 @@ class WorkerRegistration(Struct, frozen=True):
     # What a step costs on this node, when the worker knows (a sim profile,
     # or one `kvlane calibrate` fitted); balancers cost requests with it.
     step_time: StepTime | None = None
+    # What handing a prompt's KV to or from this node costs, when the worker knows
+    # (a sim worker); balancers add it to a two-node chain's cost.
+    kv_transfer: KvTransfer | None = None
+    # The tokenizer's files on the bus: an object of the model-files object store
+    # (shared/model_store.py), for an ingress without the model directory; "": none published.
+    tokenizer_files: str = ""
 
 
-class EngineStats(Struct):
+class EngineStats(Struct, omit_defaults=True):
     running: NonNegativeInt = 0
     waiting: NonNegativeInt = 0
     kv_blocks_total: NonNegativeInt = 0
@@ -349,6 +372,38 @@ class Heartbeat(Struct, tag="heartbeat", tag_field="type"):
     sent_at: EpochSeconds
     seq: NonNegativeInt
     draining: bool = False
+    # A digest of `registration` (0: not given); the `LoadReport`s sent after this heartbeat name it.
+    registration_digest: NonNegativeInt = 0
+
+    @property
+    def worker_id(self) -> str:
+        return self.registration.worker_id
+
+
+class PackedStats(EngineStats, array_like=True):
+    """`EngineStats` as a plain array, for load reports (every node sends one a second): the field
+    names were most of their bytes. Positional, so a new `EngineStats` field goes at its end."""
+
+
+class LoadReport(Struct, tag="load", tag_field="type", omit_defaults=True):
+    """A heartbeat without the registration, which rarely changes: what a worker sends between full heartbeats.
+
+    It applies to the registration whose digest is `registration_digest`. A receiver that holds no
+    registration with that digest (it started late, or missed a change) ignores it until it has one:
+    from the next full `Heartbeat` (sent on every change and every `cluster.full_heartbeat_every`th
+    beat) or from the node's Redis key, which always holds the full heartbeat.
+    """
+
+    worker_id: WorkerId
+    stats: PackedStats
+    sent_at: EpochSeconds
+    seq: NonNegativeInt
+    registration_digest: NonNegativeInt
+    draining: bool = False
+
+
+# What the heartbeat subjects carry.
+HeartbeatMessage = Heartbeat | LoadReport
 
 
 class KvEvents(Struct, tag="kv_events", tag_field="type"):

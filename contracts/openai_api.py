@@ -204,5 +204,8 @@ class HealthStatus(Struct):
     status: Literal["ok", "not_ready"]
     workers: int = 0
     models: list[str] = []
-    # What /ready is waiting for: "nats", "workers", "balancer", "cache-manager".
+    # What /ready is waiting for: "nats", "workers", "balancer", "tokenizer:<model>".
     missing: list[str] = []
+    # What does not answer but is not waited for, as requests are served less well without it:
+    # "cache-manager" (routes go on without KV leases).
+    degraded: list[str] = []

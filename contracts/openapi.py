@@ -123,7 +123,7 @@ def wire_schema() -> dict[str, Any]:
         "worker_reply": m.WorkerReply,
         "stream_frame": m.StreamFrame,
         "request_finished": m.RequestFinished,
-        "heartbeat": m.Heartbeat,
+        "heartbeat": m.HeartbeatMessage,
         "worker_left": m.WorkerLeft,
         "kv_events": m.KvEvents,
     }

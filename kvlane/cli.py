@@ -15,6 +15,7 @@ from rich.console import Console
 from kvlane.fleet import start_fleet, with_overrides
 from kvlane.fleet_mix import fleet_nodes, parse_fleet
 from kvlane.launcher import LaunchError, Launcher
+from kvlane.supervisor import Supervisor, restart_policy_from
 from shared.config import ConfigError, KvlaneConfig, WorkerSettings, load_config
 
 
@@ -39,7 +40,8 @@ def up_config(args: argparse.Namespace) -> KvlaneConfig:
     return with_overrides(
         load_config(args.config),
         ingress=ingress,
-        worker={"engine": args.engine} if args.engine else {},
+        worker={**({"engine": args.engine} if args.engine else {}),
+                **({"nodes": args.nodes_per_worker} if getattr(args, "nodes_per_worker", None) else {})},
         logging={"format": "console"} if args.console_logs else {},
         # Every service gets it (the config reaches each as KVLANE__* variables): spans and GenAI metrics over OTLP/HTTP.
         tracing={"exporter": "otlp", "otlp_endpoint": args.otlp_endpoint} if getattr(args, "otlp_endpoint", None) else {},
@@ -53,7 +55,15 @@ def _up(args: argparse.Namespace, console: Console) -> int:
     if args.tls and not args.secure:
         console.print("[red]--tls applies to --secure only[/]")
         return 2
+    if args.nats_cluster < 1 or (args.nats_cluster > 1 and args.secure):
+        console.print("[red]--nats-cluster takes a count of 1 or more, and does not combine with --secure[/]")
+        return 2
     config = up_config(args)
+    try:
+        restart_policy = restart_policy_from(config.supervision)
+    except ValueError as exc:
+        console.print(f"[red]supervision: {exc}[/]")
+        return 2
     args.engine = config.worker.engine
     if args.engine == "vllm":
         config = _with_vllm_model(config, console)
@@ -90,7 +100,8 @@ def _up(args: argparse.Namespace, console: Console) -> int:
     try:
         ready_timeout = args.ready_timeout or (VLLM_READY_TIMEOUT_S if args.engine == "vllm" else 60.0)
         fleet = start_fleet(launcher, config, workers, ready_timeout=ready_timeout, prefill_workers=prefill,
-                            decode_workers=decode, mix=mix, security=security)
+                            decode_workers=decode, mix=mix, security=security, nats_cluster=args.nats_cluster,
+                            cache_managers=args.cache_managers)
     except (LaunchError, ValueError) as exc:
         console.print(f"[red]failed to start:[/] {exc}")
         return 1
@@ -113,19 +124,24 @@ def _up(args: argparse.Namespace, console: Console) -> int:
                       f"(mode 0600){', TLS with the CA ' + str(security.certs.ca) if security.certs else ''}; "
                       f"`kvlane status --config {security.operator_config}`")
     console.print(f"[green]ready[/]  base URL: [bold]{fleet.base_url}/v1[/]  model: [bold]{config.worker.model}[/]")
+    if args.nats_cluster > 1:
+        console.print(f"NATS cluster of {args.nats_cluster}: {fleet.config.nats.url}")
     console.print("Ctrl-C stops everything kvlane started.")
+    # The servers it started too: a restarted nats-server or redis-server is one the services reconnect to.
+    supervisor = Supervisor(launcher, lambda: [*fleet.servers, *fleet.services()], restart_policy, console.print)
     try:
         while not stopping:
             if actuator is not None:
                 actuator.step()
-            dead = [p for p in fleet.services() if not p.alive()]
-            if dead:
-                console.print(f"[red]{dead[0].name} exited ({dead[0].popen.returncode})[/]; see {dead[0].log_path}")
+            if (given_up := supervisor.step()) is not None:
+                console.print(f"[red]{given_up}[/]; stopping the fleet")
                 return 1
-            time.sleep(0.5)
+            time.sleep(0.2)
     finally:
         console.print("stopping...")
         fleet.stop()
+        if restarted := {name: count for name, count in supervisor.restart_counts().items() if count}:
+            console.print("restarts: " + ", ".join(f"{name} {count}" for name, count in restarted.items()))
         console.print("stopped.")
     return 0
 
@@ -235,6 +251,16 @@ def _keys(args: argparse.Namespace, console: Console) -> int:
     return run(args, console)
 
 
+def _at_least_one(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvlane", description="LLM-serving control plane")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -244,9 +270,13 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--mode", choices=["aggregated", "disaggregated"], default="aggregated",
                     help="aggregated: each worker runs whole requests; disaggregated: prefill and decode pools")
     up.add_argument("--workers", type=int, help="aggregated workers (aggregated mode; default 2)")
+    up.add_argument("--nodes-per-worker", type=_at_least_one, metavar="N",
+                    help="simulated nodes each sim worker process hosts (default: worker.nodes, 1)")
     up.add_argument("--prefill-workers", type=int, help="prefill workers (disaggregated mode; default 1)")
     up.add_argument("--decode-workers", type=int, help="decode workers (disaggregated mode; default 1)")
     up.add_argument("--fleet", help="sim workers of several kinds, PROFILE[@SPEED]:COUNT,... (aggregated mode; replaces --workers)")
+    up.add_argument("--cache-managers", type=_at_least_one, default=1,
+                    help="cache-manager replicas; they share the work, and the fleet keeps its leases while one is left (default 1)")
     up.add_argument("--port", type=int, help="ingress port (default: ingress.port, 8000)")
     up.add_argument("--host", help="ingress address (default: ingress.host, 127.0.0.1)")
     up.add_argument("--config", help="TOML configuration file")
@@ -259,6 +289,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="require credentials: every process its own NATS user and Redis ACL user, "
                          "with least-privilege permissions (docs/security.md)")
     up.add_argument("--tls", action="store_true", help="with --secure: NATS and Redis over TLS, from a locally generated CA")
+    up.add_argument("--nats-cluster", type=int, default=1, metavar="N",
+                    help="start N clustered nats-servers (JetStream replicated) on nats.url's ports or free ones; "
+                         "every service gets all their URLs")
     up.add_argument("--otlp-endpoint", metavar="URL",
                     help="send traces and GenAI metrics over OTLP/HTTP to this collector (e.g. http://localhost:4318)")
     up.set_defaults(handler=_up)

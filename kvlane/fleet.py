@@ -13,7 +13,8 @@ import msgspec
 
 from contracts.messages import WorkerRole
 from kvlane.fleet_mix import FleetNode
-from kvlane.launcher import Launcher, Process, url_reachable, wait_ready, wait_services_ready
+from kvlane.launcher import Launcher, Process, free_port, url_reachable, wait_ready, wait_services_ready
+from kvlane.nats_cluster import NatsNode, start_cluster
 from shared.config import KvlaneConfig, to_env
 
 if TYPE_CHECKING:
@@ -39,6 +40,8 @@ class Fleet:
     roles: dict[str, WorkerRole] = field(default_factory=dict)
     # `kvlane up --secure`: each process gets its own credentials from here.
     security: Security | None = None
+    # `kvlane up --nats-cluster N`: the clustered nats-servers, with their monitoring ports.
+    nats_nodes: list[NatsNode] = field(default_factory=list)
 
     def service_env(self, role: str, instance_id: str) -> dict[str, str]:
         """The environment of one service process: the config, and with `security` its own credentials."""
@@ -113,10 +116,25 @@ def ensure_servers(launcher: Launcher, config: KvlaneConfig) -> list[Process]:
     started = []
     nats_url = config.nats.servers()[0]  # of several, kvlane starts the first
     if not url_reachable(nats_url):
-        started.append(launcher.start_nats(local_port(nats_url)))
+        # With JetStream: workers publish their tokenizers to its object store (shared/model_store.py).
+        jetstream = ["-js", "-sd", str(launcher.log_dir / "jetstream")]
+        started.append(launcher.start_nats(local_port(nats_url), extra_args=jetstream))
     if not url_reachable(config.redis.url):
         started.append(launcher.start_redis(local_port(config.redis.url)))
     return started
+
+
+def start_nats_cluster(launcher: Launcher, config: KvlaneConfig, size: int) -> tuple[list[NatsNode], KvlaneConfig]:
+    """`size` clustered nats-servers on the configured ports (free ones for the rest); the config names them all."""
+    urls = config.nats.servers()[:size]
+    for url in urls:
+        if url_reachable(url):
+            raise ValueError(f"a clustered NATS is one kvlane starts itself, but {url} answers already: "
+                             "point nats.url at free ports (several, comma-separated, or one for the first server)")
+    ports = [local_port(url) for url in urls]
+    ports += [free_port() for _ in range(size - len(ports))]
+    nodes = start_cluster(launcher, ports, launcher.log_dir / "jetstream")
+    return nodes, with_overrides(config, nats={"url": ",".join(node.url for node in nodes)})
 
 
 def start_fleet(
@@ -129,14 +147,20 @@ def start_fleet(
     decode_workers: int = 0,
     mix: Sequence[FleetNode] = (),
     security: Security | None = None,
+    nats_cluster: int = 1,
+    cache_managers: int = 1,
 ) -> Fleet:
     """Servers, routing, then `workers` aggregated workers (w0, w1...), prefill
     workers (p0...) and decode workers (d0...), then ingress; returns once all serve.
 
     With `mix`, the aggregated workers are those nodes, each with its own sim profile and speed.
     With `security` (`kvlane up --secure`), the servers it starts require credentials and
-    every process gets its own.
+    every process gets its own. With `nats_cluster` > 1, that many clustered nats-servers
+    (kvlane/nats_cluster.py), and every service gets all their URLs. `cache_managers`
+    replicas of the cache-manager share its work (with `balancer.allocate_kv`).
     """
+    if cache_managers < 1:
+        raise ValueError(f"cache_managers must be at least 1, not {cache_managers}")
     if mix:
         workers = len(mix)
     host = "127.0.0.1" if config.ingress.host in ("0.0.0.0", "") else config.ingress.host
@@ -147,17 +171,24 @@ def start_fleet(
         if security is not None:
             # Every planned process's user is in the servers' first configuration: no reload while they connect.
             for role, instance_id in [
-                ("balancer", "0"), ("cache-manager", "0"), ("health-prober", prober_id), ("ingress", ingress_id),
+                ("balancer", "0"), *(("cache-manager", str(index)) for index in range(cache_managers)),
+                ("health-prober", prober_id), ("ingress", ingress_id),
                 *((WORKER_ROLES[role], f"{prefix}{index}") for prefix, role, count in pools for index in range(count)),
             ]:
                 security.account(role, instance_id)
             fleet.servers, config = security.start_servers(launcher, config)
             fleet.config = config
+        elif nats_cluster > 1:
+            fleet.nats_nodes, config = start_nats_cluster(launcher, config, nats_cluster)
+            fleet.config = config
+            fleet.servers = [node.process for node in fleet.nats_nodes if node.process is not None]
+            fleet.servers += ensure_servers(launcher, config)  # Redis, the cluster answering already
         else:
             fleet.servers = ensure_servers(launcher, config)
         fleet.balancers.append(launcher.start_service("balancer", fleet.service_env("balancer", "0")))
         if config.balancer.allocate_kv:
-            fleet.add_cache_manager()
+            for _ in range(cache_managers):
+                fleet.add_cache_manager()
         if health_prober:
             prober = fleet.service_env("health-prober", prober_id)
             fleet.health_probers.append(launcher.start_service("health_prober", prober, name="health-prober"))
@@ -169,7 +200,9 @@ def start_fleet(
                 worker_id = f"{prefix}{index}"
                 fleet.add_worker(worker_id, role, kinds.get(worker_id))
         fleet.ingress = launcher.start_service("ingress", fleet.service_env("ingress", ingress_id))
-        wait_ready(fleet.base_url, ready_timeout, fleet.services(), min_workers=workers + prefill_workers + decode_workers)
+        # A sim worker process may host several nodes (worker.nodes), each a worker to /ready.
+        nodes = (workers + prefill_workers + decode_workers) * config.worker.nodes
+        wait_ready(fleet.base_url, ready_timeout, fleet.services(), min_workers=nodes)
     except BaseException:
         fleet.stop()
         raise

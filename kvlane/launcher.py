@@ -101,10 +101,21 @@ def servers_available() -> bool:
 
 
 class Process:
-    def __init__(self, name: str, popen: subprocess.Popen, log_path: Path) -> None:
+    """One child, by name: a restart replaces `popen` and keeps the name, command line, environment and log."""
+
+    def __init__(
+        self, name: str, popen: subprocess.Popen, log_path: Path, argv: list[str] | None = None,
+        env: Mapping[str, str] | None = None, announces_ready: bool = False,
+    ) -> None:
         self.name = name
         self.popen = popen
         self.log_path = log_path
+        self.argv = list(argv if argv is not None else popen.args)
+        self.env = dict(env or {})
+        # Whether it logs `shared.runner.READY_EVENT` once it serves (kvlane services do; servers do not).
+        self.announces_ready = announces_ready
+        # Where the current run's output starts in the log (the log is appended to across restarts).
+        self.log_offset = 0
 
     @property
     def pid(self) -> int:
@@ -136,6 +147,17 @@ class Process:
         except subprocess.TimeoutExpired:
             return None
 
+    def serves(self) -> bool:
+        """Whether the current run has logged that it serves (always False for a process that never says so)."""
+        from shared.runner import READY_EVENT
+
+        try:
+            with self.log_path.open("rb") as log:
+                log.seek(self.log_offset)
+                return READY_EVENT.encode() in log.read()
+        except OSError:
+            return False
+
     def log_tail(self, lines: int = 40) -> str:
         try:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
@@ -150,31 +172,49 @@ class Launcher:
         self._base_env = dict(os.environ if base_env is None else base_env)
         self.processes: list[Process] = []
 
-    def spawn(self, name: str, argv: list[str], env: Mapping[str, str] | None = None) -> Process:
+    def spawn(self, name: str, argv: list[str], env: Mapping[str, str] | None = None, announces_ready: bool = False) -> Process:
         log_path = self.log_dir / f"{name}.log"
+        process = Process(name, self._popen(argv, env or {}, log_path), log_path, argv, env, announces_ready)
+        self.processes.append(process)
+        return process
+
+    def restart(self, process: Process) -> Process:
+        """Start an exited process again, as it was started (same command line, environment and log)."""
+        if process.alive():
+            raise LaunchError(f"{process.name} still runs (pid {process.pid}): it cannot be restarted")
+        try:
+            process.log_offset = process.log_path.stat().st_size
+        except OSError:
+            process.log_offset = 0
+        process.popen = self._popen(process.argv, process.env, process.log_path)
+        return process
+
+    def _popen(self, argv: list[str], env: Mapping[str, str], log_path: Path) -> subprocess.Popen:
         log_file = log_path.open("ab")
         # The death signal follows the thread that forks the child: only the main
         # thread lives as long as the process (tests also start servers from others).
         end_with_parent = _LIBC is not None and threading.current_thread() is threading.main_thread()
-        popen = subprocess.Popen(
-            argv,
-            env={**self._base_env, **(env or {})},
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,  # Ctrl-C reaches kvlane up, which stops children in order
-            preexec_fn=_ending_with(os.getpid()) if end_with_parent else None,
-        )
-        log_file.close()
-        process = Process(name, popen, log_path)
-        self.processes.append(process)
-        return process
+        try:
+            return subprocess.Popen(
+                argv,
+                env={**self._base_env, **env},
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,  # Ctrl-C reaches kvlane up, which stops children in order
+                preexec_fn=_ending_with(os.getpid()) if end_with_parent else None,
+            )
+        finally:
+            log_file.close()
 
-    def start_nats(self, port: int, name: str = "nats-server", config_file: Path | None = None) -> Process:
-        """`config_file`: a nats-server configuration (users, permissions, TLS); address and port stay these."""
+    def start_nats(self, port: int, name: str = "nats-server", config_file: Path | None = None,
+                   extra_args: list[str] | None = None) -> Process:
+        """`config_file`: a nats-server configuration (users, permissions, TLS); address and port stay these.
+        `extra_args`: more nats-server flags (JetStream, cluster routes: kvlane/nats_cluster.py)."""
         argv = [find_nats_server(), "-a", "127.0.0.1", "-p", str(port)]
         if config_file is not None:
             argv += ["-c", str(config_file)]
+        argv += extra_args or []
         process = self.spawn(name, argv)
         self._wait_port(process, port)
         return process
@@ -189,7 +229,7 @@ class Launcher:
         return process
 
     def start_service(self, service: str, env: Mapping[str, str], name: str | None = None) -> Process:
-        return self.spawn(name or service, [sys.executable, "-m", f"services.{service}"], env)
+        return self.spawn(name or service, [sys.executable, "-m", f"services.{service}"], env, announces_ready=True)
 
     def _wait_port(self, process: Process, port: int, timeout: float = 15.0) -> None:
         deadline = time.monotonic() + timeout

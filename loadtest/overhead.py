@@ -199,7 +199,7 @@ class DirectPath:
                     prompt_token_ids=self._prompt_token_ids,
                     sampling=self._sampling,
                     stream_to=stream.subject,
-                    deadline=time.time() + self._timeout_s,
+                    timeout_s=self._timeout_s,
                 )
                 reply = await self._bus.request(self._inbox, generate, WorkerReply, self._timeout_s)
                 if isinstance(reply, ErrorReply):

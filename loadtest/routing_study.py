@@ -13,6 +13,9 @@ is the lowest swept rate at which round robin's SLO attainment falls below
 * capacity per policy: the highest swept rate with >= 90% attainment; on
   mixed fleets jffc_per_request's over the best other policy's.
 
+With `--at-knee`, round robin alone runs the sweep and every other policy
+only at its knee (a third of the runs; capacities are then not measured).
+
 Everything is in simulated time. Writes `study.json` and `study.md` under
 `--out`.
 
@@ -68,8 +71,9 @@ WORKLOADS = [
     Workload("shared-prefix", ("--workload", "shared-prefix", "--groups", "256", "--system-tokens", "2048",
                                "--question-tokens", "128", "--output-tokens", "256"), 12.5),
     Workload("multi-turn", ("--workload", "multi-turn", "--groups", "32", "--system-tokens", "1024", "--turns", "6",
-                            "--question-tokens", "256", "--output-tokens", "256", "--think-time", "5"), 1.5),
-    Workload("long-context", ("--workload", "long-context", "--long-share", "0.05", "--max-model-len", "32768"), 10.0),
+                            "--question-tokens", "256", "--output-tokens", "256", "--think-time", "5",
+                            "--max-model-len", "8192"), 2.5),
+    Workload("long-context", ("--workload", "long-context", "--long-share", "0.05", "--max-model-len", "32768"), 16.0),
     Workload("trace", ("--workload", "trace", "--max-model-len", "16384"), 3.0, needs_trace=True),
 ]
 FLEETS = [
@@ -106,14 +110,16 @@ def summarize_pair(results: dict[str, Any], mixed: bool) -> dict[str, Any]:
     def summary(policy: str, rate: float) -> dict[str, Any]:
         return next(r["summary"] for r in runs if r["policy"] == policy and r["rate"] == rate)
 
+    swept = {p for p in policies if all(any(r["policy"] == p and r["rate"] == rate for r in runs) for rate in rates)}
+    # Only a policy run at every swept rate has a measured capacity (`--at-knee` runs most at one rate).
     capacity = {p: max((rate for rate in rates if (summary(p, rate)["slo_attainment"] or 0) >= ATTAINMENT), default=0.0)
-                for p in policies}
+                for p in policies if p in swept}
     goodput = {p: summary(p, at_knee)["goodput_rps"] for p in policies}
     attainment = {p: summary(p, at_knee)["slo_attainment"] or 0.0 for p in policies}
     others = [p for p in policies if p != HEADLINE]
     best_other = max(others, key=lambda p: goodput[p])
     best_attained = max(others, key=lambda p: attainment[p])
-    best_capacity = max(others, key=lambda p: capacity[p])
+    best_capacity = max((p for p in others if p in capacity), key=lambda p: capacity[p], default=None)
     ttft_p99 = {p: summary(p, at_knee)["ttft_ms"]["p99"] for p in policies}
     targets = {
         "goodput_vs_round_robin": _ratio(goodput[HEADLINE], goodput.get(BASELINE)),
@@ -126,7 +132,7 @@ def summarize_pair(results: dict[str, Any], mixed: bool) -> dict[str, Any]:
         "best_attained_other": best_attained,
         "ttft_p99_vs_round_robin": _ratio(ttft_p99[HEADLINE], ttft_p99.get(BASELINE)),
     }
-    if mixed:
+    if mixed and HEADLINE in capacity and best_capacity is not None:
         targets["capacity_vs_best_other"] = _ratio(capacity[HEADLINE], capacity[best_capacity])
         targets["best_capacity_other"] = best_capacity
     return {"knee_rate": knee, "compared_at_rate": at_knee, "goodput_at_knee": goodput, "attainment_at_knee": attainment,
@@ -179,6 +185,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--fleets", help="comma-separated subset of fleet sizes: 16,16m,64m,256m")
     parser.add_argument("--policies", default=",".join(POLICIES))
     parser.add_argument("--duration", type=float, default=20.0, help="simulated seconds of arrivals per run")
+    parser.add_argument("--rate-per-node", type=float,
+                        help="centre the sweep on this many requests (conversations) per second per H100 "
+                             "instead of the workload's own guess")
+    parser.add_argument("--at-knee", action="store_true",
+                        help="sweep round robin alone, then run every other policy only at its knee")
     parser.add_argument("--merge", type=Path, nargs="+", metavar="DIR",
                         help="run nothing: summarize again the studies in these --out directories, into --out")
     return parser
@@ -210,9 +221,19 @@ def main(argv: list[str] | None = None) -> int:
             if workload.needs_trace:
                 base += ["--trace", str(trace)]
             where = out / f"{workload.name}-{fleet.nodes}{'m' if fleet.mixed else ''}"
-            guess = workload.rate_per_node * fleet.h100_equivalent
+            guess = (args.rate_per_node or workload.rate_per_node) * fleet.h100_equivalent
             rates = ",".join(f"{guess * k:.4g}" for k in SWEEP)
-            results = run_simulate([*base, "--policies", ",".join(policies), "--rates", rates, "--out", str(where)])
+            if args.at_knee and BASELINE in policies:
+                results = run_simulate([*base, "--policies", BASELINE, "--rates", rates, "--out", str(where / BASELINE)])
+                knee = knee_rate(results)
+                at = knee if knee is not None else max(r["rate"] for r in results["runs"])
+                others = [p for p in policies if p != BASELINE]
+                at_knee = run_simulate([*base, "--policies", ",".join(others), "--rates", repr(at), "--out", str(where / "at-knee")])
+                results = {**results, "runs": results["runs"] + at_knee["runs"]}
+                where.mkdir(parents=True, exist_ok=True)
+                (where / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+            else:
+                results = run_simulate([*base, "--policies", ",".join(policies), "--rates", rates, "--out", str(where)])
             pair = {"workload": workload.name, "fleet": fleet.name, "results": str(where / "results.json"),
                     **summarize_pair(results, fleet.mixed)}
             study["pairs"].append(pair)

@@ -77,6 +77,8 @@ class Bus:
                     connect_timeout=settings.connect_timeout_s,
                     reconnect_time_wait=settings.reconnect_wait_s,
                     max_reconnect_attempts=settings.max_reconnect_attempts,
+                    ping_interval=settings.ping_interval_s,
+                    max_outstanding_pings=settings.max_outstanding_pings,
                     drain_timeout=settings.drain_timeout_s,
                     error_cb=_on_error,
                     disconnected_cb=bus._on_disconnected,

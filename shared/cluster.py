@@ -5,6 +5,10 @@ and answers which workers are alive at a given instant (a worker is stale
 once its last heartbeat is older than the TTL). `ClusterWatcher` feeds it
 from heartbeats on NATS and re-reads Redis now and then, which rebuilds the
 view after this process or NATS restarts.
+
+Between full heartbeats workers send `LoadReport`s (shared/heartbeats.py):
+`ClusterView.assemble` joins each to the registration the view holds for
+its worker, and ignores one whose registration it does not hold yet.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import structlog
 from nats.aio.msg import Msg
 
 from contracts import subjects
-from contracts.messages import Heartbeat, WorkerLeft, WorkerRegistration
+from contracts.messages import EngineStats, Heartbeat, HeartbeatMessage, LoadReport, WorkerLeft, WorkerRegistration
 from shared.bus import Bus
 from shared.periodic import Periodic
 from shared.state import ClusterState
@@ -35,6 +39,23 @@ class ClusterView:
     def __init__(self, ttl_s: float) -> None:
         self._ttl_s = ttl_s
         self._nodes: dict[str, NodeEntry] = {}
+        # Load reports that named a registration this view did not hold (it started late, or missed a change).
+        self.unmatched_load_reports = 0
+
+    def assemble(self, message: HeartbeatMessage) -> Heartbeat | None:
+        """The full heartbeat `message` stands for: itself, or a load report joined to its worker's registration.
+
+        None when the view holds no registration with the report's digest: it learns it from the
+        worker's next full heartbeat or the next resync from Redis.
+        """
+        if not isinstance(message, LoadReport):
+            return message
+        entry = self._nodes.get(message.worker_id)
+        if entry is None or entry.heartbeat.registration_digest != message.registration_digest:
+            self.unmatched_load_reports += 1
+            return None
+        stats = EngineStats(*msgspec.structs.astuple(message.stats))  # not the packed form, should anyone encode it again
+        return Heartbeat(entry.heartbeat.registration, stats, message.sent_at, message.seq, message.draining, message.registration_digest)
 
     def observe(self, heartbeat: Heartbeat, seen_at: float) -> None:
         """Keep `heartbeat` unless a newer one from the same worker is known."""
@@ -90,7 +111,7 @@ class ClusterWatcher:
         self._resync = Periodic("cluster-resync", resync_interval_s, self._resync_and_prune)
 
     async def start(self) -> None:
-        await self._bus.subscribe(subjects.HEARTBEAT_ALL, Heartbeat, self._on_heartbeat, traced=False)
+        await self._bus.subscribe(subjects.HEARTBEAT_ALL, HeartbeatMessage, self._on_heartbeat, traced=False)
         await self._bus.subscribe(subjects.WORKER_LEFT, WorkerLeft, self._on_left)
         await self.resync()
         self._resync.start()
@@ -98,8 +119,10 @@ class ClusterWatcher:
     async def stop(self) -> None:
         await self._resync.stop()
 
-    async def _on_heartbeat(self, heartbeat: Heartbeat, msg: Msg) -> None:
-        self.view.observe(heartbeat, self._clock())
+    async def _on_heartbeat(self, message: HeartbeatMessage, msg: Msg) -> None:
+        heartbeat = self.view.assemble(message)
+        if heartbeat is not None:
+            self.view.observe(heartbeat, self._clock())
 
     async def _on_left(self, event: WorkerLeft, msg: Msg) -> None:
         log.info("worker_left", worker_id=event.worker_id, reason=event.reason)

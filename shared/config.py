@@ -42,6 +42,10 @@ class NatsSettings(_Section):
     reconnect_wait_s: PositiveFloat = 0.5
     # -1: keep reconnecting for ever; a service outlives a NATS restart.
     max_reconnect_attempts: int = -1
+    # A server that stops answering (a host gone, no TCP reset) is left for
+    # another of `url`'s after this many unanswered pings this far apart.
+    ping_interval_s: PositiveFloat = 5.0
+    max_outstanding_pings: PositiveInt = 2
     # At shutdown, how long subscriptions may take to finish the messages they
     # already hold before the connection closes anyway (nats-py's own is 30 s,
     # as long as a typical orchestrator waits before SIGKILL).
@@ -68,6 +72,10 @@ class NatsSettings(_Section):
 
 class RedisSettings(_Section):
     url: str = "redis://127.0.0.1:6379/0"
+    # "cluster": `url` names any node of a Redis Cluster; the client finds the others and routes each
+    # command, script and pipelined script to its keys' node. Only scripts whose keys share one slot
+    # can run there: so far the per-key rate limits', not yet the block ledger's or the slot store's.
+    mode: Literal["single", "cluster"] = "single"
     socket_timeout_s: PositiveFloat = 2.0
     max_connections: PositiveInt = 32
     # How long a command may wait for a free pooled connection under a burst.
@@ -112,6 +120,10 @@ class ClusterSettings(_Section):
     kv_events_interval_s: PositiveFloat = 0.05
     # Workers renew the KV leases of running requests this often.
     lease_renew_interval_s: PositiveFloat = 2.0
+    # Between full heartbeats a worker sends its load only, without the registration (which
+    # rarely changes): it sends the full one on start, on each change, and every this many
+    # heartbeats, so a receiver that missed one catches up. 1: every heartbeat is full.
+    full_heartbeat_every: PositiveInt = 10
 
 
 class AuthSettings(_Section):
@@ -153,6 +165,9 @@ class IngressSettings(_Section):
     max_body_bytes: PositiveInt = 8 * 1024 * 1024
     # How many leading prompt tokens ride along for hot-prefix pre-warming.
     forward_prefix_tokens: Annotated[int, Meta(ge=0)] = 2048
+    # Where tokenizer files fetched from the bus are kept (a model whose directory this host
+    # lacks: shared/model_store.py). Empty: $XDG_CACHE_HOME/kvlane/model-files (~/.cache/...).
+    model_cache_dir: str = ""
     # HTTP hardening (services/ingress/http_guard.py). A request head (request line and
     # headers) must arrive whole within header_timeout_s of its first byte (of the
     # connection's opening, for the first request), its body within body_timeout_s of
@@ -268,6 +283,10 @@ class DisaggregationSettings(_Section):
     # Off by default: it moves prompts onto decode nodes on an estimate of the backlog.
     local_prefill_when_saturated: bool = False
     prefill_saturated_s: PositiveFloat = 0.5
+    # A two-node chain's prompt is ready on the decode node once its KV has
+    # crossed the link (the nodes' advertised `kv_transfer`); off: as if it
+    # crossed at once (for comparisons).
+    cost_kv_transfer: bool = True
 
 
 class DegradationSettings(_Section):
@@ -375,6 +394,12 @@ class SimSettings(_Section):
     seed: int = 0
     # The link KV travels over from a prefill node (shared/kv_links.py).
     kv_link: str = "rdma-400g"
+    # The tokenizer ingress encodes this worker's prompts with: "" the sim's own; "hf:<model dir>"
+    # a real model's (its token counts, prefix hashes and chat template; a vocabulary within the
+    # sim's 32,000 ids, such as `kvlane make-tiny-model`'s). The output stays the sim's words.
+    tokenizer: str = ""
+    # Fault injection for tests: the engine dies once it has generated this many tokens (0: never).
+    fail_after_tokens: Annotated[int, Meta(ge=0)] = 0
 
 
 class VllmSettings(_Section):
@@ -428,6 +453,9 @@ class WorkerSettings(_Section):
     # (KVLANE__WORKER__METRICS_PORT per process); the fleet-wide engine metrics are on ingress.
     metrics_port: Annotated[int, Meta(ge=0, le=65535)] = 0
     metrics_host: str = "127.0.0.1"
+    # Simulated nodes this process hosts (sim engine only): each with its own id
+    # (`<worker_id>-<k>`), heartbeats, KV events, inbox and scheduler, on one NATS connection.
+    nodes: PositiveInt = 1
     sim: SimSettings = msgspec.field(default_factory=SimSettings)
     vllm: VllmSettings = msgspec.field(default_factory=VllmSettings)
 
@@ -464,6 +492,18 @@ class AutoscalerSettings(_Section):
     metrics_host: str = "127.0.0.1"
 
 
+class SupervisionSettings(_Section):
+    """How `kvlane up` restarts a process that exited on its own (kvlane/restarts.py)."""
+
+    # The wait before a restart doubles with each exit in a row, from the first delay up to the max.
+    first_delay_s: PositiveFloat = 0.5
+    max_delay_s: PositiveFloat = 30.0
+    # A process that ran this long before it exited was healthy: its next restart waits the first delay again.
+    stable_after_s: PositiveFloat = 60.0
+    # Restarts in a row, each ended within stable_after_s, before kvlane up gives up and stops the fleet (0: never restart).
+    restart_limit: Annotated[int, Meta(ge=0)] = 5
+
+
 class KvlaneConfig(_Section):
     nats: NatsSettings = msgspec.field(default_factory=NatsSettings)
     redis: RedisSettings = msgspec.field(default_factory=RedisSettings)
@@ -476,6 +516,7 @@ class KvlaneConfig(_Section):
     health: HealthSettings = msgspec.field(default_factory=HealthSettings)
     worker: WorkerSettings = msgspec.field(default_factory=WorkerSettings)
     autoscaler: AutoscalerSettings = msgspec.field(default_factory=AutoscalerSettings)
+    supervision: SupervisionSettings = msgspec.field(default_factory=SupervisionSettings)
 
 
 def _parse_env_value(raw: str) -> Any:

@@ -13,6 +13,8 @@ from types import MappingProxyType
 
 import msgspec
 
+from contracts.messages import KvTransfer
+
 
 class LinkProfile(msgspec.Struct, frozen=True):
     name: str
@@ -47,3 +49,30 @@ def get_link(name: str) -> LinkProfile:
 def kv_bytes_per_token(layers: int, kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
     """Keys and values of every layer for one token."""
     return 2 * layers * kv_heads * head_dim * dtype_bytes
+
+
+def advertised_kv_transfer(kv_bytes_per_token: int, link: LinkProfile, speed: float = 1.0) -> KvTransfer | None:
+    """What a node whose model keeps `kv_bytes_per_token` and whose KV travels over `link` tells balancers.
+
+    A sim worker running `speed` times faster than the GPU it models moves
+    its KV that much faster too. None when the model's KV size is unknown.
+    """
+    if kv_bytes_per_token <= 0 or speed <= 0:
+        return None
+    return KvTransfer(bytes_per_token=kv_bytes_per_token, link_bytes_per_s=link.bytes_per_s * speed,
+                      link_latency_s=link.latency_s / speed)
+
+
+def hand_off_seconds(tokens: int, source: KvTransfer | None, destination: KvTransfer | None) -> float:
+    """Moving `tokens` of KV from `source` to `destination`, over the slower of the two nodes' links.
+
+    A side that did not advertise its link does not slow the transfer; when
+    neither did, the cost is unknown and counted as 0.
+    """
+    known = [side for side in (source, destination) if side is not None]
+    if tokens <= 0 or not known:
+        return 0.0
+    bytes_per_token = (source or destination).bytes_per_token  # type: ignore[union-attr]
+    bytes_per_s = min(side.link_bytes_per_s for side in known)
+    latency_s = max(side.link_latency_s for side in known)
+    return latency_s + tokens * bytes_per_token / bytes_per_s

@@ -10,7 +10,6 @@ the step it was in.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Awaitable, Callable
 
 import structlog
@@ -55,6 +54,10 @@ class Periodic:
             await self._pause(self._interval_s - (loop.time() - started))
 
     async def _pause(self, seconds: float) -> None:
-        """Sleep `seconds`, or less if told to stop meanwhile."""
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(self._stopping.wait(), max(0.0, seconds))
+        """Sleep `seconds`, unless told to stop already (a stop during the sleep cancels it).
+
+        A plain sleep, not a wait for the stop flag with a timeout: that costs a task per pause,
+        which a process hosting hundreds of nodes (each with its 20 Hz KV-event batches) feels.
+        """
+        if not self._stopping.is_set():
+            await asyncio.sleep(max(0.0, seconds))

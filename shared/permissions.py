@@ -85,6 +85,8 @@ _LEDGER_COMMANDS = (
 # Inside the slot store's scripts (services/balancer/slot_store.py) and its plain reads.
 _SLOT_COMMANDS = ("time", "get", "set", "del", "zadd", "zrem", "zcard", "zcount", "zrange", "zremrangebyscore", "pexpireat")
 _LEDGER_KEYS = RedisKeys(f"{subjects.REDIS_PREFIX}:cache:*")
+# A replicated job's leadership lock (shared/leadership.py, redis-py's Lock): SET NX PX, and GET/PEXPIRE/DEL in its scripts.
+_LEADERSHIP_COMMANDS = ("set", "get", "pexpire", "del")
 # API keys (shared/api_keys.py): one record per key, `kvlane:v1:{key:<id>}`, and the set of ids.
 _API_KEY_RECORDS = f"{subjects.REDIS_PREFIX}:{{key:*}}"
 _API_KEY_INDEX = f"{subjects.REDIS_PREFIX}:api_keys"
@@ -196,7 +198,9 @@ ROLES: dict[str, Role] = {
             # Allocations; the ingress's readiness pings.
             answers=("balancer", "ingress"),
             redis_keys=(*_WATCH_KEYS, _LEDGER_KEYS),
-            redis_commands=tuple(dict.fromkeys((*_CONNECTION_COMMANDS, *_WATCH_COMMANDS, *_SCRIPT_COMMANDS, *_LEDGER_COMMANDS))),
+            redis_commands=tuple(dict.fromkeys(
+                (*_CONNECTION_COMMANDS, *_WATCH_COMMANDS, *_SCRIPT_COMMANDS, *_LEDGER_COMMANDS, *_LEADERSHIP_COMMANDS)
+            )),
         ),
         Role(
             name="health-prober",

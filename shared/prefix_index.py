@@ -68,16 +68,25 @@ class PrefixIndex:
         """Per node, the number of leading `block_hashes` it holds (nodes with 0 omitted)."""
         matched: dict[str, int] = {}
         alive: set[str] | None = None
+        reached = 0  # leading blocks every node still in `alive` holds
         for depth, block_hash in enumerate(block_hashes):
             holders = self._holders.get(block_hash)
             if not holders:
                 break
             self._holders.move_to_end(block_hash)
-            alive = set(holders) if alive is None else alive & holders
-            if not alive:
-                break
-            for node in alive:
-                matched[node] = depth + 1
+            if alive is None:
+                alive = set(holders)
+                matched = dict.fromkeys(alive, 1)
+            elif not alive <= holders:
+                # A node is written only when it drops out (and at the end): long shared prefixes cost no per-node work per block.
+                for node in alive - holders:
+                    matched[node] = depth
+                alive &= holders
+                if not alive:
+                    break
+            reached = depth + 1
+        for node in alive or ():
+            matched[node] = reached
         return matched
 
     def _drop(self, block_hash: int, holders: set[str], node: str) -> None:

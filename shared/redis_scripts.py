@@ -4,7 +4,8 @@ redis-py's pipeline asks the server whether its scripts exist before every
 execute (`SCRIPT EXISTS`, a round trip of its own), which would double the
 cost of a batch. This sends plain EVALSHAs and loads the script only when
 the server says it lacks it (after a Redis restart, say), then runs the
-batch again: the script is missing for all of its calls or none.
+batch again: the script is missing for all of its calls or none. On a
+Redis Cluster the pipeline sends each call to its keys' node.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ async def run_batch(client: redis.Redis, script: AsyncScript, calls: Sequence[tu
     for attempt in (1, 2):
         async with client.pipeline(transaction=False) as pipe:
             for keys, args in calls:
-                pipe.evalsha(script.sha, len(keys), *keys, *args)
+                # Not `pipe.evalsha`: a cluster pipeline refuses that name, yet routes the command by its keys.
+                pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
             replies = await pipe.execute(raise_on_error=False)
         if attempt == 1 and any(isinstance(reply, NoScriptError) for reply in replies):
             script.sha = await client.script_load(script.script)

@@ -21,7 +21,7 @@ def annotate_allocation(span: Span, allocation: Allocation | ErrorReply, source:
         "kvlane.kv.blocks": allocation.blocks,
         "kvlane.kv.cached_blocks": allocation.cached_blocks,
         "kvlane.kv.pool": allocation.pool,
-        "kvlane.kv.lease_expires_at": allocation.lease_expires_at,
+        "kvlane.kv.lease_ttl_s": allocation.lease_ttl_s,
     }
     if block_size:
         attributes["kvlane.kv.tokens"] = allocation.blocks * block_size  # token room reserved

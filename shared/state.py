@@ -11,6 +11,7 @@ from __future__ import annotations
 import msgspec
 import redis.asyncio as redis
 import structlog
+from redis.asyncio.cluster import RedisCluster
 
 from contracts import subjects
 from contracts.messages import Heartbeat
@@ -21,9 +22,19 @@ log = structlog.get_logger("kvlane.state")
 
 
 def connect_redis(settings: RedisSettings) -> redis.Redis:
+    url, options = redis_url_and_options(settings)
+    if settings.mode == "cluster":
+        # One pool per cluster node (`max_connections` each); commands, scripts and pipelines go to their keys' nodes.
+        return RedisCluster.from_url(  # type: ignore[return-value]
+            url,
+            **options,
+            max_connections=settings.max_connections,
+            socket_timeout=settings.socket_timeout_s,
+            socket_connect_timeout=settings.socket_timeout_s,
+            health_check_interval=5,
+        )
     # A blocking pool makes a burst of concurrent commands wait for a
     # connection instead of failing with "Too many connections".
-    url, options = redis_url_and_options(settings)
     pool = redis.BlockingConnectionPool.from_url(
         url,
         **options,
@@ -55,6 +66,18 @@ class ClusterState:
         async with self._redis.pipeline(transaction=True) as pipe:
             pipe.set(subjects.node_key(worker_id), self._encoder.encode(heartbeat), px=self._ttl_ms)
             pipe.sadd(subjects.NODE_SET_KEY, worker_id)
+            await pipe.execute()
+
+    async def put_heartbeats(self, heartbeats: list[Heartbeat]) -> None:
+        """Several nodes' heartbeats in one round trip (a process hosting many nodes); each node's key
+        and set membership as `put_heartbeat` writes them, not one transaction for all."""
+        if not heartbeats:
+            return
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for heartbeat in heartbeats:
+                worker_id = heartbeat.registration.worker_id
+                pipe.set(subjects.node_key(worker_id), self._encoder.encode(heartbeat), px=self._ttl_ms)
+            pipe.sadd(subjects.NODE_SET_KEY, *(heartbeat.registration.worker_id for heartbeat in heartbeats))
             await pipe.execute()
 
     async def remove_node(self, worker_id: str) -> None:

@@ -8,9 +8,9 @@ kvlane service decodes as a `T`. Builtins rather than Struct instances, so a
 fuzzer can also break them (`near_misses`).
 
 `hints` maps a field name to the strategy to draw it from instead of the
-schema's (a real model name or random text, a live worker's id, a deadline
-a few seconds away): random text alone seldom gets past the first check of
-a handler, and a valid far-off deadline holds what it reserves that long.
+schema's (a real model name or random text, a live worker's id, a time
+left of a few seconds): random text alone seldom gets past the first check
+of a handler, and a valid long time left holds what it reserves that long.
 """
 
 from __future__ import annotations

@@ -58,7 +58,7 @@ class SimBalancer:
     def route(self, request: RouteRequest) -> None:
         now = self._events.now
         router = self.router
-        if request.deadline <= now:
+        if request.timeout_s <= 0:
             return self._listener.refused(request.request_id, ErrorReply(code="deadline_exceeded", message="request deadline passed before routing", status=504))
         router.table.release(request.request_id)
         heartbeats = self.view.routable(now, request.model)

@@ -45,7 +45,7 @@ from services.health_prober.health import NodeHealth
 from services.ingress.errors import ApiError
 from services.ingress.prompts import PreparedRequest, prepare
 from services.worker.sim import SimRequest, StepOutcome
-from shared.kv_links import get_link
+from shared.kv_links import advertised_kv_transfer, get_link
 from shared.step_profile import get_profile
 from shared.config import AutoscalerSettings, KvlaneConfig
 from shared.tokenizer import SimTokenizer
@@ -221,6 +221,8 @@ class Simulation:
             tokenizer="sim", started_at=self._events.now, host="simulated", max_num_seqs=sim.max_num_seqs,
             # As a live sim worker advertises its profile (`services.worker.main.advertised_step_time`).
             step_time=StepTime(a=profile.a, b=profile.b, c=profile.c, d=profile.d, per_request=profile.per_request),
+            # Its KV moves over the fleet's link at the link's own speed (`_hand_off`), whatever the node's.
+            kv_transfer=advertised_kv_transfer(profile.kv_bytes_per_token, self._link),
         )
         node = SimNode(registration, profile, speed, sim, self._tokenizer.output_token_range, self._events, self._on_step)
         self.nodes[worker_id] = node
@@ -387,7 +389,8 @@ class Simulation:
             model=prepared.model,
             prompt_tokens=len(prepared.prompt_token_ids) + produced,
             max_tokens=prepared.sampling.max_tokens - produced,
-            deadline=self._origin + flight.record.sent_s + self._spec.request_timeout_s,
+            # Time left, as ingress sends it: the balancer turns it into a moment on its own clock.
+            timeout_s=max(0.0, self._origin + flight.record.sent_s + self._spec.request_timeout_s - self._events.now),
             block_hashes=prepared.block_hashes,
             exclude_workers=list(flight.excluded),
             priority=prepared.priority,

@@ -34,6 +34,10 @@ class PrefillBacklog:
             return 0.0
         return max(0.0, left - drain_per_s * max(0.0, now - self._since[worker_id]))
 
+    def state(self, worker_id: str) -> tuple[float, float]:
+        """(tokens left, when they were counted); (0.0, 0.0) for a node with no backlog."""
+        return self._tokens.get(worker_id, 0.0), self._since.get(worker_id, 0.0)
+
     def add(self, worker_id: str, tokens: int, drain_per_s: float, now: float) -> None:
         self._tokens[worker_id] = self.tokens(worker_id, drain_per_s, now) + tokens
         self._since[worker_id] = now

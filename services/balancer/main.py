@@ -35,7 +35,8 @@ def fallback_step_model(profile_name: str) -> StepModel:
     return StepModel(a=profile.a, b=profile.b, c=profile.c, d=profile.d, per_request=profile.per_request)
 
 
-def build_router(settings: BalancerSettings, model: StepModel) -> Router:
+def build_router(settings: BalancerSettings, model: StepModel, use_index: bool = True) -> Router:
+    """The routing core; `use_index=False` decides on a fresh snapshot per request (benchmarks compare the two)."""
     speed = SpeedTracker(model, settings.speed.smoothing, settings.speed.equal_within)
     builder = SnapshotBuilder(settings, speed, QueueGrowth(settings.speed.smoothing))
     return Router(
@@ -47,6 +48,7 @@ def build_router(settings: BalancerSettings, model: StepModel) -> Router:
         settings.queue,
         settings.disaggregation,
         settings.degradation,
+        use_index=use_index,
     )
 
 

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
+from typing import get_args
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
+
+from services.balancer.allocation import UnleasedReason
 
 _LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
 _WAIT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -35,6 +38,13 @@ class BalancerMetrics:
         )
         self.fast_forwards = Counter("kvlane_balancer_fast_forwards_total", "Score policy fast-forwards to the cache node", registry=r)
         self.arrival_rate = Gauge("kvlane_balancer_arrival_rate", "Route requests per second (moving average)", registry=r)
+        self.unleased_routes = Counter(
+            "kvlane_balancer_unleased_routes_total",
+            "Routes sent on without a KV lease because Redis or the cache-manager could not be reached, by reason",
+            ["reason"], registry=r,
+        )
+        for reason in get_args(UnleasedReason):
+            self.unleased_routes.labels(reason)  # every reason exported from the start, at 0
 
     def track_degradation(self, counts: Mapping[str, int]) -> None:
         """Export what the router's degradation did (read at each scrape): `kvlane_balancer_degraded_total{kind}`."""

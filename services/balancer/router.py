@@ -20,10 +20,11 @@ from msgspec import Struct
 
 from contracts.messages import ErrorReply, Heartbeat, RouteRequest
 from services.balancer.central_queue import CentralQueue, QueuedRequest
+from services.balancer.chain_index import ChainIndex, Unindexable
 from services.balancer.degradation import Degradation
 from services.balancer.policies import RoutingPolicy
 from services.balancer.slot_table import SlotTable
-from services.balancer.disaggregation import choose_prefill, prefill_finish_s, prefill_saturated
+from services.balancer.disaggregation import choose_prefill, prefill_saturated, remote_prompt_ready_s
 from services.balancer.snapshot import GENERATING_ROLES, ChainState, ClusterSnapshot, NodeFacts, SnapshotBuilder
 from shared.config import DegradationSettings, DisaggregationSettings, QueueSettings
 from shared.prefix_index import PrefixIndex
@@ -34,6 +35,8 @@ HeartbeatsFor = Callable[[str], Sequence[Heartbeat]]
 class Placement(Struct, frozen=True):
     request: RouteRequest
     chain: ChainState
+    # When the reservation lapses unless released first: the request's deadline, on this balancer's wall clock.
+    expires_at: float
     # The prefill node of a two-node chain; None when `chain` runs the prompt.
     prefill: ChainState | None = None
     # The policy sent it to the node caching its prefix rather than to its best-scored node.
@@ -61,7 +64,9 @@ class Router:
         queue_settings: QueueSettings,
         disaggregation: DisaggregationSettings | None = None,
         degradation: DegradationSettings | None = None,
+        use_index: bool = True,
     ) -> None:
+        """`use_index=False` decides every request on a fresh snapshot (the reference the index is checked against)."""
         self.policy = policy
         self.builder = builder
         self.index = index
@@ -73,10 +78,18 @@ class Router:
         # Queued request id -> younger requests of its class served before it (cache-aware dequeue).
         self._overtaken: dict[str, int] = {}
         self._known_workers: set[str] = set()
+        # Policies that can choose from columns decide on the chain index; the others on a snapshot.
+        self.chains = ChainIndex(builder, table) if use_index else None
 
-    def place(self, request: RouteRequest, heartbeats: Sequence[Heartbeat]) -> Placement | None:
-        """Choose a chain with a free slot and reserve it locally; None when the policy finds none."""
+    def place(self, request: RouteRequest, heartbeats: Sequence[Heartbeat], expires_at: float) -> Placement | None:
+        """Choose a chain with a free slot and reserve it locally until `expires_at`; None when the policy finds none."""
         cached = self.index.match(request.block_hashes) if request.block_hashes else {}
+        # Synced whatever the policy, so that the index stays current if the policy changes.
+        if self.chains is not None and self.chains.sync(heartbeats) and hasattr(self.policy, "choose_indexed"):
+            try:
+                return self._place_indexed(request, cached, expires_at)
+            except Unindexable:
+                pass
         snapshot = self.builder.snapshot(request, heartbeats, self.table.used, cached)
         prefill_for: dict[str, ChainState] = {}
         if any(c.node.role == "decode" for c in snapshot.chains):
@@ -85,13 +98,27 @@ class Router:
         chain = self.policy.choose(request, snapshot)
         if chain is None:
             return None
-        if chain.free_slots <= 0 or not self.table.reserve(request.request_id, chain.chain_id, chain.node.slots_total, request.deadline):
+        if chain.free_slots <= 0 or not self.table.reserve(request.request_id, chain.chain_id, chain.node.slots_total, expires_at):
             raise RuntimeError(f"policy {self.policy.name} chose full chain {chain.chain_id}")
         prefill = prefill_for.get(chain.chain_id)
         if prefill is None and chain.node.role == "decode" and self._prefill_saturated(chain, request, heartbeats, cached):
             self.degradation.counts["local_prefill"] += 1
         self.builder.note_sent(prefill or chain, request)
-        return Placement(request, chain, prefill, fast_forward=getattr(self.policy, "fast_forwards", 0) > fast_forwards)
+        return Placement(request, chain, expires_at, prefill, fast_forward=getattr(self.policy, "fast_forwards", 0) > fast_forwards)
+
+    def _place_indexed(self, request: RouteRequest, cached: Mapping[str, int], expires_at: float) -> Placement | None:
+        """`place` on the chain index: only aggregated nodes, so no prefill node to pair."""
+        assert self.chains is not None
+        decision = self.chains.decision(request, cached)
+        fast_forwards = getattr(self.policy, "fast_forwards", 0)
+        row = self.policy.choose_indexed(request, decision)  # type: ignore[attr-defined]
+        if row is None:
+            return None
+        chain = decision.state(row)
+        if chain.free_slots <= 0 or not self.table.reserve(request.request_id, chain.chain_id, chain.node.slots_total, expires_at):
+            raise RuntimeError(f"policy {self.policy.name} chose full chain {chain.chain_id}")
+        self.builder.note_sent(chain, request)
+        return Placement(request, chain, expires_at, None, fast_forward=getattr(self.policy, "fast_forwards", 0) > fast_forwards)
 
     def _with_prefill_nodes(
         self, request: RouteRequest, snapshot: ClusterSnapshot, heartbeats: Sequence[Heartbeat], cached: Mapping[str, int],
@@ -99,7 +126,8 @@ class Router:
         """The snapshot with each decode chain's prefill node and when it would have the prompt ready.
 
         A two-node chain is costed as two nodes: the policy sees, per decode
-        chain, the prefill node's backlog plus the prompt at that node's speed.
+        chain, the prefill node's backlog plus the prompt at that node's speed,
+        then the prompt's KV over the link to the decode node.
         """
         candidates = self.builder.prefill_candidates(request, heartbeats, cached)
         prefill_for: dict[str, ChainState] = {}
@@ -112,7 +140,8 @@ class Router:
                 chains.append(chain)
                 continue
             prefill_for[chain.chain_id] = prefill
-            chains.append(msgspec.structs.replace(chain, remote_prefill_s=prefill_finish_s(prefill, request.prompt_tokens)))
+            ready_s = remote_prompt_ready_s(prefill, chain, request.prompt_tokens, self._disaggregation)
+            chains.append(msgspec.structs.replace(chain, remote_prefill_s=ready_s))
         return msgspec.structs.replace(snapshot, chains=tuple(chains)), prefill_for
 
     def _prefill_saturated(self, chain: ChainState, request: RouteRequest, heartbeats: Sequence[Heartbeat],
@@ -131,10 +160,12 @@ class Router:
         # chosen worker) gives back whatever the earlier attempt held.
         self.table.release(request.request_id)
         self.queue.remove(request.request_id)
-        placement = self.place(request, heartbeats)
+        # The time left the request arrived with, as a moment on this balancer's clock.
+        request_deadline = now + request.timeout_s
+        placement = self.place(request, heartbeats, request_deadline)
         if placement is not None:
             return placement
-        deadline = min(request.deadline, now + self._queue_settings.max_wait_s)
+        deadline = min(request_deadline, now + self._queue_settings.max_wait_s)
         waiting = self.degradation.before_queueing(request, self.queue, deadline, now)
         if isinstance(waiting, ErrorReply):
             return waiting
@@ -171,7 +202,7 @@ class Router:
             if not self._any_free(entry.request, heartbeats):
                 exhausted.add(model)
                 continue
-            placement = self.place(entry.request, heartbeats)
+            placement = self.place(entry.request, heartbeats, entry.enqueued_at + entry.request.timeout_s)
             if placement is not None:
                 self.queue.remove(entry.request_id)
                 self._count_overtaken(entry, order)
@@ -265,6 +296,10 @@ class Router:
 
         Returns the reservations released and the nodes forgotten.
         """
+        if self.chains is None:
+            # Nobody reads what changed: drop it, so the sets stay small.
+            self.builder.take_changed()
+            self.table.take_changed()
         expired = self.table.expire(now)
         dropped = self.table.retain_chains({self.builder.facts(hb).chain_id for hb in live})
         gone = sorted(self._known_workers - {hb.registration.worker_id for hb in live})

@@ -30,6 +30,7 @@ from contracts.health import HealthVerdict
 from contracts.messages import (
     ErrorReply,
     Heartbeat,
+    HeartbeatMessage,
     KvEvents,
     RequestFinished,
     RouteDecision,
@@ -38,23 +39,26 @@ from contracts.messages import (
     RouteWithdrawn,
     WorkerLeft,
 )
-from services.balancer.allocation import KvAllocator
+from services.balancer.allocation import KvAllocator, LeaseCall, Unleased
 from services.balancer.central_queue import QueuedRequest
 from services.balancer.metrics import BalancerMetrics
 from services.balancer.router import Placement, Queued, Router
-from services.balancer.slot_store import SlotStore
+from services.balancer.slot_store import RedisSlotStore, SlotStore
 from services.balancer.status import SlotRates, build_status
 from services.balancer.trackers import ArrivalRate
+from shared.block_ledger import Reservation
 from shared.bus import Bus
 from shared.cluster import ClusterView
 from shared.config import BalancerSettings
 from shared.coalescer import Coalescer
+from shared.log_throttle import LogThrottle
 from shared.periodic import Periodic
 from shared.telemetry import set_error
 
 log = structlog.get_logger("kvlane.balancer")
 
 _STORE_ERRORS = (redis.exceptions.RedisError, OSError, asyncio.TimeoutError)
+_UNLEASED_LOG_EVERY_S = 10.0
 
 
 class BalancerService:
@@ -96,6 +100,8 @@ class BalancerService:
         self._gauged_chains: set[str] = set()
         self._store_degraded = False
         self._route_subscription = None
+        # Routes without a KV lease: one log line per reason per interval, each saying how many it stands for.
+        self._unleased_log = LogThrottle(_UNLEASED_LOG_EVERY_S)
         # Slots of finished requests are freed here at once and in the global store a batch at a time.
         self._finished: Coalescer[tuple[str, str | None]] = Coalescer("slot-releases", self._release_globally)
 
@@ -107,7 +113,7 @@ class BalancerService:
         )
         await bus.subscribe(subjects.REQUEST_FINISHED, RequestFinished, self._on_finished, traced=False)
         await bus.subscribe(subjects.ROUTE_WITHDRAWN, RouteWithdrawn, self._on_withdrawn)
-        await bus.subscribe(subjects.HEARTBEAT_ALL, Heartbeat, self._on_heartbeat, traced=False)
+        await bus.subscribe(subjects.HEARTBEAT_ALL, HeartbeatMessage, self._on_heartbeat, traced=False)
         await bus.subscribe(subjects.KV_EVENTS_ALL, KvEvents, self._on_kv_events, traced=False)
         await bus.subscribe(subjects.HEALTH_ALL, HealthVerdict, self._on_health, traced=False)
         await bus.subscribe(subjects.WORKER_LEFT, WorkerLeft, self._on_worker_left, traced=False)
@@ -149,7 +155,7 @@ class BalancerService:
     async def route(self, request: RouteRequest) -> RouteReply:
         now = self._wall_clock()
         self._arrivals.arrived()
-        if request.deadline <= now:
+        if request.timeout_s <= 0:
             return ErrorReply(code="deadline_exceeded", message="request deadline passed before routing", status=504)
         superseded = self._waiters.pop(request.request_id, None)
         if superseded is not None and not superseded.done():
@@ -194,8 +200,9 @@ class BalancerService:
     async def _confirm(self, placement: Placement, entry: QueuedRequest | None) -> RouteDecision | ErrorReply | None:
         """Make `placement` global; None when another replica holds the chain's last slot (already undone)."""
         chain = placement.chain
+        reserved = None
         try:
-            taken, used = await self._store.reserve(placement.request_id, chain.chain_id, chain.node.slots_total, placement.request.deadline)
+            taken, used, reserved = await self._reserve(placement)
         except _STORE_ERRORS as exc:
             # Availability over strictness: while Redis is down each replica
             # enforces the slots on what it knows (its own reservations plus
@@ -212,16 +219,14 @@ class BalancerService:
         if used >= 0:
             self.router.table.set_global_used(chain.chain_id, used)
         if self._allocator is not None:
-            allocation = await self._allocator.allocate(placement.request, chain)
-            if isinstance(allocation, ErrorReply) and allocation.code == "state_unavailable":
-                # Redis is down: the ledger cannot be consulted, so, as with
-                # slots, availability wins; the engine's own KV admission
-                # still bounds the node, and leases resume with Redis.
-                log.warning("kv_allocation_skipped_redis_down", request_id=placement.request_id)
+            allocation = await self._allocator.allocate(placement.request, chain, reserved)
+            if isinstance(allocation, Unleased):
+                # Redis or the cache-manager is out of reach: as with slots,
+                # availability wins; the engine's own KV admission still
+                # bounds the node, and leases resume once they answer.
+                self._unleased(allocation, placement.request_id)
             elif isinstance(allocation, ErrorReply):
                 await self._release(placement.request_id)
-                if allocation.code == "cache_manager_unavailable":
-                    return allocation
                 # No KV room there now: treat the chain as full until the next usage refresh.
                 self._metrics.slot_conflicts.inc()
                 self.router.undo(placement, chain.node.slots_total, entry)
@@ -238,6 +243,30 @@ class BalancerService:
             queued_s=0.0 if entry is None else max(0.0, self._wall_clock() - entry.enqueued_at),
             max_tokens=placement.request.max_tokens,
         )
+
+    def _unleased(self, unleased: Unleased, request_id: str) -> None:
+        self._metrics.unleased_routes.labels(unleased.reason).inc()
+        count = self._unleased_log.due(unleased.reason, self._clock())
+        if count:
+            log.warning("routed_without_kv_lease", reason=unleased.reason, detail=unleased.detail, routes=count,
+                        request_id=request_id)
+
+    async def _reserve(self, placement: Placement) -> tuple[bool, int, tuple[LeaseCall, Reservation] | None]:
+        """The chain's slot in the store and, where the store and the ledger share Redis, the KV lease in the same
+        round trip: (slot taken, chain's count, the ledger's answer if it was asked)."""
+        chain, request = placement.chain, placement.request
+        lease = None
+        if self._allocator is not None and isinstance(self._store, RedisSlotStore):
+            lease = self._allocator.lease_call(request, chain)
+        if lease is None:
+            return *await self._store.reserve(placement.request_id, chain.chain_id, chain.node.slots_total, placement.expires_at), None
+        both = await self._store.reserve_with_lease(placement.request_id, chain.chain_id, chain.node.slots_total,
+                                                    placement.expires_at, (lease.keys, lease.args))
+        if both.lease is None or both.lease.granted:
+            return both.slot_taken, both.used, None if both.lease is None else (lease, both.lease)
+        # No KV room on the node: the slot alone, while the cache-manager looks for room (it may preempt).
+        taken, used = await self._store.reserve(placement.request_id, chain.chain_id, chain.node.slots_total, placement.expires_at)
+        return taken, used, (lease, both.lease)
 
     async def _wait(self, entry: QueuedRequest) -> RouteReply:
         future: asyncio.Future[RouteReply] = asyncio.get_running_loop().create_future()
@@ -329,7 +358,10 @@ class BalancerService:
         if released is not None:
             self.router.table.set_global_used(*released)
 
-    async def _on_heartbeat(self, heartbeat: Heartbeat, msg: Msg) -> None:
+    async def _on_heartbeat(self, message: HeartbeatMessage, msg: Msg) -> None:
+        heartbeat = self._view.assemble(message)
+        if heartbeat is None:  # a load report whose registration the view learns later
+            return
         self.router.observe(heartbeat)
         self._schedule_drain()
 

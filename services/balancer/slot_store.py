@@ -9,6 +9,10 @@ the chain and both keys carry a TTL up to the request's deadline. A
 restarted worker has a new chain id (`snapshot.chain_id_of`), so it starts
 with an empty set.
 
+With a ledger, `reserve_with_lease` takes the slot and the request's KV
+lease (shared/block_ledger.py) in one script: one round trip per route
+decision, and a refusal of either leaves both untouched.
+
 `LocalSlotStore` is the single-process stand-in: the `SlotTable` alone is
 the truth, so every placement is confirmed.
 """
@@ -19,29 +23,66 @@ from collections.abc import Sequence
 from typing import Protocol
 
 import redis.asyncio as redis
+from msgspec import Struct
 
 from contracts import subjects
+from shared.block_ledger import ALLOCATE_FUNCTION, Reservation, reservation_of
 from shared.redis_scripts import run_batch
 
-_RESERVE = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local request_id, chain_id, slots, expires = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
-local previous = redis.call('GET', KEYS[2])
-if previous then
-  redis.call('ZREM', ARGV[5] .. previous, request_id)
-  redis.call('DEL', KEYS[2])
+# Functions shared by the slot script and the slot-and-lease script.
+# K: chain's sorted set, request's key. `free_room` releases `request_id`'s earlier slot (wherever it was)
+# and drops expired members; it returns the chain's count after.
+_SLOT_FUNCTIONS = """
+local function clock_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
-local used = redis.call('ZCARD', KEYS[1])
+local function free_room(K, request_id, chain_prefix, now)
+  local previous = redis.call('GET', K[2])
+  if previous then
+    redis.call('ZREM', chain_prefix .. previous, request_id)
+    redis.call('DEL', K[2])
+  end
+  redis.call('ZREMRANGEBYSCORE', K[1], '-inf', now)
+  return redis.call('ZCARD', K[1])
+end
+local function take_slot(K, request_id, chain_id, expires)
+  redis.call('ZADD', K[1], expires, request_id)
+  redis.call('SET', K[2], chain_id, 'PXAT', expires)
+  local last = redis.call('ZRANGE', K[1], -1, -1, 'WITHSCORES')
+  redis.call('PEXPIREAT', K[1], math.max(tonumber(last[2]), expires))
+end
+"""
+
+# KEYS: chain's sorted set, request's key; ARGV: request id, chain id, slots, expires_at_ms, chain key prefix
+_RESERVE = _SLOT_FUNCTIONS + """
+local now = clock_ms()
+local request_id, chain_id, slots, expires = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
+local used = free_room(KEYS, request_id, ARGV[5], now)
 if used >= slots or expires <= now then
   return {0, used}
 end
-redis.call('ZADD', KEYS[1], expires, request_id)
-redis.call('SET', KEYS[2], chain_id, 'PXAT', expires)
-local last = redis.call('ZRANGE', KEYS[1], -1, -1, 'WITHSCORES')
-redis.call('PEXPIREAT', KEYS[1], math.max(tonumber(last[2]), expires))
+take_slot(KEYS, request_id, chain_id, expires)
 return {1, used + 1}
+"""
+
+# A slot and the request's KV lease on the same node in one step: either both are taken or neither.
+# KEYS: the slot's two, then the ledger's four (block_ledger.ALLOCATE_FUNCTION)
+# ARGV: the slot's five, then the ledger's twelve
+# Returns {slot taken, chain's count, lease code, pool, blocks}; lease code -1: the slot was refused, the lease not tried.
+_RESERVE_WITH_LEASE = _SLOT_FUNCTIONS + ALLOCATE_FUNCTION + """
+local now = clock_ms()
+local request_id, chain_id, slots, expires = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
+local used = free_room(KEYS, request_id, ARGV[5], now)
+if used >= slots or expires <= now then
+  return {0, used, -1, '', 0}
+end
+local lease = allocate_lease({KEYS[3], KEYS[4], KEYS[5], KEYS[6]}, {unpack(ARGV, 6)})
+if lease[1] == 0 then
+  return {0, used, 0, lease[2], lease[3]}
+end
+take_slot(KEYS, request_id, chain_id, expires)
+return {1, used + 1, lease[1], lease[2], lease[3]}
 """
 
 _RELEASE = """
@@ -57,6 +98,16 @@ local key = ARGV[2] .. chain_id
 redis.call('ZREM', key, ARGV[1])
 return {chain_id, redis.call('ZCARD', key)}
 """
+
+
+class SlotAndLease(Struct, frozen=True):
+    """What one slot-and-lease reservation did: both were taken, or neither."""
+
+    slot_taken: bool
+    # The chain's count after.
+    used: int
+    # The ledger's answer (refused: no room for the blocks); None when the slot was refused first.
+    lease: Reservation | None
 
 
 class SlotStore(Protocol):
@@ -105,6 +156,7 @@ class RedisSlotStore:
     def __init__(self, client: redis.Redis) -> None:
         self._redis = client
         self._reserve = client.register_script(_RESERVE)
+        self._reserve_with_lease = client.register_script(_RESERVE_WITH_LEASE)
         self._release = client.register_script(_RELEASE)
         self._chain_prefix = chain_slots_key("")
 
@@ -114,6 +166,17 @@ class RedisSlotStore:
             args=[request_id, chain_id, slots, int(expires_at * 1000), self._chain_prefix],
         )
         return bool(taken), int(used)
+
+    async def reserve_with_lease(self, request_id: str, chain_id: str, slots: int, expires_at: float,
+                                 lease_call: tuple[list, list]) -> SlotAndLease:
+        """`reserve` and the ledger's allocation (`BlockLedger.allocate_call`) in one atomic round trip."""
+        lease_keys, lease_args = lease_call
+        taken, used, code, pool, blocks = await self._reserve_with_lease(
+            keys=[chain_slots_key(chain_id), request_slot_key(request_id), *lease_keys],
+            args=[request_id, chain_id, slots, int(expires_at * 1000), self._chain_prefix, *lease_args],
+        )
+        lease = None if code < 0 else reservation_of([code, pool, blocks])
+        return SlotAndLease(bool(taken), int(used), lease)
 
     async def release(self, request_id: str, worker_id: str | None = None) -> tuple[str, int] | None:
         keys, args = self._release_call(request_id, worker_id)

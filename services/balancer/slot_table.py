@@ -22,6 +22,13 @@ class SlotTable:
         self._own: Counter[str] = Counter()
         self._foreign: dict[str, int] = {}
         self._expiry: list[tuple[float, str]] = []
+        # Chains whose count changed since the last `take_changed`: the chain index refreshes only those.
+        self._changed: set[str] = set()
+
+    def take_changed(self) -> set[str]:
+        """Chains whose used count may have changed since the last call."""
+        changed, self._changed = self._changed, set()
+        return changed
 
     def used(self, chain_id: str) -> int:
         return self._own.get(chain_id, 0) + self._foreign.get(chain_id, 0)
@@ -40,6 +47,7 @@ class SlotTable:
             return False
         self._holders[request_id] = (chain_id, expires_at)
         self._own[chain_id] += 1
+        self._changed.add(chain_id)
         heapq.heappush(self._expiry, (expires_at, request_id))
         return True
 
@@ -55,6 +63,7 @@ class SlotTable:
             return None
         del self._holders[request_id]
         chain_id = entry[0]
+        self._changed.add(chain_id)
         self._own[chain_id] -= 1
         if self._own[chain_id] <= 0:
             del self._own[chain_id]
@@ -74,6 +83,7 @@ class SlotTable:
     def set_global_used(self, chain_id: str, total: int) -> None:
         """Record the authoritative count for the chain (all replicas); the rest is someone else's."""
         foreign = max(0, total - self._own.get(chain_id, 0))
+        self._changed.add(chain_id)
         if foreign:
             self._foreign[chain_id] = foreign
         else:
@@ -87,6 +97,7 @@ class SlotTable:
             self.release(request_id)
         for chain_id in [c for c in self._foreign if c not in live]:
             del self._foreign[chain_id]
+            self._changed.add(chain_id)
         return released
 
     def held(self) -> list[tuple[str, str, float]]:

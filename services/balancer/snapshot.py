@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable, Mapping
 
 from msgspec import Struct
 
-from contracts.messages import Heartbeat, RouteRequest, WorkerRegistration
+from contracts.messages import Heartbeat, KvTransfer, RouteRequest, WorkerRegistration
 from services.balancer.backlog import PrefillBacklog
 from services.balancer.chains import kv_slots
 from services.balancer.speed import StepModel
@@ -59,6 +59,8 @@ class NodeFacts(Struct, frozen=True):
     # Requests the waiting queue is expected to gain over the growth horizon.
     growth_penalty: float
     sent_at: float
+    # How a prompt's KV moves to or from the node, when it says (a two-node chain's hand-off cost).
+    kv_transfer: KvTransfer | None = None
 
 
 class ChainState(Struct, frozen=True):
@@ -70,9 +72,9 @@ class ChainState(Struct, frozen=True):
     prefill_backlog_s: float = 0.0
     # Requests heard finished on the node since its last heartbeat, which still counts them.
     finished_since_heartbeat: int = 0
-    # A decode chain whose prompt a prefill node runs: seconds until that
-    # node has it ready (its backlog, then the prompt). None: this node
-    # prefills the prompt itself.
+    # A decode chain whose prompt a prefill node runs: seconds until this
+    # node holds it (that node's backlog, the prompt, then the KV transfer).
+    # None: this node prefills the prompt itself.
     remote_prefill_s: float | None = None
 
     @property
@@ -157,12 +159,41 @@ class SnapshotBuilder:
         self._facts: dict[str, tuple[float, int, NodeFacts]] = {}
         self._finished: dict[str, int] = {}
         self._version = 0  # bumps on each health verdict, invalidating every cached fact
+        # Nodes whose facts, prefill backlog or finished count changed since the last `take_changed`.
+        self._changed: set[str] = set()
+
+    @property
+    def version(self) -> int:
+        """Bumps whenever every node's cached facts become stale (a health verdict)."""
+        return self._version
+
+    def take_changed(self) -> set[str]:
+        """Nodes whose facts, prefill backlog or finished count may have changed since the last call."""
+        changed, self._changed = self._changed, set()
+        return changed
+
+    def cached_facts(self, worker_id: str) -> NodeFacts | None:
+        """The node's facts as last read, without reading them again."""
+        cached = self._facts.get(worker_id)
+        return cached[2] if cached is not None else None
+
+    def finished_since_heartbeat(self, worker_id: str) -> int:
+        return self._finished.get(worker_id, 0)
+
+    def backlog_s(self, facts: NodeFacts, now: float) -> float:
+        """Seconds of prefill this balancer sent the node that it has probably not done by `now`."""
+        return self._backlog.tokens(facts.worker_id, _drain_per_s(facts.model), now) * facts.model.b
+
+    def backlog_state(self, worker_id: str) -> tuple[float, float]:
+        """(tokens left when last updated, when): what `backlog_s` drains from."""
+        return self._backlog.state(worker_id)
 
     def observe(self, heartbeat: Heartbeat) -> None:
         """Feed the trackers; call once per heartbeat received."""
         self._speed.observe(heartbeat)
         # The node's cached facts carry its heartbeat's sent_at, so they are rebuilt at the next snapshot.
         worker_id = heartbeat.registration.worker_id
+        self._changed.add(worker_id)
         self._finished.pop(worker_id, None)
         self._growth.observe(worker_id, heartbeat.sent_at, heartbeat.stats.waiting)
         drain = _drain_per_s(self._effective_model(heartbeat.registration))
@@ -170,16 +201,19 @@ class SnapshotBuilder:
 
     def note_sent(self, chain: ChainState, request: RouteRequest) -> None:
         """`request`'s prompt is prefilled on `chain`'s node: its uncached part joins that node's backlog."""
+        self._changed.add(chain.worker_id)
         self._backlog.add(chain.worker_id, chain.uncached_tokens(request.prompt_tokens), _drain_per_s(chain.node.model), self.clock())
         if self._slots.learn_request_size:
             size = request.prompt_tokens + request.max_tokens
             self._typical_tokens += _REQUEST_SIZE_SMOOTHING * (size - self._typical_tokens)
 
     def note_undone(self, chain: ChainState, request: RouteRequest) -> None:
+        self._changed.add(chain.worker_id)
         self._backlog.withdraw(chain.worker_id, chain.uncached_tokens(request.prompt_tokens), _drain_per_s(chain.node.model), self.clock())
 
     def note_finished(self, worker_id: str) -> None:
         """A request on the node finished: its next heartbeat will no longer count it."""
+        self._changed.add(worker_id)
         self._finished[worker_id] = self._finished.get(worker_id, 0) + 1
 
     def _relative_speed(self, model: StepModel) -> float:
@@ -204,6 +238,7 @@ class SnapshotBuilder:
         self._speed.forget(worker_ids)
         self._growth.forget(worker_ids)
         self._backlog.forget(worker_ids)
+        self._changed.update(worker_ids)
         for worker_id in worker_ids:
             self._facts.pop(worker_id, None)
             self._health.pop(worker_id, None)
@@ -237,8 +272,10 @@ class SnapshotBuilder:
             queue_growth_per_s=growth,
             growth_penalty=max(0.0, growth) * self._growth_horizon_s,
             sent_at=heartbeat.sent_at,
+            kv_transfer=registration.kv_transfer,
         )
         self._facts[worker_id] = (heartbeat.sent_at, self._version, facts)
+        self._changed.add(worker_id)
         return facts
 
     def _slots_of(self, heartbeat: Heartbeat) -> int:
@@ -290,7 +327,9 @@ class SnapshotBuilder:
             facts = self.facts(heartbeat)
             if facts.health_weight <= 0:
                 continue
-            backlog_s = self._backlog.tokens(facts.worker_id, _drain_per_s(facts.model), now) * facts.model.b
-            states.append(ChainState(facts, slots_used(facts.chain_id), cached_blocks.get(facts.worker_id, 0), backlog_s,
-                                     self._finished.get(facts.worker_id, 0)))
+            states.append(self.state(facts, slots_used(facts.chain_id), cached_blocks.get(facts.worker_id, 0), now))
         return states
+
+    def state(self, facts: NodeFacts, slots_used: int, cached_blocks: int, now: float) -> ChainState:
+        """The node's chain as a policy sees it at `now`, for a request whose leading `cached_blocks` it holds."""
+        return ChainState(facts, slots_used, cached_blocks, self.backlog_s(facts, now), self._finished.get(facts.worker_id, 0))

@@ -7,7 +7,7 @@ import uuid
 
 from shared.block_ledger import BlockLedger
 from services.cache_manager.metrics import CacheMetrics
-from services.cache_manager.service import CacheManagerService
+from services.cache_manager.service import CacheManagerService, prewarm_leadership
 from shared.config import KvlaneConfig
 from shared.metrics_http import serve_metrics
 from shared.runner import announce_ready
@@ -20,7 +20,8 @@ async def main(config: KvlaneConfig, stop: asyncio.Event) -> None:
     async with service_context(config, "cache-manager", manager_id) as ctx:
         metrics = CacheMetrics()
         ledger = BlockLedger(ctx.redis, settings.lease_ttl_s)
-        service = CacheManagerService(settings, ctx.bus, ctx.view, ledger, metrics, manager_id, tracer=ctx.telemetry.tracer)
+        service = CacheManagerService(settings, ctx.bus, ctx.view, ledger, metrics, manager_id, tracer=ctx.telemetry.tracer,
+                                      prewarm_leader=prewarm_leadership(ctx.redis, settings, manager_id))
         metrics_runner = None
         try:
             await service.start()

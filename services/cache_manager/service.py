@@ -4,6 +4,14 @@ It answers allocate / release / lookup / status on `kvlane.v1.cache.request`
 (a queue group: replicas share the work and the Redis ledger), renews
 leases from workers' `RenewLeases`, releases on `RequestFinished`, keeps the
 prefix index from workers' `KvEvents`, and pre-warms hot prefixes.
+
+Any number of replicas may run. Requests, renewals and releases go to one
+replica each (queue groups) and every change to the ledger is one atomic
+script, so replicas never over-commit a node. Every replica reaps expired
+leases (reaping twice frees nothing twice); pre-warming, which sends work to
+workers, runs only on the replica that holds the `prewarm` leadership lock
+in Redis, and every replica hears the routed prefixes, so whichever leads
+knows what is hot.
 """
 
 from __future__ import annotations
@@ -12,6 +20,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 
+import redis.asyncio as redis
 import structlog
 from nats.aio.msg import Msg
 from opentelemetry import trace
@@ -53,6 +62,7 @@ from shared.cluster import ClusterView
 from shared.config import CacheManagerSettings
 from shared.coalescer import Coalescer
 from shared.kv_allocation import Demand, NodeCapacity, ask_on_node, plan_preemption, rank
+from shared.leadership import Leadership
 from shared.periodic import Periodic
 from shared.prefix_index import PrefixIndex
 from shared.spans import annotate_allocation
@@ -60,6 +70,17 @@ from shared.spans import annotate_allocation
 log = structlog.get_logger("kvlane.cache_manager")
 
 _RESERVE_ATTEMPTS = 3
+# The pre-warming lock lives this many maintenance intervals: its holder renews it every interval.
+_LEADER_TTL_INTERVALS = 3
+
+
+def maintenance_interval_s(settings: CacheManagerSettings) -> float:
+    return min(1.0, settings.lease_ttl_s / 4)
+
+
+def prewarm_leadership(client: redis.Redis, settings: CacheManagerSettings, manager_id: str) -> Leadership:
+    """The lock that makes one replica at a time pre-warm."""
+    return Leadership(client, "prewarm", manager_id, maintenance_interval_s(settings) * _LEADER_TTL_INTERVALS)
 
 
 class CacheManagerService:
@@ -73,6 +94,7 @@ class CacheManagerService:
         manager_id: str,
         clock: Callable[[], float] = time.monotonic,
         tracer: Tracer | None = None,
+        prewarm_leader: Leadership | None = None,
     ) -> None:
         self._settings = settings
         self._tracer = tracer or trace.NoOpTracer()
@@ -87,16 +109,22 @@ class CacheManagerService:
         self._history: deque[tuple[float, str, list[int]]] = deque()
         self._hot = HotPrefixTracker(settings.prewarm_window_s, settings.prewarm_min_hits)
         self._prewarming: dict[tuple[int, str], float] = {}
-        self._maintenance = Periodic("cache-maintenance", min(1.0, settings.lease_ttl_s / 4), self._maintain)
+        self._maintenance = Periodic("cache-maintenance", maintenance_interval_s(settings), self._maintain)
+        # None: this replica pre-warms alone.
+        self._prewarm_leader = prewarm_leader
         # Leases of finished requests go back a batch at a time: one Redis round trip per burst.
         self._finished: Coalescer[tuple[str, str | None]] = Coalescer("lease-releases", self._release_finished)
 
     async def start(self) -> None:
+        # Before answering anything: a replica that returns after an outage finds the ledger full of the
+        # leases nobody released meanwhile, and those that expired must not refuse its first allocations.
+        await self._reap_expired()
         queue = subjects.CACHE_QUEUE_GROUP
         await self._bus.subscribe(subjects.CACHE_REQUEST, CacheRequest, self._on_request, queue=queue, concurrent=True)
         await self._bus.subscribe(subjects.CACHE_RENEW, RenewLeases, self._on_renew, queue=queue, traced=False)
-        await self._bus.subscribe(subjects.CACHE_ROUTED, PrefixesRouted, self._on_routed, queue=queue, traced=False)
-        # Every replica keeps its own index, so these are broadcast (no queue).
+        # Every replica keeps its own index and hot prefixes (whichever leads pre-warming uses them), so these are
+        # broadcast (no queue).
+        await self._bus.subscribe(subjects.CACHE_ROUTED, PrefixesRouted, self._on_routed, traced=False)
         await self._bus.subscribe(subjects.KV_EVENTS_ALL, KvEvents, self._on_kv_events, traced=False)
         await self._bus.subscribe(subjects.REQUEST_FINISHED, RequestFinished, self._on_finished, queue=queue, traced=False)
         await self._bus.subscribe(subjects.ROUTE_WITHDRAWN, RouteWithdrawn, self._on_withdrawn, queue=queue)
@@ -106,6 +134,8 @@ class CacheManagerService:
     async def stop(self) -> None:
         await self._maintenance.stop()
         await self._finished.close()
+        if self._prewarm_leader is not None:
+            await self._prewarm_leader.resign()
 
     # --- requests -----------------------------------------------------------------
 
@@ -217,7 +247,7 @@ class CacheManagerService:
             blocks=blocks,
             cached_blocks=cached_blocks,
             pool=pool,  # type: ignore[arg-type]
-            lease_expires_at=time.time() + self._ledger.lease_ttl_s,
+            lease_ttl_s=self._ledger.lease_ttl_s,
             preempted=preempted or [],
         )
 
@@ -230,19 +260,21 @@ class CacheManagerService:
         if plan is None:
             return None
         node = next(node for node, _ in nodes if node.worker_id == plan.worker_id)
-        for victim in plan.victims:
-            await self._ledger.release(victim.request_id)
-            await self._bus.publish(heartbeats[node.worker_id].registration.inbox, AbortRequest(victim.request_id, reason="preempted"))
-            self._metrics.preempted()
-            log.info("preempted", victim=victim.request_id, for_request=request.request_id, worker_id=node.worker_id)
-        reservation = await self._ledger.reserve(
+        # One atomic step: were the victims released first, another replica could take their blocks
+        # before the newcomer's reservation, and they would be aborted for nothing.
+        preemption = await self._ledger.preempt(
             request.request_id, node.worker_id, plan.blocks, plan.pool, node.blocks_total - node.short_pool(settings),
-            node.short_pool(settings), request.priority, request.max_tokens,
+            node.short_pool(settings), request.priority, request.max_tokens, [v.request_id for v in plan.victims],
         )
-        if not reservation.granted:
+        if not preemption.reservation.granted:
             return None
+        for victim in preemption.preempted:
+            await self._bus.publish(heartbeats[node.worker_id].registration.inbox, AbortRequest(victim, reason="preempted"))
+            self._metrics.preempted()
+            log.info("preempted", victim=victim, for_request=request.request_id, worker_id=node.worker_id)
+        reservation = preemption.reservation
         return self._granted(request, node.worker_id, reservation.blocks, plan.cached_blocks, reservation.pool,
-                             [v.request_id for v in plan.victims])
+                             preemption.preempted)
 
     async def status(self) -> CacheStatus:
         live = sorted(hb.registration.worker_id for hb in self._view.live(self._clock()))
@@ -309,13 +341,7 @@ class CacheManagerService:
     # --- maintenance: reaping, history expiry, pre-warming ---------------------------
 
     async def _maintain(self) -> None:
-        try:
-            reaped = await self._ledger.reap()
-            if reaped:
-                self._metrics.expired_leases.inc(len(reaped))
-                log.info("leases_expired", count=len(reaped), request_ids=reaped[:10])
-        except (RedisError, OSError) as exc:
-            log.warning("lease_reap_failed", error=str(exc))
+        await self._reap_expired()
         now = self._clock()
         for worker_id in self._view.prune(now):
             self._forget_node(worker_id)
@@ -324,8 +350,18 @@ class CacheManagerService:
             if worker_id not in self._nodes_with_events:
                 self.index.apply(worker_id, removed=hashes)
         self._metrics.indexed_blocks.set(len(self.index))
-        if self._settings.prewarm:
+        if self._settings.prewarm and (self._prewarm_leader is None or await self._prewarm_leader.leading()):
             await self._prewarm(now)
+
+    async def _reap_expired(self) -> None:
+        # On every replica: the reaping script frees each expired lease once, whoever runs it.
+        try:
+            reaped = await self._ledger.reap()
+            if reaped:
+                self._metrics.expired_leases.inc(len(reaped))
+                log.info("leases_expired", count=len(reaped), request_ids=reaped[:10])
+        except (RedisError, OSError) as exc:
+            log.warning("lease_reap_failed", error=str(exc))
 
     def _observe_prefix(self, model: str, block_hashes: list[int], prefix_token_ids: list[int]) -> None:
         if not self._settings.prewarm or not prefix_token_ids or not block_hashes:
@@ -361,7 +397,7 @@ class CacheManagerService:
                 prompt_token_ids=list(plan.prefix.token_ids),
                 sampling=SamplingParams(max_tokens=1, temperature=0.0),
                 stream_to=subjects.stream_subject(self._manager_id, request_id),
-                deadline=time.time() + 60,
+                timeout_s=60.0,
             )
             self._prewarming[(plan.prefix.key, plan.target)] = now + self._settings.prewarm_window_s
             await self._bus.publish(registration.inbox, prefill)

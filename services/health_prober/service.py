@@ -121,7 +121,7 @@ class HealthProberService:
                 prompt_token_ids=_PROBE_PROMPT,
                 sampling=SamplingParams(max_tokens=1, temperature=0.0),
                 stream_to=stream.subject,
-                deadline=time.time() + timeout,
+                timeout_s=timeout,
             )
             try:
                 reply = await self._bus.request(registration.inbox, request, WorkerReply, timeout)

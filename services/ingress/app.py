@@ -121,6 +121,7 @@ class IngressApp:
     async def ready(self, request: web.Request) -> web.Response:
         live = [hb for hb in self._view.live(self._clock()) if not hb.draining]
         missing = [] if self._readiness is None else await self._readiness.missing()
+        degraded = [] if self._readiness is None else await self._readiness.degraded()
         await self._completions.preload_tokenizers()
         missing += self._completions.tokenizers_missing()
         if not self._is_connected():
@@ -128,7 +129,8 @@ class IngressApp:
         if not live:
             missing.append("workers")
         ready = not missing
-        status = HealthStatus("ok" if ready else "not_ready", len(live), sorted({hb.registration.model for hb in live}), missing)
+        status = HealthStatus("ok" if ready else "not_ready", len(live), sorted({hb.registration.model for hb in live}), missing,
+                              degraded)
         return web.Response(status=200 if ready else 503, body=_ENCODER.encode(status), content_type="application/json")
 
     async def metrics(self, request: web.Request) -> web.Response:

@@ -34,7 +34,8 @@ from shared.cluster import ClusterView
 from shared.config import IngressSettings, TracingSettings
 from shared import genai
 from shared.telemetry import Telemetry
-from shared.tokenizer import Tokenizer, load_tokenizer
+from shared.model_store import ModelFileCache, load_served_tokenizer
+from shared.tokenizer import Tokenizer
 
 log = structlog.get_logger("kvlane.ingress")
 _ENCODER = msgspec.json.Encoder()
@@ -75,8 +76,11 @@ class Completions:
         telemetry: Telemetry | None = None,
         on_served: Callable[[RequestServed], None] = lambda served: None,
         auth: Authenticator | None = None,
+        model_files: ModelFileCache | None = None,
     ) -> None:
         self._settings = settings
+        # Tokenizer files fetched from the bus, for models whose directory this host lacks.
+        self._model_files = model_files
         # API keys, their policy and limits (None, or not required: anyone may ask, as before).
         self._auth = auth if auth is not None and auth.required else None
         # Told of each request answered, with the latencies its client saw (the autoscaler's signal).
@@ -89,7 +93,8 @@ class Completions:
         self._telemetry = telemetry or Telemetry(TracingSettings(), "ingress")
         meter = self._telemetry.meter
         self._genai = genai.GenAiServerMetrics(meter) if meter is not None else None
-        self._tokenizers: dict[str, asyncio.Future[Tokenizer]] = {}
+        # By (spec, files on the bus): what a worker's registration says of its tokenizer.
+        self._tokenizers: dict[tuple[str, str], asyncio.Future[Tokenizer]] = {}
         self._decoders = {op.name: msgspec.json.Decoder(op.request_type) for op in (CHAT, TEXT_COMPLETION)}
 
     async def start(
@@ -123,7 +128,7 @@ class Completions:
             span.model(body.model)
             Authenticator.check_model(key, body.model)
             registration = self._model(body.model)
-            tokenizer = await self._tokenizer(registration.tokenizer)
+            tokenizer = await self._tokenizer(registration)
             asked = prepare(body, registration, tokenizer, self._settings.max_tokens_default)
             # The key's tenant rides along; a priority above the key's maximum is lowered to it.
             prepared = Authenticator.apply(key, asked)
@@ -166,14 +171,20 @@ class Completions:
     # --- tokenizers ---------------------------------------------------------------
 
     async def preload_tokenizers(self) -> None:
-        """Start loading the tokenizer of each model a live worker serves, before its first request needs it."""
-        for registration in self._view.models(self._clock()).values():
-            if registration.tokenizer not in self._tokenizers:
-                self._load(registration.tokenizer)
+        """Start loading the tokenizer of each model a live worker serves, before its first request needs it.
 
-    def _load(self, spec: str) -> asyncio.Future[Tokenizer]:
+        One that failed is tried again: a fetch from the bus may fail for a
+        moment, and /ready would otherwise leave the model out for good.
+        """
+        for registration in self._view.models(self._clock()).values():
+            loading = self._tokenizers.get(_tokenizer_key(registration))
+            if loading is None or (loading.done() and loading.exception() is not None):
+                self._load(registration)
+
+    def _load(self, registration: WorkerRegistration) -> asyncio.Future[Tokenizer]:
         # Off the event loop, once, shared by concurrent requests.
-        loading = self._tokenizers[spec] = asyncio.ensure_future(asyncio.to_thread(load_tokenizer, spec))
+        spec, files = _tokenizer_key(registration)
+        loading = self._tokenizers[spec, files] = asyncio.ensure_future(load_served_tokenizer(spec, files, self._model_files))
 
         def report(done: asyncio.Future[Tokenizer]) -> None:
             if not done.cancelled() and done.exception() is not None:
@@ -182,10 +193,10 @@ class Completions:
         loading.add_done_callback(report)
         return loading
 
-    async def _tokenizer(self, spec: str) -> Tokenizer:
-        loading = self._tokenizers.get(spec)
+    async def _tokenizer(self, registration: WorkerRegistration) -> Tokenizer:
+        loading = self._tokenizers.get(_tokenizer_key(registration))
         if loading is None or (loading.done() and loading.exception() is not None):
-            loading = self._load(spec)  # a request tries a failed one again
+            loading = self._load(registration)  # a request tries a failed one again
         try:
             return await asyncio.shield(loading)
         except ValueError as exc:
@@ -193,12 +204,16 @@ class Completions:
 
     def tokenizers_missing(self) -> list[str]:
         """Models whose tokenizer is not loaded (yet): ingress cannot serve them."""
-        def loaded(spec: str) -> bool:
-            loading = self._tokenizers.get(spec)
+        def loaded(registration: WorkerRegistration) -> bool:
+            loading = self._tokenizers.get(_tokenizer_key(registration))
             return loading is not None and loading.done() and loading.exception() is None
 
         models = self._view.models(self._clock())
-        return [f"tokenizer:{name}" for name, registration in sorted(models.items()) if not loaded(registration.tokenizer)]
+        return [f"tokenizer:{name}" for name, registration in sorted(models.items()) if not loaded(registration)]
+
+
+def _tokenizer_key(registration: WorkerRegistration) -> tuple[str, str]:
+    return registration.tokenizer, registration.tokenizer_files
 
 
 class CompletionCall:

@@ -4,7 +4,8 @@ A worker that is gone (no responders), slow to accept, or draining is
 excluded and the request is routed again, up to `dispatch_attempts` times.
 
 Once a worker has accepted, its frames are relayed. If the stream breaks
-off (the worker dies, stalls, drops frames, fails, or is preempted), the
+off (the worker dies, stalls, drops frames, fails, is preempted, or hands
+the request back because it is leaving: drain timeout, dead engine), the
 request resumes on another worker (or the same one, after a preemption)
 with the tokens already relayed as `resume_token_ids`: the client's stream
 goes on with no duplicated and no missing token, and its frames keep one
@@ -62,17 +63,22 @@ _RETRYABLE_WORKER_CODES = {"draining"}
 class StreamInterrupted(Exception):
     """The stream broke off; `culprit` is the node at fault (excluded next time) and `feedback` what it did."""
 
-    def __init__(self, reason: str, feedback: FeedbackKind | None, culprit: str = "", preempted: bool = False) -> None:
+    def __init__(self, reason: str, feedback: FeedbackKind | None, culprit: str = "", preempted: bool = False,
+                 handed_back: bool = False) -> None:
         super().__init__(reason)
         self.reason = reason
         self.feedback = feedback
         self.culprit = culprit
         self.preempted = preempted
+        self.handed_back = handed_back
 
     @property
     def cause(self) -> str:
-        """Why, in one word (the migrations metric's label): preempted, error, timeout, or reconnect (frames lost)."""
-        return "preempted" if self.preempted else (self.feedback or "reconnect")
+        """Why, in one word (the migrations metric's label): preempted, handed_back (the worker is leaving),
+        error, timeout, or reconnect (frames lost)."""
+        if self.preempted:
+            return "preempted"
+        return "handed_back" if self.handed_back else (self.feedback or "reconnect")
 
 
 class _Attempt:
@@ -159,7 +165,8 @@ class Dispatcher:
         A balancer that degrades the request under overload caps its tokens:
         `on_capped` hears the request's new `max_tokens`.
         """
-        deadline = time.time() + self._settings.request_timeout_s
+        # On this host's monotonic clock; each message carries the time left (hosts' clocks disagree).
+        deadline = time.monotonic() + self._settings.request_timeout_s
         excluded: list[str] = []
         produced: list[int] = []
         out_seq = handovers = refused = migrations = preemptions = 0
@@ -255,7 +262,7 @@ class Dispatcher:
             model=prepared.model,
             prompt_tokens=len(prepared.prompt_token_ids) + produced,
             max_tokens=prepared.sampling.max_tokens - produced,
-            deadline=deadline,
+            timeout_s=max(0.0, deadline - time.monotonic()),
             block_hashes=prepared.block_hashes,
             exclude_workers=excluded,
             priority=prepared.priority,
@@ -265,7 +272,7 @@ class Dispatcher:
         # The balancer may hold the request in its central queue, at most
         # `max_queue_wait_s` (then it answers 503 itself). No answer by then
         # means the balancer went away holding it: ask again, once.
-        timeout = self._settings.route_timeout_s + min(self._max_queue_wait_s, max(0.0, deadline - time.time()))
+        timeout = self._settings.route_timeout_s + min(self._max_queue_wait_s, route.timeout_s)
         for attempt in (1, 2):
             try:
                 reply = await self._bus.request(subjects.ROUTE, route, RouteReply, timeout, context=context)
@@ -293,7 +300,7 @@ class Dispatcher:
             prompt_token_ids=prepared.prompt_token_ids,
             sampling=prepared.sampling,
             stream_to=stream.subject,
-            deadline=deadline,
+            timeout_s=max(0.0, deadline - time.monotonic()),
             resume_token_ids=list(produced),
         )
         if decision.prefill_inbox:
@@ -353,6 +360,13 @@ class Dispatcher:
                     prefill = ""
                 case ErrorReply(code="preempted"):
                     raise StreamInterrupted("preempted to make room", None, preempted=True)
+                case ErrorReply(code="deadline_exceeded"):
+                    # The request's own time ran out: no node is at fault, and resuming it leaves no time either.
+                    raise ApiError.from_reply(frame)
+                case ErrorReply(code="draining"):
+                    # The node is leaving (drain timeout, dead engine), not at fault: resume elsewhere.
+                    raise StreamInterrupted(f"worker {source} handed the request back: {frame.message}", None, source,
+                                            handed_back=True)
                 case ErrorReply(status=status) if status >= 500:
                     raise StreamInterrupted(f"worker {source} failed: {frame.message}", "error", source)
                 case ErrorReply():

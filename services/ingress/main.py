@@ -27,6 +27,7 @@ from shared.api_keys import ApiKeyStore
 from shared.bus import Bus, StreamReceiver
 from shared.config import KvlaneConfig
 from shared.key_limits import KeyLimiter
+from shared.model_store import ModelFileCache, default_cache_dir
 from shared.periodic import Periodic
 from shared.runner import announce_ready
 from shared.service_context import service_context
@@ -51,7 +52,8 @@ async def main(config: KvlaneConfig, stop: asyncio.Event) -> None:
         )
         dependencies = [Dependency("balancer", subjects.BALANCER_STATUS, BalancerStatusRequest(model="-"), BalancerStatusReply)]
         if config.balancer.allocate_kv:
-            dependencies.append(Dependency("cache-manager", subjects.CACHE_REQUEST, LookupRequest([]), CacheReply))
+            # Without one, routes go on without KV leases (the balancer counts them): served, less safely.
+            dependencies.append(Dependency("cache-manager", subjects.CACHE_REQUEST, LookupRequest([]), CacheReply, required=False))
         try:  # API keys: in Redis (shared by every replica) and, optionally, a keys file
             auth = Authenticator(settings.auth, ApiKeyStore(ctx.redis), KeyLimiter(ctx.redis))
         except ValueError as exc:
@@ -59,6 +61,7 @@ async def main(config: KvlaneConfig, stop: asyncio.Event) -> None:
         completions = Completions(
             settings, view, dispatcher, metrics, telemetry=ctx.telemetry,
             on_served=lambda served: bus.spawn(_publish_served(bus, served)), auth=auth,
+            model_files=ModelFileCache(bus.client, settings.model_cache_dir or default_cache_dir()),
         )
         # Slow clients, oversized heads, too many connections or streams per client (http_guard.py).
         guard = HttpGuard(settings, COMPLETION_PATHS)

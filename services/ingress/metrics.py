@@ -85,7 +85,7 @@ class IngressMetrics:
         )
         self._migrations = Counter(
             "kvlane_ingress_migrations",
-            "Broken-off streams resumed on a node, by cause (preempted, error, timeout, reconnect).", [*MODEL, "cause"],
+            "Broken-off streams resumed on a node, by cause (preempted, handed_back, error, timeout, reconnect).", [*MODEL, "cause"],
             registry=r,
         )
         if view is not None:

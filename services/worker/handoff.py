@@ -33,12 +33,10 @@ log = structlog.get_logger("kvlane.worker.handoff")
 class KvHolds:
     """The KV references this (prefill) node holds, each until released or expired."""
 
-    def __init__(self, bus: Bus, worker_id: str, release: Callable[[str], None],
-                 clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, bus: Bus, worker_id: str, release: Callable[[str], None]) -> None:
         self._bus = bus
         self._worker_id = worker_id
         self._release = release
-        self._clock = clock
         self._held: dict[str, tuple[KvRef, asyncio.TimerHandle]] = {}
 
     async def start(self) -> None:
@@ -53,8 +51,16 @@ class KvHolds:
         previous = self._held.pop(request_id, None)
         if previous is not None:
             previous[1].cancel()
-        timer = asyncio.get_running_loop().call_later(max(0.0, ref.expires_at - self._clock()), self._expire, request_id)
+        timer = asyncio.get_running_loop().call_later(ref.hold_s, self._expire, request_id)
         self._held[request_id] = (ref, timer)
+
+    def time_left(self, request_id: str) -> float:
+        """Seconds until the hold on `request_id`'s KV ends (0 if none is held)."""
+        entry = self._held.get(request_id)
+        if entry is None:
+            return 0.0
+        timer = entry[1]
+        return max(0.0, timer.when() - asyncio.get_running_loop().time())
 
     def release(self, request_id: str) -> None:
         entry = self._held.pop(request_id, None)
@@ -92,9 +98,12 @@ class KvPuller:
         self._worker_id = worker_id
         self._timeout_s = timeout_s
 
-    async def pull(self, request_id: str, ref: KvRef) -> None:
-        """Raise `KvPullFailed` unless the source still holds `request_id`'s KV for us."""
-        if ref.expires_at <= time.time():
+    async def pull(self, request_id: str, ref: KvRef, held_until: float | None) -> None:
+        """Raise `KvPullFailed` unless the source still holds `request_id`'s KV for us.
+
+        `held_until`: when the source's hold ends, on `time.monotonic`'s clock (None: not known here).
+        """
+        if held_until is not None and held_until <= time.monotonic():
             raise KvPullFailed(f"KV of {request_id} on {ref.source_worker_id} expired")
         subject = subjects.worker_kv(ref.source_worker_id)
         try:

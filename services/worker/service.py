@@ -10,6 +10,13 @@ Disaggregated chains: a prefill node takes `PrefillRequest`s, runs the
 prompt, holds the KV and hands the request to the decode node (a
 `GenerateRequest` with a `KvRef`); from then on the decode node owns it. A
 decode node pulls the KV (`kv_pull_attempts` tries), else prefills itself.
+
+Leaving: a drain (SIGTERM) takes no new request and lets running ones
+finish; those still running at the drain timeout are handed back (a
+`draining` error, 503), and ingress resumes them elsewhere after the tokens
+already sent. If the engine dies, the worker leaves the cluster at once
+(`WorkerLeft`, no more heartbeats), hands its requests back the same way,
+and `engine_death` tells the process to exit for a restart.
 """
 
 from __future__ import annotations
@@ -34,7 +41,6 @@ from contracts.messages import (
     GenerateAccepted,
     GenerateRequest,
     Handoff,
-    Heartbeat,
     KvEvents,
     KvRef,
     PrefillRequest,
@@ -56,6 +62,7 @@ from services.worker.metrics import WorkerMetrics
 from services.worker.tracing import FIRST_OUTPUT_EVENT, KvTransferSpan, end_request_span, kv_attributes, request_span
 from shared.bus import Bus, BusError
 from shared.config import ClusterSettings, WorkerSettings
+from shared.heartbeats import HeartbeatSender
 from shared.periodic import Periodic
 from shared.runner import announce_ready
 from shared.state import ClusterState
@@ -63,6 +70,17 @@ from shared.stream_outbox import StreamOutbox
 from shared.telemetry import set_error
 
 log = structlog.get_logger("kvlane.worker")
+
+# Abort reasons whose request is resumed elsewhere by whoever streams it: they end with a 503, not a 499.
+_HANDED_BACK_REASONS = ("preempted", "draining")
+# How long requests get to end by themselves once the engine died (it fails them at once) before they are cancelled.
+_ENGINE_DEATH_GRACE_S = 2.0
+
+
+def _abort_reply(reason: str) -> ErrorReply:
+    if reason in _HANDED_BACK_REASONS:
+        return ErrorReply(code=reason, message=f"request {reason}: resume it elsewhere", status=503, retry_after_s=0)
+    return ErrorReply(code=reason, message=f"request {reason}", status=499)
 
 
 class WorkerService:
@@ -96,7 +114,11 @@ class WorkerService:
         self._generated: dict[str, int] = {}
         self._abort_reasons: dict[str, str] = {}
         self._draining = False
+        # Why the engine died (None while it lives); set once, when the worker starts to leave.
+        self._engine_death_cause: str | None = None
+        self._left_after_engine_death = asyncio.Event()
         self._heartbeat_seq = 0
+        self._heartbeats = HeartbeatSender(cluster.full_heartbeat_every)
         self._kv_seq = 0
         self._background = [
             Periodic("heartbeat", cluster.heartbeat_interval_s, self._send_heartbeat),
@@ -125,20 +147,78 @@ class WorkerService:
         await self._send_heartbeat()
         if self._running:
             done, pending = await asyncio.wait(list(self._running.values()), timeout=timeout_s)
-            for task in pending:
-                task.cancel()
             if pending:
-                self._log.warning("drain_timeout_aborted", aborted=len(pending))
-                await asyncio.gather(*pending, return_exceptions=True)
-        await asyncio.gather(*(periodic.stop() for periodic in self._background))
-        await self._outbox.close()
-        worker_id = self.registration.worker_id
-        await self._bus.publish(subjects.WORKER_LEFT, WorkerLeft(worker_id=worker_id, reason="drained"))
-        with contextlib.suppress(RedisError, OSError):
-            await self._state.remove_node(worker_id)
+                self._log.warning("drain_timeout_handed_back", handed_back=len(pending))
+                await self._hand_back(pending)
+        await self._stop_background()
+        await self._outbox.close()  # the handed-back requests' last frames go before the node leaves
+        await self._announce_left("drained")
         await self._bus.flush()
         self._holds.release_all()
         await self._engine.shutdown()
+
+    @property
+    def engine_dead(self) -> bool:
+        return self._engine_death_cause is not None
+
+    async def engine_death(self) -> str:
+        """Wait until the engine died and the worker has left the cluster; why it died."""
+        await self._left_after_engine_death.wait()
+        assert self._engine_death_cause is not None
+        return self._engine_death_cause
+
+    def _check_engine(self) -> bool:
+        """Whether the engine still lives; the first time it is found dead, the worker starts to leave."""
+        if not self._engine.errored:
+            return True
+        if self._engine_death_cause is None:
+            self._engine_death_cause = "the engine died"
+            self._draining = True
+            self._bus.spawn(self._leave_after_engine_death())
+        return False
+
+    async def _leave_after_engine_death(self) -> None:
+        self._log.error("engine_died_leaving", in_flight=len(self._running))
+        try:
+            # Out of every view first: nothing more is routed here, and a supervisor may restart the process.
+            await self._stop_background()
+            await self._announce_left("engine_dead")
+            if self._running:
+                # The dead engine fails its requests at once (each is handed back as it ends);
+                # any not in the engine (a KV pull, a hand-off) is cancelled and handed back.
+                _, pending = await asyncio.wait(list(self._running.values()), timeout=_ENGINE_DEATH_GRACE_S)
+                if pending:
+                    await self._hand_back(pending)
+            await self._outbox.close()
+            await self._bus.flush()
+            self._holds.release_all()
+            await self._engine.shutdown()
+        except Exception:
+            self._log.exception("leaving_after_engine_death_failed")
+        finally:
+            # Whatever went wrong above, the process must still exit for its restart.
+            self._left_after_engine_death.set()
+
+    async def _hand_back(self, tasks: set[asyncio.Task]) -> None:
+        """Cancel these running requests, each ending with a `draining` error that sends it elsewhere."""
+        running = {task: request_id for request_id, task in self._running.items()}
+        for task in tasks:
+            request_id = running.get(task)
+            if request_id is not None:
+                self._abort_reasons.setdefault(request_id, "draining")
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _stop_background(self) -> None:
+        await asyncio.gather(*(periodic.stop() for periodic in self._background))
+
+    async def _announce_left(self, reason: str) -> None:
+        worker_id = self.registration.worker_id
+        # Redis first: a process that re-reads it after hearing `WorkerLeft` must not find the node again.
+        with contextlib.suppress(RedisError, OSError):
+            await self._state.remove_node(worker_id)
+        with contextlib.suppress(Exception):
+            await self._bus.publish(subjects.WORKER_LEFT, WorkerLeft(worker_id=worker_id, reason=reason))
 
     @property
     def in_flight(self) -> int:
@@ -176,27 +256,32 @@ class WorkerService:
     def _admit(self, request: RequestToRun) -> GenerateAccepted | ErrorReply:
         if isinstance(request, PrefillRequest) and self.registration.role != "prefill":
             return ErrorReply(code="not_a_prefill_node", message=f"worker {self.registration.worker_id} is {self.registration.role}", status=503)
-        if self._draining:
+        if self._draining or not self._check_engine():
             return ErrorReply(code="draining", message="worker is draining", status=503, retry_after_s=0)
         if request.model != self.registration.model:
             return ErrorReply(code="model_not_found", message=f"this worker serves {self.registration.model!r}", status=404)
         if request.request_id in self._running:
             return ErrorReply(code="duplicate_request", message=f"request {request.request_id} is already running", status=409)
-        if request.deadline <= time.time():
+        if request.timeout_s <= 0:
             return ErrorReply(code="deadline_exceeded", message="deadline passed before the worker got the request", status=504)
+        # The sender's time left, as a moment on this host's own clock (the sender's clock may be off).
+        received = time.monotonic()
+        deadline = received + request.timeout_s
         kv_ref = request.kv_ref if isinstance(request, GenerateRequest) else None
-        engine_request = EngineRequest(request.request_id, request.prompt_token_ids, request.sampling, request.resume_token_ids, kv_ref)
+        engine_request = EngineRequest(request.request_id, request.prompt_token_ids, request.sampling, request.resume_token_ids, kv_ref,
+                                       kv_held_until=None if kv_ref is None else received + kv_ref.hold_s)
         try:
             self._engine.check(engine_request)
         except RequestRejected as exc:
             return ErrorReply(code="invalid_request", message=str(exc), status=400)
         run = self._run if isinstance(request, GenerateRequest) else self._run_prefill
-        task = asyncio.create_task(run(request, engine_request))  # type: ignore[arg-type]
+        task = asyncio.create_task(run(request, engine_request, deadline))  # type: ignore[arg-type]
         self._running[request.request_id] = task
         task.add_done_callback(lambda _: self._running.pop(request.request_id, None))
         return GenerateAccepted(request_id=request.request_id, worker_id=self.registration.worker_id)
 
-    async def _run(self, request: GenerateRequest, engine_request: EngineRequest) -> None:
+    async def _run(self, request: GenerateRequest, engine_request: EngineRequest, deadline: float) -> None:
+        """Run `request` here until it ends or `deadline` (on `time.monotonic`'s clock) passes."""
         started = time.monotonic()
         first_token_at: float | None = None
         seq = cached_tokens = 0
@@ -210,7 +295,7 @@ class WorkerService:
         try:
             # aclosing: however the loop ends, the engine's generator is closed now, which
             # aborts the request in the engine (not whenever the garbage collector gets to it).
-            async with asyncio.timeout(request.deadline - time.time()), contextlib.aclosing(self._outputs(engine_request)) as outputs:
+            async with asyncio.timeout(deadline - time.monotonic()), contextlib.aclosing(self._outputs(engine_request)) as outputs:
                 async for output in outputs:
                     if first_token_at is None:
                         first_token_at = time.monotonic()
@@ -240,13 +325,16 @@ class WorkerService:
             outcome = "abort"
             reason = self._abort_reasons.get(request.request_id, "aborted")
             span.set_attribute("kvlane.abort_reason", reason)
-            # A preempted request is resumed elsewhere by whoever streams it.
-            status = 503 if reason == "preempted" else 499
-            send(request.stream_to, ErrorReply(code=reason, message=f"request {reason}", status=status))
+            send(request.stream_to, _abort_reply(reason))
         except Exception as exc:
-            outcome, failure = "error", "engine_error"
-            self._log.exception("request_failed", request_id=request.request_id)
-            send(request.stream_to, ErrorReply(code="engine_error", message=f"{type(exc).__name__}: {exc}", status=500))
+            if self._check_engine():
+                outcome, failure = "error", "engine_error"
+                self._log.exception("request_failed", request_id=request.request_id)
+                send(request.stream_to, ErrorReply(code="engine_error", message=f"{type(exc).__name__}: {exc}", status=500))
+            else:
+                outcome = "abort"
+                span.set_attribute("kvlane.abort_reason", "draining")
+                send(request.stream_to, _abort_reply("draining"))
         finally:
             end_request_span(span, outcome, failure, completion_tokens, cached_tokens)
             otel_context.detach(trace_token)
@@ -269,7 +357,7 @@ class WorkerService:
                 produced = False
                 pull_started = time.monotonic()
                 try:
-                    await self._puller.pull(request.request_id, ref)
+                    await self._puller.pull(request.request_id, ref, request.kv_held_until)
                     async with contextlib.aclosing(self._engine.generate(request)) as outputs:
                         async for output in outputs:
                             if not produced:
@@ -295,7 +383,7 @@ class WorkerService:
             if not released:
                 self._bus.spawn(self._puller.release(request.request_id, ref))
 
-    async def _run_prefill(self, request: PrefillRequest, engine_request: EngineRequest) -> None:
+    async def _run_prefill(self, request: PrefillRequest, engine_request: EngineRequest, deadline: float) -> None:
         """Prefill, hand over to the decode node; a failure before that ends the request here."""
         started = time.monotonic()
         handed_off = False
@@ -305,14 +393,14 @@ class WorkerService:
         span = request_span(self._tracer, "prefill", self.registration, request)
         trace_token = otel_context.attach(trace.set_span_in_context(span))
         try:
-            async with asyncio.timeout(request.deadline - time.time()):
+            async with asyncio.timeout(deadline - time.monotonic()):
                 ref = await self._engine.prefill(engine_request, self.registration.worker_id, self._settings.kv_hold_timeout_s)
                 self._holds.hold(request.request_id, ref)
                 handoff_attributes = {**kv_attributes(ref, self._kv_link), "kvlane.decode_worker.id": request.decode_worker_id,
                                       "kvlane.kv.cached_tokens": ref.cached_tokens}
                 span.set_attributes(handoff_attributes)
                 with self._tracer.start_as_current_span("kv.handoff", attributes=handoff_attributes) as handoff_span:
-                    error = await self._hand_to_decode(request, ref)
+                    error = await self._hand_to_decode(request, ref, deadline)
                     if error is not None:
                         set_error(handoff_span, error.code, error.message)
             if error is None:
@@ -328,10 +416,15 @@ class WorkerService:
             outcome = "abort"
             reason = self._abort_reasons.get(request.request_id, "aborted")
             span.set_attribute("kvlane.abort_reason", reason)
-            error = ErrorReply(code=reason, message=f"request {reason}", status=503 if reason == "preempted" else 499)
+            error = _abort_reply(reason)
         except Exception as exc:
-            self._log.exception("prefill_failed", request_id=request.request_id)
-            error = ErrorReply(code="engine_error", message=f"{type(exc).__name__}: {exc}", status=500)
+            if self._check_engine():
+                self._log.exception("prefill_failed", request_id=request.request_id)
+                error = ErrorReply(code="engine_error", message=f"{type(exc).__name__}: {exc}", status=500)
+            else:
+                outcome = "abort"
+                span.set_attribute("kvlane.abort_reason", "draining")
+                error = _abort_reply("draining")
         finally:
             failed = None if handed_off or outcome == "abort" or error is None else error.code
             end_request_span(span, "handed_off" if handed_off else outcome, failed)
@@ -345,9 +438,12 @@ class WorkerService:
                         await self._bus.publish(request.stream_to, error)
                 await self._publish_finished(request, outcome, 0, 0, time.monotonic() - started)
 
-    async def _hand_to_decode(self, request: PrefillRequest, ref: KvRef) -> ErrorReply | None:
+    async def _hand_to_decode(self, request: PrefillRequest, ref: KvRef, deadline: float) -> ErrorReply | None:
         """Give the request to its decode node; the error to end it with if that fails."""
         fields = {name: getattr(request, name) for name in RequestToRun.__struct_fields__}
+        # What is left now of the request's time and of the hold, not what was left when they began.
+        fields["timeout_s"] = max(0.0, deadline - time.monotonic())
+        ref = msgspec.structs.replace(ref, hold_s=self._holds.time_left(request.request_id))
         generate = GenerateRequest(**fields, kv_ref=ref)
         decode = request.decode_worker_id
         try:
@@ -403,19 +499,16 @@ class WorkerService:
             self._log.warning("kv_events_publish_failed", error=str(exc))
 
     async def _send_heartbeat(self) -> None:
+        if not self._check_engine():
+            return  # a dead engine's node leaves instead
         self._heartbeat_seq += 1
         stats = self._engine.stats()
         if self._kv_pull_failures:
             stats = msgspec.structs.replace(stats, kv_pull_failures=stats.kv_pull_failures + self._kv_pull_failures)
-        heartbeat = Heartbeat(
-            registration=self.registration,
-            stats=stats,
-            sent_at=time.time(),
-            seq=self._heartbeat_seq,
-            draining=self._draining,
-        )
+        # Redis keeps the full heartbeat; the bus gets the load alone unless the registration is due.
+        heartbeat, on_wire = self._heartbeats.beat(self.registration, stats, time.time(), self._heartbeat_seq, self._draining)
         try:
-            await self._bus.publish(subjects.heartbeat(self.registration.worker_id), heartbeat, traced=False)
+            await self._bus.publish(subjects.heartbeat(self.registration.worker_id), on_wire, traced=False)
         except Exception as exc:  # NATS down: Redis still carries the heartbeat
             self._log.warning("heartbeat_publish_failed", error=str(exc))
         try:

@@ -51,6 +51,7 @@ def launch(
     tune: Callable[[KvlaneConfig], KvlaneConfig] | None = None,
     prefill_workers: int = 0,
     decode_workers: int = 0,
+    cache_managers: int = 1,
     **sim: object,
 ) -> Fleet:
     """A fleet on its own NATS and Redis; `tune` may adjust the config first."""
@@ -61,7 +62,7 @@ def launch(
         launcher.start_redis(redis_port)
         config = fleet_config(nats_port, redis_port, **sim)
         return start_fleet(launcher, tune(config) if tune else config, workers,
-                           prefill_workers=prefill_workers, decode_workers=decode_workers)
+                           prefill_workers=prefill_workers, decode_workers=decode_workers, cache_managers=cache_managers)
     except BaseException:
         launcher.stop_all()
         raise
@@ -87,6 +88,15 @@ def own_fleet(tmp_path: Path) -> Iterator[Fleet]:
     fleet = launch(tmp_path)
     yield fleet
     _stop(fleet)
+
+
+async def until(condition, timeout: float, what) -> float:
+    """Seconds until `condition()` (a coroutine function) holds; `what` (text, or a function giving it) names it on failure."""
+    started = time.monotonic()
+    while not await condition():
+        assert time.monotonic() - started < timeout, f"not within {timeout:.0f}s: {what() if callable(what) else what}"
+        await asyncio.sleep(0.1)
+    return time.monotonic() - started
 
 
 async def until_status(fleet: Fleet, holds: Callable[[BalancerStatus], bool], timeout_s: float = 10.0) -> None:

@@ -94,7 +94,8 @@ def test_health_ready_metrics_openapi(shared_fleet: Fleet, client: openai.OpenAI
     status, _, body = http(shared_fleet, "GET", "/health")
     assert status == 200 and json.loads(body)["status"] == "ok"
     status, _, body = http(shared_fleet, "GET", "/ready")
-    assert status == 200 and json.loads(body) == {"status": "ok", "workers": 2, "models": [MODEL], "missing": []}
+    assert status == 200 and json.loads(body) == {"status": "ok", "workers": 2, "models": [MODEL], "missing": [],
+                                                "degraded": []}
     status, _, body = http(shared_fleet, "GET", "/metrics")
     text = body.decode()
     assert status == 200

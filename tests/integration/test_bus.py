@@ -37,7 +37,7 @@ async def connect(port: int, name: str, exporter: InMemorySpanExporter | None = 
 
 
 def route(request_id: str = "r1") -> RouteRequest:
-    return RouteRequest(request_id=request_id, model="m", prompt_tokens=3, max_tokens=4, deadline=2e9)
+    return RouteRequest(request_id=request_id, model="m", prompt_tokens=3, max_tokens=4, timeout_s=30.0)
 
 
 async def decide(request: RouteRequest, msg) -> RouteDecision:

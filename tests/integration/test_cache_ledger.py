@@ -1,4 +1,8 @@
-"""The Redis block ledger (Lua scripts) under random operation sequences, on a real redis-server."""
+"""The Redis block ledger (Lua scripts) under random operation sequences, on a real redis-server.
+
+With the balancer's slot-and-lease script too: a chain's slot and a node's
+blocks are taken together or not at all.
+"""
 
 from __future__ import annotations
 
@@ -13,11 +17,18 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvlane.launcher import Launcher, free_port
+from services.balancer.slot_store import RedisSlotStore
 from shared.block_ledger import BlockLedger, lease_key
 
 pytestmark = pytest.mark.integration
 
 CAPACITY = {"n0": (30, 10), "n1": (12, 4), "n2": (50, 0)}  # node: (general, short)
+SLOTS = {"n0": 3, "n1": 2, "n2": 4}  # node: slots of its chain
+FAR = 4_000_000_000.0  # a slot's expiry: never within a test
+
+
+def chain_of(node: str) -> str:
+    return f"{node}@1"
 
 
 @pytest.fixture(scope="module")
@@ -42,6 +53,8 @@ class LedgerMachine(RuleBasedStateMachine):
         self.ledger = BlockLedger(self.client, lease_ttl_s=60)
         self.live_nodes = {"n0", "n1"}
         self.leases: dict[str, tuple[str, int, str]] = {}
+        self.slot_store = RedisSlotStore(self.client)
+        self.slots: dict[str, str] = {}  # request id -> its node, for the slots taken with a lease
         self.counter = 0
 
     def run(self, coro):
@@ -63,6 +76,56 @@ class LedgerMachine(RuleBasedStateMachine):
         assert (result.pool if result.granted else None) == expected
         if result.granted:
             self.leases[rid] = (node, blocks, result.pool)
+
+    @rule(node=st.sampled_from(sorted(CAPACITY)), blocks=st.integers(1, 15), pool=st.sampled_from(["general", "short_first"]))
+    def reserve_slot_with_lease(self, node: str, blocks: int, pool: str) -> None:
+        if node not in self.live_nodes:
+            return
+        self.counter += 1
+        rid = f"r{self.counter}"
+        general, short_cap = CAPACITY[node]
+        free = self.free(node)
+        slot_free = sum(1 for n in self.slots.values() if n == node) < SLOTS[node]
+        lease_call = self.ledger.allocate_call(rid, node, blocks, pool, general, short_cap, 1.0, 10)
+        both = self.run(self.slot_store.reserve_with_lease(rid, chain_of(node), SLOTS[node], FAR, lease_call))
+        fits = blocks <= free["short"] if pool == "short_first" and blocks <= free["short"] else blocks <= free["general"]
+        # The slot is judged first; the lease only when the slot is free; either refusal takes nothing.
+        assert both.slot_taken == (slot_free and fits)
+        assert (both.lease is None) == (not slot_free)
+        if both.slot_taken:
+            assert both.lease is not None and both.lease.granted and both.lease.blocks == blocks
+            self.leases[rid] = (node, blocks, both.lease.pool)
+            self.slots[rid] = node
+
+    @precondition(lambda self: self.leases)
+    @rule(data=st.data(), blocks=st.integers(1, 30), pool=st.sampled_from(["general", "short"]))
+    def preempt(self, data, blocks: int, pool: str) -> None:
+        # Victims as a plan read a moment ago names them: some may have ended since, some are in the other pool.
+        node = data.draw(st.sampled_from(sorted({n for n, _, _ in self.leases.values()})))
+        named = data.draw(st.lists(st.sampled_from(sorted(self.leases)), max_size=3, unique=True))
+        named += data.draw(st.lists(st.sampled_from(["ended-1", "ended-2"]), max_size=1))
+        self.counter += 1
+        rid = f"r{self.counter}"
+        general, short_cap = CAPACITY[node]
+        freed = [r for r in named if r in self.leases and self.leases[r][0] == node and self.leases[r][2] == pool]
+        room = self.free(node)[pool] + sum(self.leases[r][1] for r in freed)
+        result = self.run(self.ledger.preempt(rid, node, blocks, pool, general, short_cap, 2.0, 10, named))
+        # All or nothing: the newcomer's blocks and the victims' release together, or neither.
+        assert result.reservation.granted == (blocks <= room)
+        if result.reservation.granted:
+            assert sorted(result.preempted) == sorted(freed)
+            for victim in freed:
+                self.leases.pop(victim)
+            self.leases[rid] = (node, blocks, pool)
+        else:
+            assert result.preempted == [] and result.reservation.blocks == room
+
+    @precondition(lambda self: self.slots)
+    @rule(data=st.data())
+    def release_slots(self, data) -> None:
+        rids = data.draw(st.lists(st.sampled_from(sorted(self.slots)), min_size=1, max_size=3, unique=True))
+        released = self.run(self.slot_store.release_many([(rid, None) for rid in rids]))
+        assert [chain for chain, _ in released] == [chain_of(self.slots.pop(rid)) for rid in rids]
 
     def free(self, node: str) -> dict[str, int]:
         general, short = CAPACITY[node]
@@ -139,10 +202,14 @@ class LedgerMachine(RuleBasedStateMachine):
             assert used_general == sum(b for b, p in mine if p == "general")
             assert used_short == sum(b for b, p in mine if p == "short")
             assert count == len(mine)
+        slots = self.run(self.slot_store.usage([chain_of(node) for node in CAPACITY], 0.0))
+        assert slots == {chain_of(node): sum(1 for n in self.slots.values() if n == node) for node in CAPACITY}
 
     def teardown(self) -> None:
         for rid in list(self.leases):
             self.run(self.ledger.release(rid))
+        self.run(self.slot_store.release_many([(rid, None) for rid in self.slots]))
+        assert not any(self.run(self.slot_store.usage([chain_of(node) for node in CAPACITY], 0.0)).values())
         usage = self.run(self.ledger.usage(sorted(CAPACITY)))
         assert all(u == (0, 0, 0) for u in usage.values()), usage
         assert not self.run(self.client.exists(*[lease_key(r) for r in [f"r{i}" for i in range(1, self.counter + 1)]] or ["none"]))

@@ -25,8 +25,10 @@ from contracts.cache import (
     LookupReply,
     LookupRequest,
     PrefixesRouted,
+    RoutedPrefix,
 )
-from contracts.messages import ErrorReply, GenerateRequest, SamplingParams
+from contracts.messages import ErrorReply, GenerateRequest, KvEvents, SamplingParams
+from kvlane.launcher import wait_services_ready
 from shared.block_ledger import BlockLedger, lease_key
 from tests.integration.conftest import MODEL, launch
 
@@ -106,7 +108,7 @@ async def test_killed_workers_lease_returns_after_ttl_while_a_live_ones_is_renew
             rid = f"long-{worker_id}"
             allocation = await ask(nc, AllocateRequest(rid, MODEL, prompt_tokens=40, max_tokens=4000, worker_id=worker_id))
             assert isinstance(allocation, Allocation) and allocation.worker_id == worker_id
-            run = GenerateRequest(rid, MODEL, [20] * 40, SamplingParams(max_tokens=4000), f"kvlane.v1.stream.test.{rid}", time.time() + 60)
+            run = GenerateRequest(rid, MODEL, [20] * 40, SamplingParams(max_tokens=4000), f"kvlane.v1.stream.test.{rid}", 60.0)
             await nc.request(subjects.worker_inbox(worker_id), ENCODE(run), timeout=5)
         await asyncio.sleep(2.5)  # past the TTL: both alive thanks to renewals
         assert await client.exists(lease_key("long-w0"), lease_key("long-w1")) == 2
@@ -184,4 +186,48 @@ async def test_the_balancer_leases_kv_itself_and_reports_what_it_placed(tmp_path
         fleet.cache_managers[0].signal(signal.SIGCONT)
         await client.aclose()
         await nc.close()
+        fleet.stop()
+
+
+async def test_two_replicas_prewarm_a_hot_prefix_once_not_once_each(tmp_path: Path) -> None:
+    """Pre-warming sends work to a worker, so only the replica holding the leadership lock plans it."""
+    def eager_prewarm(config):
+        return msgspec.structs.replace(config, cache_manager=msgspec.structs.replace(
+            config.cache_manager, prewarm_min_hits=3, lease_ttl_s=60.0))
+
+    fleet = launch(tmp_path, workers=2, tune=eager_prewarm, num_blocks=NUM_BLOCKS)
+    try:
+        wait_services_ready([fleet.add_cache_manager()])
+        nc = await nats.connect(fleet.config.nats.url)
+        await wait_for_managers(nc, 2)
+        prewarms: list[str] = []
+        first = asyncio.Event()
+
+        async def on_inbox(msg) -> None:
+            request_id = msgspec.msgpack.decode(msg.data).get("request_id", "")
+            if request_id.startswith("prewarm-"):
+                prewarms.append(request_id)
+                first.set()
+
+        await nc.subscribe(subjects.worker_inbox("w1"), cb=on_inbox)
+        await nc.flush()
+        # w0 holds the prefix and is busy (past prewarm_high_load); w1 is idle: w1 should get one copy.
+        settings = fleet.config.cache_manager
+        short = int(NUM_BLOCKS * settings.short_pool_share)
+        client = redis.Redis.from_url(fleet.config.redis.url)
+        busy = await BlockLedger(client, 60).reserve("busy", "w0", 50, "general", NUM_BLOCKS - short, short, 1.0, 100)
+        await client.aclose()
+        assert busy.granted
+        hashes, tokens = [11, 12, 13, 14], list(range(100, 164))
+        await nc.publish(subjects.kv_events("w0"), ENCODE(KvEvents("w0", 1, 16, stored=hashes)))
+        for _ in range(settings.prewarm_min_hits + 2):
+            await nc.publish(subjects.CACHE_ROUTED, ENCODE(PrefixesRouted([RoutedPrefix(MODEL, hashes, tokens)])))
+        await nc.flush()
+        await asyncio.wait_for(first.wait(), 15)
+        # Absence takes a window: three more maintenance rounds of every replica, each of which would
+        # have sent its own copy by then.
+        await asyncio.sleep(3 * min(1.0, settings.lease_ttl_s / 4))
+        assert len(prewarms) == 1, prewarms
+        await nc.close()
+    finally:
         fleet.stop()

@@ -120,7 +120,7 @@ async def test_garbage_on_balancer_and_worker_subjects_gets_error_replies(shared
         # Well-formed but impossible: the worker refuses with a reason.
         impossible = GenerateRequest(
             request_id="r1", model=MODEL, prompt_token_ids=[5] * 5000, sampling=SamplingParams(max_tokens=10),
-            stream_to="kvlane.v1.stream.test.r1", deadline=time.time() + 30,
+            stream_to="kvlane.v1.stream.test.r1", timeout_s=30.0,
         )
         reply = worker_reply.decode((await nc.request(inbox, msgspec.msgpack.encode(impossible), timeout=5)).data)
         assert isinstance(reply, ErrorReply) and reply.status == 400 and "context length" in reply.message

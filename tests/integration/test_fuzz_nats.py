@@ -22,7 +22,6 @@ import contextlib
 import json
 import re
 import threading
-import time
 import urllib.request
 from collections import Counter
 from collections.abc import Coroutine, Iterator
@@ -47,7 +46,7 @@ from contracts.messages import (
     AbortRequest,
     ErrorReply,
     GenerateRequest,
-    Heartbeat,
+    HeartbeatMessage,
     KvEvents,
     KvMessage,
     KvPullReply,
@@ -126,18 +125,17 @@ def _ready_fields(fleet: Fleet, name: str) -> dict[str, Any]:
 def targets(fleet: Fleet) -> list[Target]:
     ingress_id = _ready_fields(fleet, "ingress")["ingress_id"]
     prober_id = _ready_fields(fleet, "health-prober")["prober_id"]
-    now = time.time
-    soon = st.floats(-1.0, 3.0).map(lambda s: now() + s)  # deadlines that pass within the test
+    soon = st.floats(0.0, 3.0)  # times left that run out within the test
     model = st.sampled_from([MODEL]) | st.text(max_size=12)
     workers = st.sampled_from(["p0", "d0"]) | st.from_regex(r"^[a-z0-9]{1,8}$", fullmatch=True)
     tokens = st.lists(st.integers(-5, 70_000), min_size=1, max_size=40)
     sink = st.just("kvlane.v1.fuzz.sink") | st.text(max_size=12)  # where a worker streams a fuzzed request's frames
-    work = {"model": model, "deadline": soon, "expires_at": soon, "prompt_token_ids": tokens, "stream_to": sink,
+    work = {"model": model, "timeout_s": soon, "hold_s": soon, "prompt_token_ids": tokens, "stream_to": sink,
             "worker_id": workers, "source_worker_id": workers, "decode_worker_id": workers, "puller_id": workers,
             "decode_inbox": st.sampled_from([subjects.worker_inbox("d0")]) | st.text(max_size=12)}
     api = {"model": model, "max_tokens": st.integers(1, 64) | st.integers(1, 2**40), "max_completion_tokens": st.none() | st.integers(1, 64)}
     return [
-        Target("route", subjects.ROUTE, RouteRequest, RouteReply, hints={"model": model, "deadline": soon}),
+        Target("route", subjects.ROUTE, RouteRequest, RouteReply, hints={"model": model, "timeout_s": soon}),
         Target("balancer_status", subjects.BALANCER_STATUS, BalancerStatusRequest, BalancerStatusReply, hints={"model": model}),
         Target("balancer_status_all", subjects.BALANCER_STATUS_ALL, BalancerStatusRequest, BalancerStatusReply),
         Target("cache_request", subjects.CACHE_REQUEST, CacheRequest, CacheReply, hints=work),
@@ -148,7 +146,7 @@ def targets(fleet: Fleet) -> list[Target]:
         Target("events_served", subjects.REQUEST_SERVED, RequestServed, hints={"model": model}),
         Target("events_worker_left", subjects.WORKER_LEFT, WorkerLeft),
         # Heartbeats of made-up nodes (never the real ones': a valid heartbeat is believed).
-        Target("heartbeat", subjects.heartbeat("fuzz"), Heartbeat, hints={"model": model}),
+        Target("heartbeat", subjects.heartbeat("fuzz"), HeartbeatMessage, hints={"model": model}),
         Target("kv_events", subjects.kv_events("fuzz"), KvEvents),
         Target("health", subjects.health("fuzz"), HealthVerdict),
         Target("feedback", subjects.FEEDBACK, NodeFeedback),
@@ -164,7 +162,7 @@ def targets(fleet: Fleet) -> list[Target]:
     ]
 
 
-OTHER_FAMILIES = [RouteRequest, Heartbeat, KvEvents, WorkerRequest, CacheRequest, StreamMessage, HealthVerdict, ScalingDecision]
+OTHER_FAMILIES = [RouteRequest, HeartbeatMessage, KvEvents, WorkerRequest, CacheRequest, StreamMessage, HealthVerdict, ScalingDecision]
 
 
 def payloads(target: Target) -> st.SearchStrategy[bytes]:
@@ -278,7 +276,7 @@ async def everyone_answers(nc: NatsClient, fleet: Fleet) -> None:
     assert isinstance(cache, CacheStatus), cache
     for worker in ("p0", "d0"):  # a request for another model: refused at once, by a worker that serves
         ping = GenerateRequest(request_id="ping", model="no-such-model", prompt_token_ids=[1], sampling=SamplingParams(max_tokens=1),
-                               stream_to="kvlane.v1.fuzz.sink", deadline=time.time() + 5)
+                               stream_to="kvlane.v1.fuzz.sink", timeout_s=5.0)
         answer = await _typed_request(nc, subjects.worker_inbox(worker), ping, WorkerReply)
         assert isinstance(answer, ErrorReply) and answer.code == "model_not_found", answer
     models = await nc.request(subjects.API_MODELS, b"", timeout=REPLY_TIMEOUT_S)

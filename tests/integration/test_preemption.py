@@ -4,16 +4,26 @@ low-value running one, which is resumed later and still completes token for toke
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import msgspec
 import nats
 import openai
 import pytest
+import redis.asyncio as redis
 
 from contracts import subjects
-from contracts.cache import CacheReply, CacheStatus, CacheStatusRequest
+from contracts.cache import AllocateRequest, Allocation, CacheReply, CacheStatus, CacheStatusRequest
+from contracts.messages import AbortRequest
+from kvlane.launcher import Launcher, free_port
+from services.cache_manager.metrics import CacheMetrics
+from services.cache_manager.service import CacheManagerService
+from shared.block_ledger import BlockLedger
+from shared.cluster import ClusterView
+from shared.config import CacheManagerSettings
 from tests.integration.conftest import MODEL, launch
+from tests.unit.balancer_fixtures import heartbeat
 from tests.integration.test_faults import expected_text
 
 pytestmark = pytest.mark.integration
@@ -71,3 +81,81 @@ async def test_high_priority_preempts_and_the_victim_still_completes_exactly(tmp
         assert isinstance(reply, CacheStatus) and reply.preemptions >= 1
     finally:
         fleet.stop()
+
+
+class RecordingBus:
+    def __init__(self) -> None:
+        self.published: list[tuple[str, object]] = []
+
+    async def publish(self, subject: str, message: object, **_: object) -> None:
+        self.published.append((subject, message))
+
+
+class RacedLedger(BlockLedger):
+    """A ledger where another replica acts right after this one first frees blocks (once armed)."""
+
+    def __init__(self, client: redis.Redis, competitor: Callable[[], Awaitable[None]]) -> None:
+        super().__init__(client, lease_ttl_s=60)
+        self._competitor = competitor
+        self._armed = False
+
+    def arm(self) -> None:
+        self._armed = True
+
+    async def _after_freeing(self) -> None:
+        if self._armed:
+            self._armed = False
+            await self._competitor()
+
+    async def release(self, *args, **kwargs):
+        freed = await super().release(*args, **kwargs)
+        await self._after_freeing()
+        return freed
+
+    async def preempt(self, *args, **kwargs):
+        preemption = await super().preempt(*args, **kwargs)
+        await self._after_freeing()
+        return preemption
+
+
+@pytest.fixture
+async def redis_client(tmp_path: Path):
+    launcher = Launcher(tmp_path)
+    port = free_port()
+    launcher.start_redis(port)
+    client = redis.Redis(port=port)
+    try:
+        yield client
+    finally:
+        await client.aclose()
+        launcher.stop_all()
+
+
+async def test_another_replica_cannot_take_the_room_a_preemption_makes(redis_client: redis.Redis) -> None:
+    """The victims' release and the newcomer's reservation are one step: a competitor between them finds no room,
+    so no victim is aborted without the newcomer getting its blocks."""
+    competitor = BlockLedger(redis_client, lease_ttl_s=60)
+    competitor_got: list[bool] = []
+
+    async def compete() -> None:
+        taken = await competitor.reserve("other-replica", "w0", 24, "general", 48, 0, 1.0, 10)
+        competitor_got.append(taken.granted)
+
+    ledger = RacedLedger(redis_client, compete)
+    for low in ("low-1", "low-2"):  # 24 + 24 of the node's 48 blocks
+        assert (await ledger.reserve(low, "w0", 24, "general", 48, 0, 1.0, 350)).granted
+    ledger.arm()
+    view = ClusterView(ttl_s=10)
+    view.observe(heartbeat("w0", model=MODEL, blocks=48), 100.0)
+    bus = RecordingBus()
+    settings = CacheManagerSettings(short_pool_share=0.0, prewarm=False)
+    service = CacheManagerService(settings, bus, view, ledger, CacheMetrics(), "cm-test", clock=lambda: 100.0)  # type: ignore[arg-type]
+
+    # 20 prompt blocks and 4 of output: 24 blocks, the room of one victim.
+    allocation = await service.allocate(AllocateRequest("urgent", MODEL, 320, 64, priority=3.0, worker_id="w0"))
+
+    assert isinstance(allocation, Allocation) and allocation.blocks == 24 and len(allocation.preempted) == 1
+    aborted = [m.request_id for _, m in bus.published if isinstance(m, AbortRequest)]
+    assert aborted == allocation.preempted
+    assert competitor_got == [False]
+    assert (await ledger.usage(["w0"]))["w0"] == (48, 0, 2)

@@ -75,10 +75,10 @@ def snapshot(*chains: ChainState, request_blocks: int = 0) -> ClusterSnapshot:
 
 def request(
     request_id: str = "r1", *, prompt: int = 64, output: int = 16, blocks: int = 4, priority: int = 0,
-    deadline: float = NOW_WALL + 60, exclude: list[str] | None = None, model: str = "m",
+    timeout_s: float = 60.0, exclude: list[str] | None = None, model: str = "m",
 ) -> RouteRequest:
     return RouteRequest(
-        request_id=request_id, model=model, prompt_tokens=prompt, max_tokens=output, deadline=deadline,
+        request_id=request_id, model=model, prompt_tokens=prompt, max_tokens=output, timeout_s=timeout_s,
         block_hashes=list(range(1000, 1000 + blocks)), priority=priority, exclude_workers=exclude or [],
     )
 

@@ -48,10 +48,10 @@ def test_placements_build_a_backlog_that_steers_uncached_prompts_away() -> None:
     for hb in heartbeats:
         r.builder.observe(hb)
     long_prompt = dict(prompt=2048, output=16, blocks=128)
-    first = r.place(request("r1", **long_prompt), heartbeats)
+    first = r.place(request("r1", **long_prompt), heartbeats, NOW_WALL + 60)
     assert isinstance(first, Placement)
     # Same batch size on both nodes once r1 runs, but r1's 2048-token prefill is still ahead on its node.
-    second = r.place(request("r2", **long_prompt), heartbeats)
+    second = r.place(request("r2", **long_prompt), heartbeats, NOW_WALL + 60)
     assert second is not None and second.chain.worker_id != first.chain.worker_id
     seen = r.builder.snapshot(request("r3"), heartbeats, r.table.used, {})
     backlog_s = {c.worker_id: c.prefill_backlog_s for c in seen.chains}
@@ -65,7 +65,7 @@ def test_an_undone_placement_leaves_no_backlog() -> None:
     r = router("jffc_per_request")
     r.builder.clock = lambda: NOW_WALL
     heartbeats = [heartbeat("a")]
-    placement = r.place(request("r1", prompt=2048, blocks=128), heartbeats)
+    placement = r.place(request("r1", prompt=2048, blocks=128), heartbeats, NOW_WALL + 60)
     assert placement is not None
     r.undo(placement, chain_used=0)
     seen = r.builder.snapshot(request("r2"), heartbeats, r.table.used, {})

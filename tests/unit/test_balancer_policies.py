@@ -187,7 +187,7 @@ def test_jffc_shares_load_between_nodes_whose_measured_speeds_differ_by_noise() 
             hb = heartbeat(worker_id, running=4, decode_tps=tps, sent_at=NOW_WALL + k, blocks=64 * 2)
             r.builder.observe(hb)
         heartbeats.append(hb)
-    picks = [r.place(request(f"r{i}"), heartbeats).chain.worker_id for i in range(6)]  # type: ignore[union-attr]
+    picks = [r.place(request(f"r{i}"), heartbeats, NOW_WALL + 60).chain.worker_id for i in range(6)]  # type: ignore[union-attr]
     assert picks[:2] == ["fast", "fast"]  # the fastest chain first, until its 2 slots are taken
     assert Counter(picks[2:]) == {"a": 2, "b": 2}  # then a and b as equals, by load
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
-from tests.unit.balancer_fixtures import heartbeat, request, router
+from tests.unit.balancer_fixtures import NOW_WALL, heartbeat, request, router
 
 
 def test_slots_stop_at_the_engines_batch_limit() -> None:
@@ -23,7 +23,7 @@ def test_slots_follow_the_size_of_the_requests_routed() -> None:
     assert r.builder.facts(hb).slots_total == 64  # typical 768 + 256 tokens
     placements = []
     for i in range(400):
-        placement = r.place(request(f"r{i}", prompt=2048, output=32, blocks=128), [hb])
+        placement = r.place(request(f"r{i}", prompt=2048, output=32, blocks=128), [hb], NOW_WALL + 60)
         if placement is None:
             break
         placements.append(placement)
@@ -33,6 +33,6 @@ def test_slots_follow_the_size_of_the_requests_routed() -> None:
     assert r.builder.facts(later).slots_total == 31
     fixed = router("jffc", learn_request_size=False)
     for i in range(50):
-        placement = fixed.place(request(f"r{i}", prompt=2048, output=32, blocks=128), [hb])
+        placement = fixed.place(request(f"r{i}", prompt=2048, output=32, blocks=128), [hb], NOW_WALL + 60)
         fixed.table.release(placement.request_id)  # type: ignore[union-attr]
     assert fixed.builder.facts(later).slots_total == 64

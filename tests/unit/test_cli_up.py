@@ -53,3 +53,45 @@ def test_every_command_is_in_the_help() -> None:
     text = build_parser().format_help()
     for command in ("up", "status", "bench", "simulate", "calibrate", "schema", "make-tiny-model"):
         assert command in text
+
+
+def test_contradictory_restart_settings_stop_kvlane_up_before_it_starts_anything(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from rich.console import Console
+
+    from kvlane.cli import _up
+
+    monkeypatch.delenv("KVLANE_CONFIG", raising=False)
+    path = tmp_path / "kvlane.toml"
+    path.write_text("[supervision]\nfirst_delay_s = 5.0\nmax_delay_s = 1.0\n")
+    console = Console(record=True, width=200)
+    assert _up(parse("--config", str(path), "--log-dir", str(tmp_path / "logs")), console) == 2
+    assert "supervision: max_delay_s (1.0) must be at least first_delay_s (5.0)" in console.export_text()
+    assert not (tmp_path / "logs").exists()
+
+
+def test_cache_manager_replicas_default_to_one_and_must_be_at_least_one(capsys: pytest.CaptureFixture[str]) -> None:
+    assert parse().cache_managers == 1
+    assert parse("--cache-managers", "3").cache_managers == 3
+    for bad in ("0", "-1", "two"):
+        with pytest.raises(SystemExit):
+            parse("--cache-managers", bad)
+    assert "--cache-managers" in capsys.readouterr().err
+
+
+def test_start_fleet_refuses_no_cache_manager_before_starting_anything(tmp_path: Path) -> None:
+    from kvlane.fleet import start_fleet
+    from kvlane.launcher import Launcher
+    from shared.config import KvlaneConfig
+
+    launcher = Launcher(tmp_path)
+    with pytest.raises(ValueError, match="cache_managers must be at least 1"):
+        start_fleet(launcher, KvlaneConfig(), 1, cache_managers=0)
+    assert launcher.processes == []
+
+
+def test_nodes_per_worker_sets_worker_nodes_and_must_be_at_least_one(config_file: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert up_config(parse("--config", str(config_file))).worker.nodes == 1
+    assert up_config(parse("--config", str(config_file), "--nodes-per-worker", "64")).worker.nodes == 64
+    with pytest.raises(SystemExit):
+        parse("--nodes-per-worker", "0")
+    assert "--nodes-per-worker" in capsys.readouterr().err

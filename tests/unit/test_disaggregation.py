@@ -10,11 +10,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from contracts.messages import GenerateRequest, KvRef, SamplingParams, WorkerRequest
+from contracts.messages import GenerateRequest, Heartbeat, KvRef, RouteRequest, SamplingParams, WorkerRequest
 from services.balancer.disaggregation import choose_prefill, prefill_finish_s
+from services.balancer.router import Router
+from services.balancer.snapshot import ChainState
 from services.worker.sim import SimRequest, get_profile
 from shared.config import DisaggregationSettings
-from shared.kv_links import NAMED_LINKS, get_link, kv_bytes_per_token
+from shared.kv_links import NAMED_LINKS, advertised_kv_transfer, get_link, hand_off_seconds, kv_bytes_per_token
 from tests.unit.balancer_fixtures import NOW_WALL, TINY, chain, heartbeat, request, router
 from tests.unit.test_sim_scheduler import make_scheduler, run_all
 
@@ -43,9 +45,9 @@ def test_links_are_ordered_by_speed_and_a_transfer_costs_latency_plus_bytes() ->
 
 
 def test_a_generate_request_carries_its_kv_ref_over_the_wire() -> None:
-    ref = KvRef(source_worker_id="p0", engine_id="e", request_id="r", num_tokens=64, expires_at=NOW_WALL,
+    ref = KvRef(source_worker_id="p0", engine_id="e", request_id="r", num_tokens=64, hold_s=30.0,
                 block_ids=[[1, 2]], host="127.0.0.1", port=5600, kv_bytes=65536, engine_extras={"tp_size": 1})
-    message = GenerateRequest("r", "m", [1, 2], SamplingParams(max_tokens=4), "s", NOW_WALL, kv_ref=ref)
+    message = GenerateRequest("r", "m", [1, 2], SamplingParams(max_tokens=4), "s", 30.0, kv_ref=ref)
     decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(message), type=WorkerRequest)
     assert decoded == message
     with pytest.raises(msgspec.ValidationError):
@@ -115,16 +117,16 @@ def test_the_prefill_node_that_finishes_first_wins() -> None:
 def test_the_router_completes_a_decode_chain_and_degrades_to_local_prefill() -> None:
     r = router()
     heartbeats = [heartbeat("d0", role="decode"), heartbeat("p0", role="prefill"), heartbeat("p1", role="prefill")]
-    placement = r.place(request("r1", prompt=1024, blocks=64), heartbeats)
+    placement = r.place(request("r1", prompt=1024, blocks=64), heartbeats, NOW_WALL + 60)
     assert placement.chain.worker_id == "d0" and placement.prefill is not None
     first = placement.prefill.worker_id
     # The first prompt is now the chosen node's backlog: the next goes to the other one.
-    second = r.place(request("r2", prompt=1024, blocks=64), heartbeats)
+    second = r.place(request("r2", prompt=1024, blocks=64), heartbeats, NOW_WALL + 60)
     assert {first, second.prefill.worker_id} == {"p0", "p1"}
     # Prefill nodes never generate, and with every prefill node excluded the decode node prefills.
-    alone = r.place(request("r3", prompt=1024, blocks=64, exclude=["p0", "p1"]), heartbeats)
+    alone = r.place(request("r3", prompt=1024, blocks=64, exclude=["p0", "p1"]), heartbeats, NOW_WALL + 60)
     assert alone.chain.worker_id == "d0" and alone.prefill is None
-    assert r.place(request("r4", prompt=1024), [heartbeat("p0", role="prefill")]) is None
+    assert r.place(request("r4", prompt=1024), [heartbeat("p0", role="prefill")], NOW_WALL + 60) is None
 
 
 def test_a_saturated_prefill_pool_leaves_the_prompt_to_the_decode_node() -> None:
@@ -145,9 +147,9 @@ def test_the_router_counts_local_prefills_of_a_saturated_pool() -> None:
     r = router()
     r._disaggregation = SETTINGS
     heartbeats = [heartbeat("d0", role="decode"), heartbeat("p0", role="prefill")]
-    first = r.place(request("r1", prompt=100_000, blocks=64), heartbeats)  # a prompt that keeps p0 busy for a while
+    first = r.place(request("r1", prompt=100_000, blocks=64), heartbeats, NOW_WALL + 60)  # a prompt that keeps p0 busy for a while
     assert first.prefill is not None and first.prefill.worker_id == "p0"
-    second = r.place(request("r2", prompt=100_000, blocks=64), heartbeats)
+    second = r.place(request("r2", prompt=100_000, blocks=64), heartbeats, NOW_WALL + 60)
     assert second.prefill is None and r.degradation.counts["local_prefill"] == 1
 
 
@@ -168,5 +170,92 @@ def test_a_two_node_chain_is_costed_with_its_prefill_node() -> None:
     assert by_node["d0"].remote_prefill_s is None and "d0@0" not in prefill_for
     assert by_node["d1"].remote_prefill_s == pytest.approx(1024 * TINY.b)
     assert prefill_for["d1@0"].worker_id == "p0"
-    placement = r.place(req, heartbeats)
+    placement = r.place(req, heartbeats, NOW_WALL + 60)
     assert placement.chain.worker_id == "d0" and placement.prefill is None
+
+
+# --- the KV transfer in a two-node chain's cost --------------------------------------------
+
+LLAMA3_8B_KV = 128 * 1024  # bytes per token
+
+
+def with_link(hb: Heartbeat, link: str, bytes_per_token: int = LLAMA3_8B_KV) -> Heartbeat:
+    transfer = advertised_kv_transfer(bytes_per_token, get_link(link))
+    return msgspec.structs.replace(hb, registration=msgspec.structs.replace(hb.registration, kv_transfer=transfer))
+
+
+def test_a_hand_off_crosses_the_slower_of_the_two_links() -> None:
+    fast, slow = advertised_kv_transfer(LLAMA3_8B_KV, get_link("rdma-400g")), advertised_kv_transfer(LLAMA3_8B_KV, get_link("ethernet-25g"))
+    assert fast is not None and slow is not None
+    expected = get_link("ethernet-25g").transfer_seconds(1000 * LLAMA3_8B_KV)
+    assert hand_off_seconds(1000, fast, slow) == pytest.approx(expected)
+    assert hand_off_seconds(1000, slow, fast) == pytest.approx(expected)
+    assert hand_off_seconds(1000, fast, None) == pytest.approx(get_link("rdma-400g").transfer_seconds(1000 * LLAMA3_8B_KV))
+    # Unknown on both sides, or nothing to move: not costed.
+    assert hand_off_seconds(1000, None, None) == 0.0 and hand_off_seconds(0, fast, slow) == 0.0
+    # A sim worker running 10x as fast as its GPU moves its KV 10x as fast.
+    tenfold = advertised_kv_transfer(LLAMA3_8B_KV, get_link("ethernet-25g"), speed=10.0)
+    assert hand_off_seconds(1000, tenfold, tenfold) == pytest.approx(expected / 10)
+    assert advertised_kv_transfer(0, get_link("nvlink")) is None
+
+
+@given(tokens=st.integers(1, 200_000), links=st.permutations(["nvlink", "pcie5", "rdma-400g", "ethernet-100g", "ethernet-25g"]))
+def test_a_slower_link_never_makes_a_hand_off_cheaper(tokens: int, links: list[str]) -> None:
+    order = sorted(links, key=lambda name: get_link(name).transfer_seconds(1 << 30))
+    costs = [hand_off_seconds(tokens, *(advertised_kv_transfer(LLAMA3_8B_KV, get_link(name)),) * 2) for name in order]
+    assert costs == sorted(costs) and costs[0] > 0
+
+
+def _two_node_fleet(link: str) -> list[Heartbeat]:
+    # d0 holds most of the prompt and prefills the rest itself, but already runs 4 requests;
+    # d1 is idle, and its prompt comes from p0 over `link`.
+    return [with_link(heartbeat("d0", role="decode", running=4), link), with_link(heartbeat("d1", role="decode"), link),
+            with_link(heartbeat("p0", role="prefill"), link)]
+
+
+def _costed(r: Router, req: RouteRequest, heartbeats: list[Heartbeat]) -> dict[str, ChainState]:
+    cached = r.index.match(req.block_hashes)
+    snapshot = r.builder.snapshot(req, heartbeats, r.table.used, cached)
+    costed, _ = r._with_prefill_nodes(req, snapshot, heartbeats, cached)
+    return {c.worker_id: c for c in costed.chains}
+
+
+def test_a_slower_link_raises_a_two_node_chains_cost_and_changes_the_choice() -> None:
+    req = request("r1", prompt=1024, blocks=64)
+    chosen, remote = {}, {}
+    for link in ("nvlink", "ethernet-25g"):
+        r = router()
+        r.index.apply("d0", stored=req.block_hashes[:60])
+        heartbeats = _two_node_fleet(link)
+        by_node = _costed(r, req, heartbeats)
+        assert by_node["d0"].remote_prefill_s is None  # prefills its 64 missing tokens itself: no transfer
+        remote[link] = by_node["d1"].remote_prefill_s
+        assert remote[link] == pytest.approx(1024 * TINY.b + get_link(link).transfer_seconds(1024 * LLAMA3_8B_KV))
+        chosen[link] = r.place(req, heartbeats, NOW_WALL + 60).chain.worker_id
+    assert remote["ethernet-25g"] > remote["nvlink"]
+    # Over NVLink the idle decode node is worth the hand-off; over 25 GbE the 134 MB take 43 ms,
+    # and the busy node that holds the prompt is sooner.
+    assert chosen == {"nvlink": "d1", "ethernet-25g": "d0"}
+
+
+def test_without_transfer_costing_a_two_node_chain_costs_what_it_did() -> None:
+    req = request("r1", prompt=1024, blocks=64)
+    r = router()
+    r._disaggregation = DisaggregationSettings(cost_kv_transfer=False)
+    by_node = _costed(r, req, _two_node_fleet("ethernet-25g"))
+    assert by_node["d1"].remote_prefill_s == pytest.approx(1024 * TINY.b)
+
+
+def test_the_prefill_node_on_the_faster_link_wins_when_the_transfer_dominates() -> None:
+    r = router()
+    decode = with_link(heartbeat("d0", role="decode"), "rdma-400g")
+    near, far = with_link(heartbeat("p0", role="prefill"), "rdma-400g"), with_link(heartbeat("p1", role="prefill"), "ethernet-25g")
+    # p0 has a prompt in hand (10k tokens, 0.2 s at TINY's b); p1 is idle but 43 ms away by its link.
+    r.builder._backlog.add("p0", 10_000, 1 / TINY.b, r.builder.clock())
+    placement = r.place(request("r1", prompt=1024, blocks=64), [decode, far, near], NOW_WALL + 60)
+    assert placement.prefill is not None and placement.prefill.worker_id == "p1"
+    # With a small backlog, the near one is sooner despite it.
+    r = router()
+    r.builder._backlog.add("p0", 500, 1 / TINY.b, r.builder.clock())
+    placement = r.place(request("r1", prompt=1024, blocks=64), [decode, far, near], NOW_WALL + 60)
+    assert placement.prefill is not None and placement.prefill.worker_id == "p0"

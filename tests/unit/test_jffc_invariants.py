@@ -67,7 +67,7 @@ class RouterMachine(RuleBasedStateMachine):
     def arrive(self, priority: int, exclude: set[str]) -> None:
         self.arrivals += 1
         request_id = f"r{self.arrivals}"
-        req = request(request_id, priority=priority, exclude=sorted(exclude), deadline=self.now + 100)
+        req = request(request_id, priority=priority, exclude=sorted(exclude), timeout_s=100.0)
         outcome = self.router.admit(req, self.heartbeats, self.now)
         match outcome:
             case Placement():

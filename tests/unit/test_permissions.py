@@ -155,14 +155,29 @@ def lua_commands(script: str) -> set[str]:
 
 
 def test_lua_scripts_use_only_commands_their_roles_may_run() -> None:
-    ledger = {s for name in ("_ALLOCATE", "_RELEASE", "_REAP", "_RENEW") for s in lua_commands(getattr(block_ledger, name))}
-    slots = lua_commands(slot_store._RESERVE) | lua_commands(slot_store._RELEASE)
+    ledger = {s for name in ("_ALLOCATE", "_PREEMPT", "_RELEASE", "_REAP", "_RENEW") for s in lua_commands(getattr(block_ledger, name))}
+    slots = lua_commands(slot_store._RESERVE) | lua_commands(slot_store._RELEASE) | lua_commands(slot_store._RESERVE_WITH_LEASE)
     assert ledger and slots
     assert ledger <= set(ROLES["cache-manager"].redis_commands)
     assert ledger | slots <= set(ROLES["balancer"].redis_commands)
     scripts = [value for name, value in vars(key_limits).items() if name.startswith("_") and isinstance(value, str)]
     limits = {command for script in scripts for command in lua_commands(script)}
     assert limits and limits <= set(ROLES["ingress"].redis_commands)
+
+
+def test_the_cache_managers_leadership_lock_uses_only_commands_its_role_may_run() -> None:
+    import fnmatch
+
+    from redis.asyncio.lock import Lock
+
+    from shared.leadership import leader_key
+
+    scripts = (Lock.LUA_RELEASE_SCRIPT, Lock.LUA_EXTEND_SCRIPT, Lock.LUA_REACQUIRE_SCRIPT)
+    lock_commands = {"set"} | {command for script in scripts for command in lua_commands(script)}  # SET NX PX takes it
+    assert {"get", "pexpire"} <= lock_commands <= set(ROLES["cache-manager"].redis_commands)
+    # Redis ACL key patterns are globs.
+    assert any(fnmatch.fnmatchcase(leader_key("prewarm"), keys.pattern) and keys.access == "RW"
+               for keys in ROLES["cache-manager"].redis_keys)
 
 
 def test_acl_lines_scope_keys_and_commands_and_hide_the_password() -> None:

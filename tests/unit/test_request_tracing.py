@@ -25,7 +25,7 @@ from shared import genai
 from shared.cluster import ClusterView
 from shared.config import IngressSettings, TracingSettings
 from shared.telemetry import Telemetry
-from tests.unit.balancer_fixtures import heartbeat, request, router
+from tests.unit.balancer_fixtures import NOW_WALL, heartbeat, request, router
 
 TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
 PARENT_SPAN = "b7ad6b7169203331"
@@ -251,7 +251,7 @@ class Choosing:
 def test_a_placement_says_whether_the_policy_fast_forwarded(fast_forward: bool) -> None:
     core = router()
     core.policy = Choosing(fast_forward)
-    placement = core.place(request(), [heartbeat("w0")])
+    placement = core.place(request(), [heartbeat("w0")], NOW_WALL + 60)
     assert placement is not None and placement.fast_forward is fast_forward
 
 
@@ -262,9 +262,9 @@ def test_worker_spans_carry_the_request_and_end_once() -> None:
     recorded = Recorded()
     registration = cluster_with("m").models(0.0)["m"]
     run = GenerateRequest(request_id="r1", model="m", prompt_token_ids=[1, 2, 3], sampling=SamplingParams(max_tokens=4),
-                          stream_to="s", deadline=2e9, resume_token_ids=[9])
+                          stream_to="s", timeout_s=30.0, resume_token_ids=[9])
     decode = request_span(recorded.telemetry.tracer, "decode", registration, run)
-    transfer = KvTransferSpan(recorded.telemetry.tracer, KvRef("p0", "p0", "r1", 3, 2e9, kv_bytes=3072), "nvlink")
+    transfer = KvTransferSpan(recorded.telemetry.tracer, KvRef("p0", "p0", "r1", 3, 30.0, kv_bytes=3072), "nvlink")
     transfer.pull_failed(1, "source p0 unreachable")
     transfer.done("recomputed", 1, "kv_pull_failed")
     transfer.done("aborted", 0)  # already ended: nothing changes

@@ -19,7 +19,8 @@ from loadtest.simulate import main as simulate_main, node_changes
 from loadtest.simulation.events import EventQueue
 from loadtest.simulation.world import NodeChange, Simulation, SimulationResult, SimulationSpec
 from loadtest.workloads import ArrivalSpec, WorkloadSpec
-from shared.config import KvlaneConfig
+from services.worker.main import advertised_kv_transfer_of
+from shared.config import KvlaneConfig, SimSettings, WorkerSettings
 
 H100 = "h100-80g-llama3-8b"
 SLO = Slo(ttft_s=1.0, tpot_s=0.1)
@@ -115,6 +116,16 @@ def test_a_disaggregated_fleet_hands_kv_from_prefill_to_decode_nodes_and_survive
         assert {run.worker_id for run in result.runs.values()} == {"d0", "d1"}
         assert all(node.scheduler.held_blocks == 0 for node in simulation.nodes.values() if node.alive)
     assert simulation.counters["node_failures"] == 1
+
+
+def test_simulated_nodes_advertise_their_kv_link_as_a_live_sim_worker_does() -> None:
+    base = spec(requests=20, rate=20.0, overrides={"worker.sim": {"profile": H100, "kv_link": "ethernet-25g"}})
+    nodes = (*fleet_nodes(parse_fleet(f"{H100}:1"), "prefill"), *fleet_nodes(parse_fleet(f"{H100}:1"), "decode"))
+    result, _, simulation = run(dataclasses.replace(base, nodes=nodes))
+    assert all(r.ok for r in result.records)
+    live = advertised_kv_transfer_of(WorkerSettings(sim=SimSettings(profile=H100, kv_link="ethernet-25g")))
+    assert live is not None and live.link_bytes_per_s == 3.125e9
+    assert {w: node.registration.kv_transfer for w, node in simulation.nodes.items()} == {"p0": live, "d0": live}
 
 
 def test_round_robin_loses_to_least_loaded_on_a_fleet_with_stragglers() -> None:

@@ -37,7 +37,7 @@ PRODUCER_OUTPUT = {
 
 def _ref(params: dict, **overrides) -> KvRef:
     fields = {"source_worker_id": "p0", "prompt_tokens": 224, "kv_bytes_per_token": 1024, "block_size": 32,
-              "expires_at": 1000.0} | overrides
+              "hold_s": 30.0} | overrides
     return kv_ref_from_params(params, **fields)
 
 
@@ -45,7 +45,7 @@ def test_named_keys_become_kv_ref_fields() -> None:
     ref = _ref(PRODUCER_OUTPUT)
     assert (ref.source_worker_id, ref.engine_id, ref.request_id) == ("p0", PRODUCER_OUTPUT["remote_engine_id"], "req-1-1a2b3c4d")
     assert (ref.host, ref.port, ref.block_ids, ref.num_tokens) == ("127.0.0.1", 41235, [[1, 2, 3, 4, 5, 6, 7]], 224)
-    assert ref.kv_bytes == 7 * 32 * 1024 and ref.expires_at == 1000.0
+    assert ref.kv_bytes == 7 * 32 * 1024 and ref.hold_s == 30.0
 
 
 def test_kv_bytes_count_whole_blocks_as_nixl_moves_them() -> None:
@@ -64,7 +64,7 @@ def test_every_other_key_rides_in_engine_extras() -> None:
 def test_round_trip_gives_vllm_its_dict_back_through_the_wire() -> None:
     ref = _ref(PRODUCER_OUTPUT | {REMOTE_CACHED_TOKENS: 64})
     request = GenerateRequest(request_id="r1", model="m", prompt_token_ids=[1], sampling=SamplingParams(max_tokens=1),
-                              stream_to="s", deadline=0.0, kv_ref=ref)
+                              stream_to="s", timeout_s=0.0, kv_ref=ref)
     wire = msgspec.msgpack.decode(msgspec.msgpack.encode(request), type=GenerateRequest)
     assert wire.kv_ref == ref
     assert params_from_kv_ref(wire.kv_ref) == PRODUCER_OUTPUT | {REMOTE_CACHED_TOKENS: 64}

@@ -11,23 +11,23 @@ from contracts.messages import GenerateRequest, Heartbeat, RouteRequest, Samplin
 from tests.unit.balancer_fixtures import heartbeat
 
 
-def route(deadline: float) -> bytes:
-    return msgspec.msgpack.encode(RouteRequest(request_id="r", model="m", prompt_tokens=1, max_tokens=1, deadline=deadline))
+def route(timeout_s: float) -> bytes:
+    return msgspec.msgpack.encode(RouteRequest(request_id="r", model="m", prompt_tokens=1, max_tokens=1, timeout_s=timeout_s))
 
 
-@pytest.mark.parametrize("deadline", [math.nan, math.inf, -math.inf, -1.0, 1e12])
-def test_deadlines_are_finite_moments(deadline: float) -> None:
-    # A NaN or infinite deadline becomes a timer (worker, balancer queue) or an int() (slot store): refused at decode.
+@pytest.mark.parametrize("timeout_s", [math.nan, math.inf, -math.inf, -1.0, 1e12])
+def test_times_left_are_finite_and_not_negative(timeout_s: float) -> None:
+    # A NaN or infinite time left becomes a timer (worker, balancer queue) or an int() (slot store): refused at decode.
     with pytest.raises(msgspec.ValidationError):
-        msgspec.msgpack.decode(route(deadline), type=RouteRequest)
-    assert msgspec.msgpack.decode(route(1.8e9), type=RouteRequest).deadline == 1.8e9
+        msgspec.msgpack.decode(route(timeout_s), type=RouteRequest)
+    assert msgspec.msgpack.decode(route(30.0), type=RouteRequest).timeout_s == 30.0
 
 
 @pytest.mark.parametrize("stream_to", ["", "a b", "kvlane.v1.>", "kvlane..x", "kvlane.*.x", "a." * 200])
 def test_subjects_kvlane_publishes_to_are_plain_subjects(stream_to: str) -> None:
     # A bad inbox in one heartbeat made the health prober's whole probe round fail (nats BadSubjectError).
     request = GenerateRequest(request_id="r", model="m", prompt_token_ids=[1], sampling=SamplingParams(max_tokens=1),
-                              stream_to=stream_to, deadline=1.8e9)
+                              stream_to=stream_to, timeout_s=30.0)
     with pytest.raises(msgspec.ValidationError):
         msgspec.msgpack.decode(msgspec.msgpack.encode(request), type=WorkerRequest)
 

@@ -68,7 +68,7 @@ async def run(spec: dict) -> dict:
                                       "aggregated": aggregated, "prefill_s": prefill_s, "decode_s": t2 - t1})
         result["decode_stats"] = msgspec.to_builtins(decode.stats())
         # A producer that is gone: nothing listens on its side channel any more.
-        dead = msgspec.structs.replace(ref, engine_id="gone-engine", port=spec["dead_port"], expires_at=time.time() + 30)
+        dead = msgspec.structs.replace(ref, engine_id="gone-engine", port=spec["dead_port"], hold_s=30.0)
         request = EngineRequest(request_id="pd-dead", prompt_token_ids=spec["prompts"][0], sampling=sampling, kv_ref=dead)
         t0 = time.monotonic()
         try:
@@ -77,8 +77,8 @@ async def run(spec: dict) -> dict:
             failed = {"outcome": "KvPullFailed", "message": str(exc)}
         failed["seconds"] = time.monotonic() - t0
         result["dead_producer"] = failed
-        stale = msgspec.structs.replace(ref, expires_at=time.time() - 1)
-        expired = msgspec.structs.replace(request, request_id="pd-expired", kv_ref=stale)
+        # The source's hold on the KV ended a second ago, on this host's clock.
+        expired = msgspec.structs.replace(request, request_id="pd-expired", kv_held_until=time.monotonic() - 1)
         try:
             result["expired"] = {"outcome": "output", **await _collect(decode, expired)}
         except KvPullFailed as exc:

@@ -21,7 +21,7 @@ import openai
 import pytest
 
 from contracts import subjects
-from contracts.messages import Heartbeat, KvEvents
+from contracts.messages import HeartbeatMessage, KvEvents
 from contracts.openai_api import ChatMessage
 from kvlane.fleet import Fleet
 from loadtest.hangup import Options, Report, soak
@@ -218,8 +218,8 @@ def test_clients_that_hang_up_get_their_engine_requests_aborted(vllm_fleet: Flee
                       stall_s=1.5)
 
     async def scenario() -> tuple[Report, set[str]]:
-        heartbeats: list[tuple[float, Heartbeat]] = []  # (arrival, heartbeat)
-        nc = await _collect(vllm_fleet.config.nats.url, subjects.HEARTBEAT_ALL, msgspec.msgpack.Decoder(Heartbeat),
+        heartbeats: list[tuple[float, HeartbeatMessage]] = []  # (arrival, full heartbeat or load report)
+        nc = await _collect(vllm_fleet.config.nats.url, subjects.HEARTBEAT_ALL, msgspec.msgpack.Decoder(HeartbeatMessage),
                             heartbeats, stamp=True)
         report = await soak(vllm_fleet, options, log=False)
         ended_at = time.monotonic()
@@ -227,7 +227,7 @@ def test_clients_that_hang_up_get_their_engine_requests_aborted(vllm_fleet: Flee
         def idle_since_end() -> set[str]:
             # Not necessarily each worker's first heartbeat after: a health probe
             # (one token, every 2 s) may be running then.
-            return {beat.registration.worker_id for at, beat in heartbeats if at > ended_at and not beat.stats.running}
+            return {beat.worker_id for at, beat in heartbeats if at > ended_at and not beat.stats.running}
 
         while idle_since_end() != workers and time.monotonic() < ended_at + 5:
             await asyncio.sleep(0.05)

@@ -6,6 +6,7 @@ from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from contracts.messages import RouteRequest
+from services.balancer.chain_index import Decision
 from services.balancer.snapshot import ChainState, ClusterSnapshot
 
 
@@ -23,6 +24,14 @@ class RoutingPolicy(Protocol):
         ...
 
 
+class IndexedPolicy(RoutingPolicy, Protocol):
+    """A policy that can also choose from the chain index's columns, without a snapshot."""
+
+    def choose_indexed(self, request: RouteRequest, chains: Decision) -> int | None:
+        """The row of the chain `choose` would return on the same state (same choice, same tie turns), or None."""
+        ...
+
+
 class Rotation:
     """Breaks exact ties by taking the tied chains in turn, so a burst spreads out."""
 
@@ -32,6 +41,10 @@ class Rotation:
     def pick(self, tied: Sequence[ChainState]) -> ChainState:
         self._turn += 1
         return tied[self._turn % len(tied)]
+
+    def among(self, tied: Sequence[int]) -> int:
+        """One of the tied rows, as `best` takes one of tied chains."""
+        return tied[0] if len(tied) == 1 else self.pick(tied)  # type: ignore[return-value]
 
     def best(self, chains: Sequence[ChainState], key: Callable[[ChainState], object]) -> ChainState:
         """The chain with the smallest `key`, ties rotated."""

@@ -10,7 +10,10 @@ waiting beside an idle slot.
 
 from __future__ import annotations
 
+import numpy as np
+
 from contracts.messages import RouteRequest
+from services.balancer.chain_index import Decision
 from services.balancer.policies.base import Rotation
 from services.balancer.snapshot import ChainState, ClusterSnapshot
 
@@ -38,6 +41,12 @@ class Jffc:
             return None
         return self._rotation.best(free, lambda c: (-c.node.speed, c.load, -c.node.health_weight))
 
+    def choose_indexed(self, request: RouteRequest, chains: Decision) -> int | None:
+        if not len(chains.free_rows):
+            return None
+        index = chains.index
+        return self._rotation.among(chains.lowest(-index.speed, index.load, -index.health))
+
 
 class JffcPerRequest:
     """The free chain where THIS request costs least: its own completion, plus the delay it imposes.
@@ -47,8 +56,8 @@ class JffcPerRequest:
     delays this request's first token) + prefill(uncached prompt tokens) +
     decode(output tokens at the chain's batch once it joins), at each node's
     own step time and measured speed. A two-node chain is costed as two
-    nodes: the prefill node's backlog and prompt (`remote_prefill_s`), then
-    decode on the decode node (the KV transfer is not costed yet).
+    nodes: the prefill node's backlog and prompt, then the KV transfer over
+    the link (`remote_prefill_s`), then decode on the decode node.
     Imposed delay: what its prefill and decode steps add to the requests
     already running there (`StepModel.imposed_seconds`), times
     `imposed_delay_weight`; without it a request takes the node where it
@@ -67,6 +76,47 @@ class JffcPerRequest:
         if not free:
             return None
         return self._rotation.best(free, lambda c: self.expected_seconds(request, c))
+
+    def choose_indexed(self, request: RouteRequest, chains: Decision) -> int | None:
+        if not len(chains.free_rows):
+            return None
+        return self._rotation.among(chains.lowest(self.expected_seconds_indexed(request, chains)))
+
+    def expected_seconds_indexed(self, request: RouteRequest, chains: Decision) -> np.ndarray:
+        """`expected_seconds` of every row at once: the same operations in the same order, on columns.
+
+        Kept equal to it value for value (tests/unit/test_chain_index.py);
+        busy rows get a figure too, which costs less than selecting the free ones first.
+        """
+        index = chains.index
+        prompt, output = request.prompt_tokens, request.max_tokens
+        a, b = index.a, index.b
+        # StepModel.request_seconds at factor 1, with `a + c * batch` kept per row. Rows caching none
+        # of the prompt prefill all of it; the few that cache some are priced one by one.
+        prefill_cost = b * prompt  # b * uncached tokens
+        prefill = a + prefill_cost if prompt > 0 else np.zeros(len(a))
+        for row, uncached in chains.uncached_tokens(prompt).items():
+            prefill_cost[row] = b[row] * uncached
+            prefill[row] = a[row] + prefill_cost[row] if uncached > 0 else 0.0
+        # Without a KV term on any node (d = 0), `x + d * kv` is x: those operations are skipped.
+        kv_term = index.has_kv_term()
+        if kv_term:
+            kv_tokens = (index.kv_tokens + prompt) + output / 2
+            decode = output * (index.step_at_batch + index.d * kv_tokens)
+        else:
+            decode = output * index.step_at_batch
+        seconds = ((index.per_request + prefill) if index.has_overhead() else prefill) + decode
+        backlog_s = chains.backlog_s()
+        if backlog_s is not None:
+            seconds = backlog_s + seconds
+        if self._imposed_weight:
+            # StepModel.imposed_seconds: none on an idle node.
+            per_decode_step = index.c + index.d * (prompt + output / 2) if kv_term else index.c
+            imposed = index.present * (prefill_cost + per_decode_step * output / 2)
+            if self._imposed_weight != 1.0:
+                imposed = self._imposed_weight * imposed
+            seconds = seconds + np.where(index.busy, imposed, 0.0)
+        return seconds / index.health if index.has_weights() else seconds
 
     def expected_seconds(self, request: RouteRequest, chain: ChainState) -> float:
         node = chain.node

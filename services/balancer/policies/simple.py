@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 from contracts.messages import RouteRequest
+from services.balancer.chain_index import Decision
 from services.balancer.policies.base import Rotation
 from services.balancer.snapshot import ChainState, ClusterSnapshot
 
@@ -22,6 +23,14 @@ class RoundRobin:
         self._turn += 1
         return free[self._turn % len(free)]
 
+    def choose_indexed(self, request: RouteRequest, chains: Decision) -> int | None:
+        order = chains.index.chain_order
+        free = order[chains.free[order]]
+        if not len(free):
+            return None
+        self._turn += 1
+        return int(free[self._turn % len(free)])
+
 
 class RandomChoice:
     name = "random"
@@ -31,6 +40,10 @@ class RandomChoice:
 
     def choose(self, request: RouteRequest, snapshot: ClusterSnapshot) -> ChainState | None:
         free = snapshot.free()
+        return self._rng.choice(free) if free else None
+
+    def choose_indexed(self, request: RouteRequest, chains: Decision) -> int | None:
+        free = chains.free_rows.tolist()
         return self._rng.choice(free) if free else None
 
 
@@ -48,6 +61,11 @@ class LeastLoaded:
             return None
         return self._rotation.best(free, lambda c: (c.load, c.kv_usage))
 
+    def choose_indexed(self, request: RouteRequest, chains: Decision) -> int | None:
+        if not len(chains.free_rows):
+            return None
+        return self._rotation.among(chains.lowest(chains.index.load, chains.index.kv_usage))
+
 
 class PowerOfTwo:
     """Two chains drawn at random, the less loaded one wins (Mitzenmacher)."""
@@ -63,3 +81,11 @@ class PowerOfTwo:
             return free[0] if free else None
         first, second = self._rng.sample(free, 2)
         return second if second.load < first.load else first
+
+    def choose_indexed(self, request: RouteRequest, chains: Decision) -> int | None:
+        free = chains.free_rows.tolist()
+        if len(free) < 2:
+            return free[0] if free else None
+        first, second = self._rng.sample(free, 2)
+        load = chains.index.load
+        return second if load[second] < load[first] else first

@@ -18,6 +18,8 @@ class EngineRequest(Struct, frozen=True):
     resume_token_ids: list[int] = []
     # The prompt's KV waits on a prefill node: pull it instead of prefilling.
     kv_ref: KvRef | None = None
+    # When the source's hold on that KV ends, on this process's `time.monotonic` clock.
+    kv_held_until: float | None = None
 
 
 class EngineOutput(Struct):
@@ -58,6 +60,10 @@ class RequestRejected(ValueError):
 
 class KvPullFailed(RuntimeError):
     """The KV named by a request's `kv_ref` could not be pulled; nothing was generated."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine died: it runs nothing more, and the worker leaves the cluster."""
 
 
 class EngineConfigError(ValueError):
@@ -128,3 +134,7 @@ class Engine(Protocol):
 
     def stats(self) -> EngineStats:
         """A snapshot for the heartbeat; throughputs are measured since the previous call."""
+
+    @property
+    def errored(self) -> bool:
+        """Whether the engine died (it then fails every request, running or new, and never recovers)."""

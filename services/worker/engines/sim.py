@@ -9,6 +9,10 @@ Disaggregation: `prefill` runs the prompt and keeps its blocks until
 transfer time of its KV bytes over the configured link, then finds its
 prompt in the prefix cache. Whether the source still holds the KV is the
 worker's check (a pull over NATS) before it calls `generate`.
+
+Fault injection: with `fail_after_tokens` the engine dies once it has
+generated that many tokens, as a GPU engine dies under a worker: every
+request, running or new, then fails with `EngineDeadError`.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import structlog
 
 from contracts.messages import EngineStats, KvRef
 from services.worker.engines.base import (
+    EngineDeadError,
     EngineOutput,
     EngineRequest,
     KvCacheDelta,
@@ -35,7 +40,8 @@ from shared.tokenizer import SimTokenizer
 
 log = structlog.get_logger("kvlane.worker.sim")
 
-_FINISHED = object()
+# Put on every waiting request's queue when the engine dies.
+_DEAD = object()
 
 
 def build_scheduler(settings: SimSettings, profile: StepTimeProfile, output_token_range: tuple[int, int]) -> SimScheduler:
@@ -103,6 +109,12 @@ class SimEngine:
         self._kv_pulls = 0
         self._kv_pull_bytes = 0
         self._kv_pull_seconds = 0.0
+        self._tokens_generated = 0
+        self._death: str | None = None
+
+    @property
+    def errored(self) -> bool:
+        return self._death is not None
 
     async def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="sim-engine")
@@ -113,6 +125,7 @@ class SimEngine:
             await asyncio.gather(self._task, return_exceptions=True)
 
     def check(self, request: EngineRequest) -> None:
+        self._raise_if_dead()
         check_fits(request, self._settings.max_model_len, self._tokenizer.vocab_size)
 
     async def prefill(self, request: EngineRequest, source_worker_id: str, hold_s: float) -> KvRef:
@@ -126,7 +139,7 @@ class SimEngine:
         cached_tokens = 0
         try:
             while not finished:
-                _, finished, cached_tokens = await queue.get()
+                _, finished, cached_tokens = self._alive(await queue.get())
         finally:
             self._queues.pop(request_id, None)
             if not finished:
@@ -137,7 +150,7 @@ class SimEngine:
             engine_id=source_worker_id,
             request_id=request_id,
             num_tokens=num_tokens,
-            expires_at=time.time() + hold_s,
+            hold_s=hold_s,
             kv_bytes=num_tokens * self._profile.kv_bytes_per_token,
             cached_tokens=cached_tokens,
         )
@@ -155,6 +168,7 @@ class SimEngine:
         self._kv_pull_seconds += self._clock() - started
 
     def _add(self, request: EngineRequest, max_tokens: int, hold_kv: bool = False) -> asyncio.Queue:
+        self._raise_if_dead()  # it may have died during a KV pull
         seed = self._settings.seed if request.sampling.seed is None else request.sampling.seed
         try:
             self._scheduler.add(
@@ -177,7 +191,7 @@ class SimEngine:
         engine_finished = stopped = False
         try:
             while not (engine_finished or stopped):
-                token_id, engine_finished, cached_tokens = await queue.get()
+                token_id, engine_finished, cached_tokens = self._alive(await queue.get())
                 text, stopped = stop.feed(self._tokenizer.token_text(token_id))
                 if engine_finished and not stopped:
                     text += stop.flush()
@@ -197,6 +211,7 @@ class SimEngine:
         return self._step_stats.take(self._clock(), self._kv_pulls, self._kv_pull_bytes, self._kv_pull_seconds)
 
     async def _run(self) -> None:
+        fail_after = self._settings.fail_after_tokens
         while True:
             if not self._scheduler.has_work():
                 self._wake.clear()
@@ -205,6 +220,25 @@ class SimEngine:
             outcome = self._scheduler.step()
             await asyncio.sleep(outcome.duration_s / self._settings.speed)
             self._deliver(outcome)
+            self._tokens_generated += len(outcome.emitted)
+            if fail_after and self._tokens_generated >= fail_after:
+                self._die(f"sim engine died after {self._tokens_generated} tokens (sim.fail_after_tokens)")
+                return
+
+    def _die(self, cause: str) -> None:
+        log.error("sim_engine_died", cause=cause, running=len(self._queues))
+        self._death = cause
+        for queue in self._queues.values():
+            queue.put_nowait(_DEAD)
+
+    def _alive(self, item: object) -> tuple:
+        if item is _DEAD:
+            self._raise_if_dead()
+        return item  # type: ignore[return-value]
+
+    def _raise_if_dead(self) -> None:
+        if self._death is not None:
+            raise EngineDeadError(self._death)
 
     def _deliver(self, outcome: StepOutcome) -> None:
         self._step_stats.observe(outcome)

@@ -331,6 +331,11 @@ class VllmEngine:
     def check(self, request: EngineRequest) -> None:
         check_fits(request, self._resolved.max_model_len, self._resolved.shape.vocab_size)
 
+    @property
+    def errored(self) -> bool:
+        # AsyncLLM's own flag: its engine core died (EngineDeadError in every request) or its output loop ended.
+        return self._engine is not None and self._engine.errored
+
     def _running(self) -> AsyncLLM:
         if self._engine is None:
             raise RuntimeError("the vLLM engine is not running")
@@ -368,7 +373,7 @@ class VllmEngine:
             prompt_tokens=len(prompt),
             kv_bytes_per_token=self._resolved.shape.kv_bytes_per_token(self._settings.dtype),
             block_size=self._resolved.block_size,
-            expires_at=time.time() + max(hold, 0.0),
+            hold_s=max(hold, 0.0),
         )
 
     def release_kv(self, request_id: str) -> None:
@@ -385,7 +390,7 @@ class VllmEngine:
         # A reference is used only where there is a consumer to pull it; any
         # other engine simply prefills the prompt itself.
         kv_ref = request.kv_ref if self._role == "decode" else None
-        if kv_ref is not None and kv_ref.expires_at <= time.time():
+        if kv_ref is not None and request.kv_held_until is not None and request.kv_held_until <= time.monotonic():
             # Its blocks may be freed and reused by now: a pull would read someone else's KV.
             raise KvPullFailed(f"KV reference for {request.request_id} expired before the pull")
         # A resumed request replays what it already produced as prompt and

@@ -49,7 +49,7 @@ def kv_ref_from_params(
     prompt_tokens: int,
     kv_bytes_per_token: int,
     block_size: int,
-    expires_at: float,
+    hold_s: float,
 ) -> KvRef:
     """The `KvRef` for a producer's finished-request `kv_transfer_params`.
 
@@ -76,7 +76,7 @@ def kv_ref_from_params(
         engine_id=str(params["remote_engine_id"]),
         request_id=str(params["remote_request_id"]),
         num_tokens=num_tokens,
-        expires_at=expires_at,
+        hold_s=hold_s,
         block_ids=block_ids,
         host=params.get("remote_host") or "",
         port=int(params.get("remote_port") or 0),

@@ -1,0 +1,302 @@
+"""Faults through `kvlane up` itself: it restarts what died and the rest of the fleet keeps serving.
+
+Each fault test prints one line (streams sent / completed / failed
+explicitly / refused / lost, migrations, restart time) that
+docs/benchmarks.md quotes; run with `-s` to see them. Load runs as lanes of
+streams, each lane starting its next stream when the last one ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from kvlane.launcher import free_port
+from tests.integration.conftest import MODEL, until
+from tests.integration.test_faults import expected_text
+from tests.integration.test_kvlane_up import alive, children_of
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads children from /proc"),
+]
+
+HEARTBEAT_TTL_S = 1.0
+STREAMS = 200
+MAX_TOKENS = 200
+
+
+class KvlaneUp:
+    """`kvlane up` as a user starts it, on free ports; its output is collected line by line as it comes."""
+
+    def __init__(self, tmp_path: Path, workers: int, supervision: str = "") -> None:
+        nats_port, redis_port, self.port = free_port(), free_port(), free_port()
+        self.nats_url = f"nats://127.0.0.1:{nats_port}"
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        config = tmp_path / "kvlane.toml"
+        config.write_text(
+            f'[nats]\nurl = "{self.nats_url}"\n\n[redis]\nurl = "redis://127.0.0.1:{redis_port}/0"\n\n'
+            f'[cluster]\nheartbeat_interval_s = 0.25\nheartbeat_ttl_s = {HEARTBEAT_TTL_S}\nresync_interval_s = 0.5\n\n'
+            '[ingress]\nstall_timeout_s = 10.0\n\n[worker]\ndrain_timeout_s = 20.0\n\n'
+            f'[supervision]\n{supervision}\n'
+        )
+        self.popen = subprocess.Popen(
+            [str(Path(sys.executable).parent / "kvlane"), "up", "--engine", "sim", "--config", str(config), "--port", str(self.port),
+             "--workers", str(workers), "--log-dir", str(tmp_path / "logs")],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "COLUMNS": "400"},
+        )
+        self.lines: list[str] = []
+        self._changed = threading.Condition()
+        self._output_ended = False
+        threading.Thread(target=self._collect, daemon=True).start()
+        self.children: list[int] = []
+
+    def _collect(self) -> None:
+        for line in self.popen.stdout:
+            with self._changed:
+                self.lines.append(line.rstrip("\n"))
+                self._changed.notify_all()
+        with self._changed:
+            self._output_ended = True
+            self._changed.notify_all()
+
+    def wait_line(self, pattern: str, timeout: float = 60.0) -> re.Match:
+        """The first output line matching `pattern`, once it has been printed."""
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while True:
+                for line in self.lines:
+                    if found := re.search(pattern, line):
+                        return found
+                left = deadline - time.monotonic()
+                assert left > 0 and not self._output_ended, (
+                    f"no line matching {pattern!r} (exit {self.popen.poll()}):\n" + "\n".join(self.lines))
+                self._changed.wait(min(left, 1.0))
+
+    def output(self) -> str:
+        with self._changed:
+            return "\n".join(self.lines)
+
+    def wait_ready(self) -> None:
+        self.wait_line(r"ready .*base URL", timeout=120)
+        self.children = children_of(self.popen.pid)
+
+    def service_pid(self, module: str, worker_id: str | None = None) -> int:
+        """The pid of the running `python -m services.<module>` child (with `worker_id`, that worker's)."""
+        for pid in children_of(self.popen.pid):
+            try:
+                argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+                environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if f"services.{module}".encode() not in argv or not alive(pid):
+                continue
+            if worker_id is None or f'KVLANE__WORKER__WORKER_ID="{worker_id}"'.encode() in environ:
+                return pid
+        raise AssertionError(f"no running services.{module} {worker_id or ''} under kvlane up:\n{self.output()}")
+
+    def stop(self) -> int:
+        """Ctrl-C, as a user stops it; its exit status."""
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGINT)
+        return self.popen.wait(90)
+
+    def kill_leftovers(self) -> None:
+        if self.popen.poll() is None:
+            self.popen.kill()
+        for pid in [*self.children, *children_of(self.popen.pid)]:
+            if alive(pid):  # what a failure left behind must not outlive the test
+                os.kill(pid, signal.SIGKILL)
+
+
+@pytest.fixture
+def start_up(tmp_path: Path):
+    started: list[KvlaneUp] = []
+
+    def start(workers: int, supervision: str = "") -> KvlaneUp:
+        up = KvlaneUp(tmp_path, workers, supervision)
+        started.append(up)
+        up.wait_ready()
+        return up
+
+    yield start
+    for up in started:
+        try:
+            up.stop()
+        finally:
+            up.kill_leftovers()
+
+
+@dataclass
+class StreamLoad:
+    sent: int = 0
+    completed: int = 0
+    failed: list[str] = field(default_factory=list)  # ended with an explicit error (an HTTP error or an SSE error event)
+    refused: list[str] = field(default_factory=list)  # the ingress could not be reached
+    lost: list[str] = field(default_factory=list)  # hung, or ended without [DONE]
+    wrong: list[int] = field(default_factory=list)  # completed with a gap or a duplicate in the text
+    streaming: int = 0  # streams that have received their first token and not yet ended
+
+    def report(self, fault: str, migrations: float, restart_s: float) -> str:
+        return (f"FAULT {fault}: sent={self.sent} completed={self.completed} failed={len(self.failed)} "
+                f"refused={len(self.refused)} lost={len(self.lost)} migrations={migrations:g} restart={restart_s:.2f}s"
+                + (f" (failures: {sorted(set(self.failed))[:3]})" if self.failed else ""))
+
+
+async def one_stream(session: aiohttp.ClientSession, base_url: str, index: int, load: StreamLoad) -> None:
+    prompt, seed = f"supervised load request number {index}", 5000 + index
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": MAX_TOKENS, "seed": seed, "stream": True}
+    load.sent += 1
+    pieces: list[str] = []
+    streaming = failed = False
+    try:
+        async with session.post(f"{base_url}/v1/completions", json=body) as response:
+            if response.status != 200:
+                load.failed.append(f"HTTP {response.status}: {(await response.text())[:200]}")
+                return
+            async for raw in response.content:
+                line = raw.decode().strip()
+                if not line.startswith("data: "):
+                    continue
+                if line == "data: [DONE]":
+                    if failed:
+                        return
+                    load.completed += 1
+                    if "".join(pieces) != expected_text(prompt, seed, MAX_TOKENS):
+                        load.wrong.append(index)
+                    return
+                event = json.loads(line[len("data: "):])
+                if "error" in event:
+                    load.failed.append(f"stream error: {event['error']}")
+                    failed = True  # the [DONE] that follows closes a failed stream
+                elif event["choices"]:
+                    pieces.append(event["choices"][0]["text"])
+                    if not streaming:
+                        streaming = True
+                        load.streaming += 1
+            if not failed:
+                load.lost.append(f"stream {index} ended without [DONE]")
+    except aiohttp.ClientConnectorError as exc:
+        load.refused.append(str(exc))
+    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        load.lost.append(f"stream {index}: {type(exc).__name__}: {exc}")
+    finally:
+        if streaming:
+            load.streaming -= 1
+
+
+async def steady_streams(base_url: str, lanes: int, stop: asyncio.Event, load: StreamLoad) -> None:
+    # A stream that stops moving for this long is lost, not slow: the ingress's own stall timeout is 10 s.
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=30)
+    connector = aiohttp.TCPConnector(limit=lanes)
+    counter = iter(range(1_000_000))
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+        async def lane() -> None:
+            while not stop.is_set():
+                await one_stream(session, base_url, next(counter), load)
+
+        await asyncio.gather(*(lane() for _ in range(lanes)))
+
+
+async def metric_values(base_url: str, name: str) -> dict[str, float]:
+    """Every sample of one metric on the ingress's /metrics, by its label text."""
+    async with aiohttp.ClientSession() as session, session.get(f"{base_url}/metrics") as response:
+        text = await response.text()
+    return {line[len(name):].rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines() if line.startswith(name + "{")}
+
+
+async def test_a_worker_killed_under_streaming_load_is_restarted_and_no_stream_is_lost(start_up) -> None:
+    up = start_up(workers=3)
+    ingress_pid = up.service_pid("ingress")
+    bystanders = {worker_id: up.service_pid("worker", worker_id) for worker_id in ("w1", "w2")}
+    victim = up.service_pid("worker", "w0")
+    load, stop = StreamLoad(), asyncio.Event()
+    streams = asyncio.create_task(steady_streams(up.base_url, STREAMS, stop, load))
+
+    async def many_streaming() -> bool:
+        return load.streaming >= STREAMS // 4
+
+    await until(many_streaming, 120, lambda: f"{STREAMS // 4} streams in flight ({load})")
+    os.kill(victim, signal.SIGKILL)
+    killed = time.monotonic()
+    await asyncio.to_thread(up.wait_line, r"worker-w0 was killed by SIGKILL; restart 1 in ")
+    restarted = int((await asyncio.to_thread(up.wait_line, r"worker-w0 restarted \(pid (\d+), restarts: 1\)")).group(1))
+    await asyncio.to_thread(up.wait_line, r"worker-w0 serves again, [\d.]+s after it went down")
+    restart_s = time.monotonic() - killed
+    assert up.service_pid("worker", "w0") == restarted != victim
+
+    async def w0_serves_again() -> bool:
+        # The killed incarnation's heartbeats have expired by then: a w0 with requests running is the new one.
+        running = await metric_values(up.base_url, "vllm:num_requests_running")
+        return time.monotonic() - killed > 2 * HEARTBEAT_TTL_S and any('worker="w0"' in k and v > 0 for k, v in running.items())
+
+    await until(w0_serves_again, 60, "the restarted w0 running requests")
+    stop.set()
+    await asyncio.wait_for(streams, 120)
+    migrations = sum((await metric_values(up.base_url, "kvlane_ingress_migrations_total")).values())
+    print(load.report(f"worker SIGKILL under kvlane up ({STREAMS} streams, 3 sim workers)", migrations, restart_s))
+    assert not load.refused, load.refused[:3]
+    assert not load.lost, load.lost[:3]
+    assert load.sent == load.completed + len(load.failed)
+    assert not load.wrong, f"streams with gaps or duplicates: {load.wrong[:3]}"
+    assert migrations >= 1, "no stream was migrated off the killed worker"
+    # Only w0 was restarted: the ingress and the other workers kept serving throughout.
+    assert up.service_pid("ingress") == ingress_pid
+    assert {worker_id: up.service_pid("worker", worker_id) for worker_id in bystanders} == bystanders
+    assert [line for line in up.lines if " restarted (" in line] == [f"worker-w0 restarted (pid {restarted}, restarts: 1)"]
+    assert up.stop() == 0
+    assert "restarts: worker-w0 1\nstopped." in up.output()
+
+
+async def test_a_killed_ingress_is_restarted_on_its_port(start_up) -> None:
+    up = start_up(workers=1)
+    worker = up.service_pid("worker", "w0")
+    ingress = up.service_pid("ingress")
+    os.kill(ingress, signal.SIGKILL)
+    killed = time.monotonic()
+    await asyncio.to_thread(up.wait_line, r"ingress was killed by SIGKILL; restart 1 in ")
+
+    async def ready() -> bool:
+        try:
+            async with aiohttp.ClientSession() as session, session.get(f"{up.base_url}/ready") as response:
+                return response.status == 200
+        except aiohttp.ClientError:
+            return False
+
+    await until(ready, 60, "the restarted ingress ready")
+    restart_s = time.monotonic() - killed
+    load = StreamLoad()
+    async with aiohttp.ClientSession() as session:
+        await asyncio.gather(*(one_stream(session, up.base_url, index, load) for index in range(4)))
+    print(f"FAULT ingress SIGKILL under kvlane up: ready again after {restart_s:.2f}s; then {load.completed}/{load.sent} streams completed")
+    assert load.completed == load.sent == 4 and not load.wrong
+    await asyncio.to_thread(up.wait_line, r"ingress serves again")
+    assert up.service_pid("ingress") != ingress
+    assert up.service_pid("worker", "w0") == worker
+
+
+def test_a_crash_loop_stops_the_fleet_with_the_reason(start_up) -> None:
+    up = start_up(workers=1, supervision="restart_limit = 1\nstable_after_s = 600.0\n")
+    os.kill(up.service_pid("worker", "w0"), signal.SIGKILL)
+    up.wait_line(r"worker-w0 serves again")
+    os.kill(up.service_pid("worker", "w0"), signal.SIGKILL)
+    assert up.popen.wait(90) == 1
+    up.wait_line(r"worker-w0 was killed by SIGKILL, 2 times in a row within 600s of starting: given up .*; stopping the fleet")
+    assert "restarts: worker-w0 1\nstopped." in up.output()
+    deadline = time.monotonic() + 30
+    while left := [pid for pid in up.children if alive(pid)]:
+        assert time.monotonic() < deadline, f"still running after kvlane up gave up: {left}"
+        time.sleep(0.1)
