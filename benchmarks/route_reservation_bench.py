@@ -40,21 +40,21 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-async def run_way(decide: Decide, release: Callable[[list[str]], Awaitable[None]], tag: str, decisions: int,
+async def run_way(decide: Decide, release: Callable[[list[tuple[str, str]]], Awaitable[None]], tag: str, decisions: int,
                   concurrency: int, redis_pid: int) -> dict:
     latencies = []
     for i in range(decisions // 4):
         started = time.perf_counter()
         await decide(f"{tag}-s{i}", f"w{i % NODES}")
         latencies.append(time.perf_counter() - started)
-    await release([f"{tag}-s{i}" for i in range(decisions // 4)])
+    await release([(f"{tag}-s{i}", f"w{i % NODES}") for i in range(decisions // 4)])
     queue = iter(range(decisions))
-    done: list[str] = []
+    done: list[tuple[str, str]] = []
 
     async def client() -> None:
         for i in queue:
             await decide(f"{tag}-c{i}", f"w{i % NODES}")
-            done.append(f"{tag}-c{i}")
+            done.append((f"{tag}-c{i}", f"w{i % NODES}"))
 
     cpu, started = cpu_seconds(redis_pid), time.perf_counter()
     await asyncio.gather(*(client() for _ in range(concurrency)))
@@ -83,9 +83,9 @@ async def bench(decisions: int, rounds: int, concurrency: int, folder: Path) -> 
                                                   ledger.asked_call(request_id, worker_id, ASK, 1.0, 64))
             assert both.slot_taken
 
-        async def release(request_ids: list[str]) -> None:
-            for start in range(0, len(request_ids), 64):  # as one burst of RequestFinished each
-                batch = [(request_id, None) for request_id in request_ids[start:start + 64]]
+        async def release(finished: list[tuple[str, str]]) -> None:
+            for start in range(0, len(finished), 64):  # as one burst of RequestFinished each
+                batch = finished[start:start + 64]
                 await slots.release_many(batch)
                 await ledger.release_many(batch)
 

@@ -15,7 +15,7 @@ workload with a share of high-priority sessions on a fleet whose KV is
 scarce. Reported per priority class: SLO attainment and goodput; per run:
 prefix hit rate, preemptions and KV refusals.
 
-    python -m loadtest.eviction_study [--fleet h100-80g-llama3-8b:8] [--rates 60,90,120] [--num-blocks 3000]
+    python -m loadtest.eviction_study [--fleet h100-80g-llama3-8b:4] [--rates 30,40] [--num-blocks 2500] [--slot-tokens 1024]
 
 Writes `results.json` and `study.md` under `--out`.
 """
@@ -46,11 +46,11 @@ REQUEST_TIMEOUT_S = 60.0
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m loadtest.eviction_study", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--fleet", default="h100-80g-llama3-8b:8", help="PROFILE[@SPEED]:COUNT,... (aggregated nodes)")
+    parser.add_argument("--fleet", default="h100-80g-llama3-8b:4", help="PROFILE[@SPEED]:COUNT,... (aggregated nodes)")
     parser.add_argument("--policy", default="jffc_per_request")
-    parser.add_argument("--rates", default="60,90,120", help="comma-separated open-loop rates (req/s)")
-    parser.add_argument("--duration", type=float, default=30.0, help="simulated seconds of arrivals per run")
-    parser.add_argument("--num-blocks", type=int, default=3000, help="KV blocks per node (16 tokens each): the pressure")
+    parser.add_argument("--rates", default="30,40", help="comma-separated open-loop rates (req/s)")
+    parser.add_argument("--duration", type=float, default=20.0, help="simulated seconds of arrivals per run")
+    parser.add_argument("--num-blocks", type=int, default=2500, help="KV blocks per node (16 tokens each): the pressure")
     parser.add_argument("--groups", type=int, default=64)
     parser.add_argument("--system-tokens", type=int, default=2048)
     parser.add_argument("--question-tokens", type=int, default=128)

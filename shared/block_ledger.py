@@ -1,17 +1,27 @@
 """The authoritative block ledger in Redis: atomic, shared by all replicas.
 
-Per node a hash holds the blocks reserved in each pool; per request a lease
-hash holds what it reserved; a sorted set orders leases by expiry. Every
-change is one Lua script, so any number of cache-manager replicas can
-allocate concurrently and a node is never over-committed: the script
-re-checks room at the moment it reserves. Expired leases (a request whose
-worker or ingress died and stopped renewing) are reaped by any replica and
-their blocks returned.
+Per node a hash holds the blocks reserved in each pool, a set names its
+leases and a sorted set orders them by expiry; per request a lease hash on
+the node holds what it reserved. Every change is one Lua script, so any
+number of cache-manager replicas can allocate concurrently and a node is
+never over-committed: the script re-checks room at the moment it reserves.
+Expired leases (a request whose worker or ingress died and stopped
+renewing) are reaped by any replica and their blocks returned.
+
+Every key of one node carries the hash tag `{node:<worker_id>}` and every
+script gets all its keys in KEYS, so on a Redis Cluster each script runs on
+the one master holding that node's slot, and the fleet spreads over the
+masters. Hence a lease is found through its node: releasing needs the node
+(a release that knows only the request tries each node it is given), and a
+request allocated again on another node leaves its lease on the first one
+until that attempt's end releases it, or it expires. Reaping visits each
+node in an index that the reapers keep from the nodes they see alive.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 
 import msgspec
 import redis.asyncio as redis
@@ -21,25 +31,24 @@ from shared.kv_allocation import NodeAsk, RunningLease
 from shared.redis_scripts import run_batch
 
 _PREFIX = f"{subjects.REDIS_PREFIX}:cache"
-_LEASES = f"{_PREFIX}:leases"
+# Nodes whose leases reaping visits: those seen alive, kept until a departed one has no lease left.
+LEDGER_NODES_KEY = f"{_PREFIX}:nodes"
 
 # One Lua function, so that the balancer's slot-and-lease script (services/balancer/slot_store.py)
 # runs the very same allocation as `_ALLOCATE` does alone.
-# K: usage hash, lease hash, expiry zset, node lease set
-# A: blocks, pool ('general', 'short' or 'short_first'), general capacity, short capacity, expires_at_ms, lease fields...
+# K: the node's usage hash, the request's lease hash on the node, the node's expiry zset, the node's lease set
+# A: blocks, pool ('general', 'short' or 'short_first'), general capacity, short capacity, ms the lease lasts,
+#    worker id, priority, max_tokens, granted_at, request id
 # Returns {code, pool, count}: 2 granted, 1 held already on this node, 0 refused (count: blocks left in the pool).
 ALLOCATE_FUNCTION = """
+-- Expiries are on Redis's clock, so hosts whose clocks disagree still agree on when a lease lapses.
+local function ledger_now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
 local function allocate_lease(K, A)
 if redis.call('EXISTS', K[2]) == 1 then
-  local holder = redis.call('HGET', K[2], 'worker_id')
-  if holder == A[6] then
-    return {1, redis.call('HGET', K[2], 'pool'), tonumber(redis.call('HGET', K[2], 'blocks'))}
-  end
-  -- Routed elsewhere (a retry or a resumption): give the old node its blocks back first.
-  local old_blocks = tonumber(redis.call('HGET', K[2], 'blocks'))
-  redis.call('HINCRBY', A[11] .. holder, 'used_' .. redis.call('HGET', K[2], 'pool'), -old_blocks)
-  redis.call('SREM', A[12] .. holder, A[10])
-  redis.call('DEL', K[2])
+  return {1, redis.call('HGET', K[2], 'pool'), tonumber(redis.call('HGET', K[2], 'blocks'))}
 end
 local blocks = tonumber(A[1])
 -- 'short_first': the short pool if the blocks fit there, else the general one (allocator.pool_for).
@@ -53,7 +62,7 @@ for _, pool in ipairs(pools) do
     redis.call('HINCRBY', K[1], field, blocks)
     redis.call('HSET', K[2], 'worker_id', A[6], 'blocks', blocks, 'pool', pool, 'priority', A[7],
                'max_tokens', A[8], 'generated', 0, 'granted_at', A[9])
-    redis.call('ZADD', K[3], A[5], A[10])
+    redis.call('ZADD', K[3], ledger_now_ms() + tonumber(A[5]), A[10])
     redis.call('SADD', K[4], A[10])
     return {2, pool, blocks}
   end
@@ -68,18 +77,18 @@ _ALLOCATE = ALLOCATE_FUNCTION + "return allocate_lease(KEYS, ARGV)\n"
 # Preemption in one step: the victims' leases go and the newcomer's comes, or, when that no longer makes
 # room (a victim ended and another request took its blocks, say), nothing changes and no victim is lost.
 # KEYS: the allocation's four (usage hash, newcomer's lease hash, expiry zset, node lease set), then each victim's lease hash
-# ARGV: the allocation's twelve (its pool one pool), then each victim's request id
+# ARGV: the allocation's ten (its pool one pool), then each victim's request id
 # Returns {code, pool, count, the victims released...} as ALLOCATE_FUNCTION's; a victim already gone is not counted.
 _PREEMPT = ALLOCATE_FUNCTION + """
-local node, pool, blocks = ARGV[6], ARGV[2], tonumber(ARGV[1])
-if redis.call('HGET', KEYS[2], 'worker_id') == node then
+local pool, blocks = ARGV[2], tonumber(ARGV[1])
+if redis.call('EXISTS', KEYS[2]) == 1 then
   return {1, redis.call('HGET', KEYS[2], 'pool'), tonumber(redis.call('HGET', KEYS[2], 'blocks'))}
 end
 local capacity = pool == 'short' and tonumber(ARGV[4]) or tonumber(ARGV[3])
 local room = capacity - tonumber(redis.call('HGET', KEYS[1], 'used_' .. pool) or '0')
 local victims = {}
 for i = 5, #KEYS do
-  if redis.call('HGET', KEYS[i], 'worker_id') == node and redis.call('HGET', KEYS[i], 'pool') == pool then
+  if redis.call('HGET', KEYS[i], 'pool') == pool then
     room = room + tonumber(redis.call('HGET', KEYS[i], 'blocks'))
     victims[#victims + 1] = i
   end
@@ -89,7 +98,7 @@ if room < blocks then
 end
 local released = {}
 for _, i in ipairs(victims) do
-  local rid = ARGV[12 + i - 4]
+  local rid = ARGV[10 + i - 4]
   redis.call('HINCRBY', KEYS[1], 'used_' .. pool, -tonumber(redis.call('HGET', KEYS[i], 'blocks')))
   redis.call('SREM', KEYS[4], rid)
   redis.call('DEL', KEYS[i])
@@ -103,51 +112,54 @@ end
 return granted
 """
 
-# KEYS: lease hash, expiry zset; ARGV: request id, usage key prefix, node set prefix, node ('' = any)
+# KEYS: lease hash, the node's expiry zset, usage hash, lease set; ARGV: request id
 _RELEASE = """
 if redis.call('EXISTS', KEYS[1]) == 0 then
   redis.call('ZREM', KEYS[2], ARGV[1])
   return -1
 end
-local node = redis.call('HGET', KEYS[1], 'worker_id')
-if ARGV[4] ~= '' and node ~= ARGV[4] then
-  return -1
-end
 local blocks = tonumber(redis.call('HGET', KEYS[1], 'blocks'))
-local pool = redis.call('HGET', KEYS[1], 'pool')
-redis.call('HINCRBY', ARGV[2] .. node, 'used_' .. pool, -blocks)
-redis.call('SREM', ARGV[3] .. node, ARGV[1])
+redis.call('HINCRBY', KEYS[3], 'used_' .. redis.call('HGET', KEYS[1], 'pool'), -blocks)
+redis.call('SREM', KEYS[4], ARGV[1])
 redis.call('DEL', KEYS[1])
 redis.call('ZREM', KEYS[2], ARGV[1])
 return blocks
 """
 
-# KEYS: expiry zset; ARGV: now_ms, lease key prefix, usage key prefix, node set prefix, limit
+# The expired leases of one node, found by a read just before: one renewed since is kept.
+# KEYS: the node's expiry zset, usage hash, lease set, then each candidate's lease hash
+# ARGV: the reader's now_ms (unused: Redis's clock decides), then each candidate's request id
 _REAP = """
-local expired = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1], 'LIMIT', 0, tonumber(ARGV[5]))
-for _, rid in ipairs(expired) do
-  local lease = ARGV[2] .. rid
-  if redis.call('EXISTS', lease) == 1 then
-    local node = redis.call('HGET', lease, 'worker_id')
-    local blocks = tonumber(redis.call('HGET', lease, 'blocks'))
-    local pool = redis.call('HGET', lease, 'pool')
-    redis.call('HINCRBY', ARGV[3] .. node, 'used_' .. pool, -blocks)
-    redis.call('SREM', ARGV[4] .. node, rid)
-    redis.call('DEL', lease)
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local expired = {}
+for i = 4, #KEYS do
+  local rid = ARGV[i - 2]
+  local expires = redis.call('ZSCORE', KEYS[1], rid)
+  if expires and tonumber(expires) <= now then
+    if redis.call('EXISTS', KEYS[i]) == 1 then
+      local blocks = tonumber(redis.call('HGET', KEYS[i], 'blocks'))
+      redis.call('HINCRBY', KEYS[2], 'used_' .. redis.call('HGET', KEYS[i], 'pool'), -blocks)
+      redis.call('SREM', KEYS[3], rid)
+      redis.call('DEL', KEYS[i])
+    end
+    redis.call('ZREM', KEYS[1], rid)
+    expired[#expired + 1] = rid
   end
-  redis.call('ZREM', KEYS[1], rid)
 end
 return expired
 """
 
-# KEYS: expiry zset; ARGV: expires_at_ms, lease key prefix, then (request id, generated) pairs
+# KEYS: the node's expiry zset, then each lease hash; ARGV: ms the leases last from now, then (request id, generated) pairs
 _RENEW = """
+local t = redis.call('TIME')
+local expires = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) + tonumber(ARGV[1])
 local renewed = 0
-for i = 3, #ARGV, 2 do
-  local lease = ARGV[2] .. ARGV[i]
-  if redis.call('EXISTS', lease) == 1 then
-    redis.call('ZADD', KEYS[1], 'XX', ARGV[1], ARGV[i])
-    redis.call('HSET', lease, 'generated', ARGV[i + 1])
+for i = 2, #KEYS do
+  local rid = ARGV[2 * i - 2]
+  if redis.call('EXISTS', KEYS[i]) == 1 then
+    redis.call('ZADD', KEYS[1], 'XX', expires, rid)
+    redis.call('HSET', KEYS[i], 'generated', ARGV[2 * i - 1])
     renewed = renewed + 1
   end
 end
@@ -169,16 +181,25 @@ class Preemption(msgspec.Struct, frozen=True):
     preempted: list[str] = []
 
 
+def node_tag(worker_id: str) -> str:
+    """The hash tag of every key of one node: on a Redis Cluster they share a slot."""
+    return f"{{node:{worker_id}}}"
+
+
 def usage_key(worker_id: str) -> str:
-    return f"{_PREFIX}:used:{worker_id}"
+    return f"{_PREFIX}:used:{node_tag(worker_id)}"
 
 
-def lease_key(request_id: str) -> str:
-    return f"{_PREFIX}:lease:{request_id}"
+def lease_key(worker_id: str, request_id: str) -> str:
+    return f"{_PREFIX}:lease:{node_tag(worker_id)}:{request_id}"
 
 
 def node_leases_key(worker_id: str) -> str:
-    return f"{_PREFIX}:node_leases:{worker_id}"
+    return f"{_PREFIX}:node_leases:{node_tag(worker_id)}"
+
+
+def expiry_key(worker_id: str) -> str:
+    return f"{_PREFIX}:leases:{node_tag(worker_id)}"
 
 
 class BlockLedger:
@@ -191,8 +212,8 @@ class BlockLedger:
         self._renew = client.register_script(_RENEW)
         self._preempt = client.register_script(_PREEMPT)
 
-    def _expiry_ms(self) -> int:
-        return int((time.time() + self.lease_ttl_s) * 1000)
+    def _lease_ms(self) -> int:
+        return int(self.lease_ttl_s * 1000)
 
     async def reserve(
         self,
@@ -213,10 +234,10 @@ class BlockLedger:
         self, request_id: str, worker_id: str, blocks: int, pool: str, general_capacity: int, short_capacity: int,
         priority: float, max_tokens: int,
     ) -> tuple[list, list]:
-        """The (KEYS, ARGV) of `ALLOCATE_FUNCTION` for `reserve`'s arguments."""
-        keys = [usage_key(worker_id), lease_key(request_id), _LEASES, node_leases_key(worker_id)]
-        args = [blocks, pool, general_capacity, short_capacity, self._expiry_ms(), worker_id, priority, max_tokens,
-                time.time(), request_id, f"{_PREFIX}:used:", f"{_PREFIX}:node_leases:"]
+        """The (KEYS, ARGV) of `ALLOCATE_FUNCTION` for `reserve`'s arguments: all keys in `worker_id`'s slot."""
+        keys = [usage_key(worker_id), lease_key(worker_id, request_id), expiry_key(worker_id), node_leases_key(worker_id)]
+        args = [blocks, pool, general_capacity, short_capacity, self._lease_ms(), worker_id, priority, max_tokens,
+                time.time(), request_id]
         return keys, args
 
     def asked_call(self, request_id: str, worker_id: str, ask: NodeAsk, priority: float, max_tokens: int) -> tuple[list, list]:
@@ -237,39 +258,81 @@ class BlockLedger:
         refused as a whole (nothing released) when that no longer makes room."""
         keys, args = self.allocate_call(request_id, worker_id, blocks, pool, general_capacity, short_capacity, priority,
                                         max_tokens)
-        reply = await self._preempt(keys=[*keys, *(lease_key(victim) for victim in victims)], args=[*args, *victims])
+        victim_keys = [lease_key(worker_id, victim) for victim in victims]
+        reply = await self._preempt(keys=[*keys, *victim_keys], args=[*args, *victims])
         reservation = reservation_of(reply[:3])
         preempted = [victim.decode() if isinstance(victim, bytes) else victim for victim in reply[3:]]
         return Preemption(reservation, preempted if reservation.granted else [])
 
-    async def release(self, request_id: str, worker_id: str | None = None) -> int | None:
-        """Blocks returned, or None when no such lease exists (released twice, reaped, or held on
-        another node than `worker_id`: the late end of an attempt resumed elsewhere)."""
-        keys, args = self._release_call(request_id, worker_id)
-        return _freed(await self._release(keys=keys, args=args))
+    async def release(self, request_id: str, worker_id: str) -> int | None:
+        """Blocks returned, or None when `worker_id` holds no such lease (released twice, reaped, or held on
+        another node: the late end of an attempt resumed elsewhere)."""
+        return (await self.release_many([(request_id, worker_id)]))[0]
 
-    async def release_many(self, releases: list[tuple[str, str | None]]) -> list[int | None]:
+    async def release_many(self, releases: Sequence[tuple[str, str]]) -> list[int | None]:
         """`release` for each (request_id, worker_id), in one round trip."""
         calls = [self._release_call(request_id, worker_id) for request_id, worker_id in releases]
         return [_freed(freed) for freed in await run_batch(self._redis, self._release, calls)]
 
-    def _release_call(self, request_id: str, worker_id: str | None) -> tuple[list, list]:
-        return [lease_key(request_id), _LEASES], [request_id, f"{_PREFIX}:used:", f"{_PREFIX}:node_leases:", worker_id or ""]
+    async def release_on_any(self, request_id: str, worker_ids: Sequence[str]) -> int | None:
+        """`release` where only the request is known: tried on each of `worker_ids` in one round trip.
+        A request holds a lease on one node at most, but for a moment after a retry elsewhere; each goes."""
+        freed = [blocks for blocks in await self.release_many([(request_id, w) for w in worker_ids]) if blocks is not None]
+        return sum(freed) if freed else None
 
-    async def renew(self, progress: list[tuple[str, int]]) -> int:
+    @staticmethod
+    def _release_call(request_id: str, worker_id: str) -> tuple[list, list]:
+        keys = [lease_key(worker_id, request_id), expiry_key(worker_id), usage_key(worker_id), node_leases_key(worker_id)]
+        return keys, [request_id]
+
+    async def renew(self, worker_id: str, progress: list[tuple[str, int]]) -> int:
+        """Push back the expiry of `worker_id`'s leases in `progress` (request id, tokens generated so far)."""
         if not progress:
             return 0
-        args: list = [self._expiry_ms(), f"{_PREFIX}:lease:"]
+        keys = [expiry_key(worker_id), *(lease_key(worker_id, request_id) for request_id, _ in progress)]
+        args: list = [self._lease_ms()]
         for request_id, generated in progress:
             args += [request_id, generated]
-        return int(await self._renew(keys=[_LEASES], args=args))
+        return int(await self._renew(keys=keys, args=args))
 
-    async def reap(self, limit: int = 500) -> list[str]:
-        expired = await self._reap(
-            keys=[_LEASES],
-            args=[int(time.time() * 1000), f"{_PREFIX}:lease:", f"{_PREFIX}:used:", f"{_PREFIX}:node_leases:", limit],
-        )
-        return [r.decode() for r in expired]
+    async def reap(self, live_worker_ids: Sequence[str] = (), limit: int = 500) -> list[str]:
+        """Free every expired lease of the nodes alive now and of those seen alive before (up to `limit` per node).
+
+        `live_worker_ids` join the index of nodes to visit; a node no longer alive leaves it once it holds no lease."""
+        if live_worker_ids:
+            await self._redis.sadd(LEDGER_NODES_KEY, *live_worker_ids)
+        nodes = sorted(member.decode() for member in await self._redis.smembers(LEDGER_NODES_KEY))
+        if not nodes:
+            return []
+        now_ms = int(time.time() * 1000)
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for worker_id in nodes:
+                pipe.zrangebyscore(expiry_key(worker_id), "-inf", now_ms, start=0, num=limit)
+                pipe.zcard(expiry_key(worker_id))
+            replies = await pipe.execute()
+        calls, departed = [], []
+        for worker_id, expired, count in zip(nodes, replies[0::2], replies[1::2], strict=True):
+            request_ids = [r.decode() for r in expired]
+            if request_ids:
+                keys = [expiry_key(worker_id), usage_key(worker_id), node_leases_key(worker_id),
+                        *(lease_key(worker_id, request_id) for request_id in request_ids)]
+                calls.append((keys, [now_ms, *request_ids]))
+            if worker_id not in live_worker_ids and count == len(request_ids):
+                departed.append(worker_id)
+        reaped = [r.decode() for reply in await run_batch(self._redis, self._reap, calls) for r in reply]
+        if departed:
+            # A departed node that held leases still may have one allocated since the read: kept if so.
+            counts = await self._counts(departed)
+            gone = [worker_id for worker_id, count in zip(departed, counts, strict=True) if count == 0]
+            if gone:
+                await self._redis.srem(LEDGER_NODES_KEY, *gone)
+        return reaped
+
+    async def _counts(self, worker_ids: Sequence[str]) -> list[int]:
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for worker_id in worker_ids:
+                pipe.zcard(expiry_key(worker_id))
+            return [int(count) for count in await pipe.execute()]
 
     async def usage(self, worker_ids: list[str]) -> dict[str, tuple[int, int, int]]:
         """Per node: (used general, used short, lease count)."""
@@ -287,7 +350,7 @@ class BlockLedger:
         request_ids = [r.decode() for r in await self._redis.smembers(node_leases_key(worker_id))]
         async with self._redis.pipeline(transaction=False) as pipe:
             for request_id in request_ids:
-                pipe.hgetall(lease_key(request_id))
+                pipe.hgetall(lease_key(worker_id, request_id))
             replies = await pipe.execute()
         leases = []
         for request_id, fields in zip(request_ids, replies, strict=True):

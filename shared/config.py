@@ -74,7 +74,8 @@ class RedisSettings(_Section):
     url: str = "redis://127.0.0.1:6379/0"
     # "cluster": `url` names any node of a Redis Cluster; the client finds the others and routes each
     # command, script and pipelined script to its keys' node. Only scripts whose keys share one slot
-    # can run there: so far the per-key rate limits', not yet the block ledger's or the slot store's.
+    # can run there: the per-key rate limits' (`{key:<id>}`), the block ledger's and the slot store's
+    # (`{node:<worker_id>}`).
     mode: Literal["single", "cluster"] = "single"
     socket_timeout_s: PositiveFloat = 2.0
     max_connections: PositiveInt = 32

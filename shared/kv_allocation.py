@@ -147,8 +147,11 @@ class RunningLease(Struct, frozen=True):
 
 
 def retention_value(lease: RunningLease, needed_blocks: int) -> float:
-    """What keeping `lease` is worth: high priority and little left to generate
-    keep it; many blocks (that would make room) make it a better victim."""
+    """What keeping `lease` is worth (the design's formula): its priority,
+    scaled by the share of its output still to come (at least 0.1), less its
+    blocks as a share of those needed. So a high priority with much still to
+    generate keeps a lease, and a lease nearly done or holding many blocks
+    (that would make room) is a better victim."""
     progress = max(0.1, 1.0 - lease.generated / lease.max_tokens)
     return lease.priority * progress - lease.blocks / max(needed_blocks, 1)
 

@@ -79,8 +79,8 @@ _CONNECTION_COMMANDS = ("ping", "select")
 _SCRIPT_COMMANDS = ("evalsha", "script|load")
 # Inside the block ledger's scripts (shared/block_ledger.py) and its plain reads.
 _LEDGER_COMMANDS = (
-    "exists", "hget", "hset", "hincrby", "hmget", "hgetall", "del", "sadd", "srem", "scard", "smembers",
-    "zadd", "zrem", "zrangebyscore",
+    "time", "exists", "hget", "hset", "hincrby", "hmget", "hgetall", "del", "sadd", "srem", "scard", "smembers",
+    "zadd", "zrem", "zrangebyscore", "zscore", "zcard",
 )
 # Inside the slot store's scripts (services/balancer/slot_store.py) and its plain reads.
 _SLOT_COMMANDS = ("time", "get", "set", "del", "zadd", "zrem", "zcard", "zcount", "zrange", "zremrangebyscore", "pexpireat")
@@ -137,7 +137,7 @@ def _worker(
         subscribe=(subjects.worker_inbox(ID), *subscribe),
         answers=("ingress", "health-prober", *answers),
         redis_keys=(RedisKeys(subjects.node_key(ID)), _NODES),
-        redis_commands=(*_CONNECTION_COMMANDS, "set", "sadd", "del", "srem", "multi", "exec", "discard"),
+        redis_commands=(*_CONNECTION_COMMANDS, "set", "sadd", "del", "srem"),
         id_setting="KVLANE__WORKER__WORKER_ID",
     )
 

@@ -3,15 +3,22 @@
 A node is alive exactly while its key exists: a worker that dies stops
 refreshing the key and Redis forgets it within the TTL, with no cleanup
 needed. The set `kvlane:v1:nodes` indexes the keys so readers need no SCAN;
-members whose key has expired are pruned by whoever reads them.
+members whose key has expired are pruned by whoever reads them. A key and
+its membership are written together but not as one transaction: on a Redis
+Cluster they lie in different slots, and a reader tolerates either alone
+(a member without a key is pruned; a key not yet a member waits one beat).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextvars
+from typing import Any
+
 import msgspec
 import redis.asyncio as redis
 import structlog
-from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.cluster import ClusterPipeline, RedisCluster
 
 from contracts import subjects
 from contracts.messages import Heartbeat
@@ -25,9 +32,10 @@ def connect_redis(settings: RedisSettings) -> redis.Redis:
     url, options = redis_url_and_options(settings)
     if settings.mode == "cluster":
         # One pool per cluster node (`max_connections` each); commands, scripts and pipelines go to their keys' nodes.
-        return RedisCluster.from_url(  # type: ignore[return-value]
+        return BoundedRedisCluster.from_url(  # type: ignore[return-value]
             url,
             **options,
+            max_in_flight=settings.max_connections,
             max_connections=settings.max_connections,
             socket_timeout=settings.socket_timeout_s,
             socket_connect_timeout=settings.socket_timeout_s,
@@ -47,6 +55,44 @@ def connect_redis(settings: RedisSettings) -> redis.Redis:
     return redis.Redis(connection_pool=pool)
 
 
+# Set while a task holds a permit, so a pipeline's own retries of single commands do not ask for another.
+_holding_permit: contextvars.ContextVar[bool] = contextvars.ContextVar("holding_permit", default=False)
+
+
+class BoundedRedisCluster(RedisCluster):
+    """redis-py's async cluster client fails a command at once (MaxConnectionsError) when a node's
+    pool is used up. This one makes a burst wait instead, as the blocking pool does for one Redis:
+    at most `max_in_flight` commands or pipelines at a time, so no node's pool of as many runs out."""
+
+    def __init__(self, *args: Any, max_in_flight: int, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._in_flight = asyncio.Semaphore(max_in_flight)
+
+    async def _bounded(self, call: Any) -> Any:
+        if _holding_permit.get():
+            return await call()
+        async with self._in_flight:
+            token = _holding_permit.set(True)
+            try:
+                return await call()
+            finally:
+                _holding_permit.reset(token)
+
+    async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
+        return await self._bounded(lambda: super(BoundedRedisCluster, self).execute_command(*args, **kwargs))
+
+    def pipeline(self, transaction: Any | None = None, shard_hint: Any | None = None) -> ClusterPipeline:
+        if shard_hint:
+            return super().pipeline(transaction, shard_hint)  # refused by redis-py, with its message
+        return _BoundedPipeline(self, transaction)
+
+
+class _BoundedPipeline(ClusterPipeline):
+    async def execute(self, raise_on_error: bool = True, allow_redirections: bool = True) -> list[Any]:
+        client: BoundedRedisCluster = self.cluster_client
+        return await client._bounded(lambda: super(_BoundedPipeline, self).execute(raise_on_error, allow_redirections))
+
+
 class LiveHeartbeat(msgspec.Struct, frozen=True):
     heartbeat: Heartbeat
     # How long ago the key was last refreshed, from its remaining TTL, so a
@@ -63,7 +109,7 @@ class ClusterState:
 
     async def put_heartbeat(self, heartbeat: Heartbeat) -> None:
         worker_id = heartbeat.registration.worker_id
-        async with self._redis.pipeline(transaction=True) as pipe:
+        async with self._redis.pipeline(transaction=False) as pipe:
             pipe.set(subjects.node_key(worker_id), self._encoder.encode(heartbeat), px=self._ttl_ms)
             pipe.sadd(subjects.NODE_SET_KEY, worker_id)
             await pipe.execute()
@@ -81,7 +127,7 @@ class ClusterState:
             await pipe.execute()
 
     async def remove_node(self, worker_id: str) -> None:
-        async with self._redis.pipeline(transaction=True) as pipe:
+        async with self._redis.pipeline(transaction=False) as pipe:
             pipe.delete(subjects.node_key(worker_id))
             pipe.srem(subjects.NODE_SET_KEY, worker_id)
             await pipe.execute()

@@ -291,14 +291,15 @@ class Decision:
     def uncached_tokens(self, prompt_tokens: int) -> dict[int, int]:
         """The prompt tokens not cached on each row that caches some (as `ChainState.uncached_tokens`); the rest cache none."""
         block_size = self.index.block_size
-        return {row: max(0, prompt_tokens - blocks * int(block_size[row])) for row, blocks in self.cached.items()}
+        return {row: max(0, prompt_tokens - blocks * block_size.item(row)) for row, blocks in self.cached.items()}
 
     def lowest(self, *keys: np.ndarray) -> list[int]:
         """Free rows with the smallest key, compared as tuples (`keys[0]` first), in row order."""
         rows = self.free_rows
         for key in keys:
             values = key[rows]
-            lowest = values.min()
+            # argmin stops at the first NaN, as min returns NaN when there is one; and it is the cheaper call.
+            lowest = values[values.argmin()]
             if lowest != lowest:
                 raise Unindexable("a NaN score")
             rows = rows[values == lowest]

@@ -43,7 +43,7 @@ from services.balancer.allocation import KvAllocator, LeaseCall, Unleased
 from services.balancer.central_queue import QueuedRequest
 from services.balancer.metrics import BalancerMetrics
 from services.balancer.router import Placement, Queued, Router
-from services.balancer.slot_store import RedisSlotStore, SlotStore
+from services.balancer.slot_store import RedisSlotStore, SlotStore, worker_of
 from services.balancer.status import SlotRates, build_status
 from services.balancer.trackers import ArrivalRate
 from shared.block_ledger import Reservation
@@ -103,7 +103,7 @@ class BalancerService:
         # Routes without a KV lease: one log line per reason per interval, each saying how many it stands for.
         self._unleased_log = LogThrottle(_UNLEASED_LOG_EVERY_S)
         # Slots of finished requests are freed here at once and in the global store a batch at a time.
-        self._finished: Coalescer[tuple[str, str | None]] = Coalescer("slot-releases", self._release_globally)
+        self._finished: Coalescer[tuple[str, str]] = Coalescer("slot-releases", self._release_globally)
 
     async def start(self) -> None:
         bus = self._bus
@@ -161,10 +161,12 @@ class BalancerService:
         if superseded is not None and not superseded.done():
             superseded.set_result(ErrorReply(code="superseded", message="a newer route request has the same id", status=409))
         if request.exclude_workers or self.router.table.holder(request.request_id) is not None:
-            # Ingress routes again after failing to reach the chosen worker: free that slot first.
-            self.router.table.release(request.request_id)
+            # Ingress routes again after failing to reach the chosen worker: free that slot first. The store finds
+            # it through its node: the chain this replica gave it, else whichever excluded worker it was on.
+            chain_id = self.router.table.release(request.request_id)
+            workers = [worker_of(chain_id)] if chain_id is not None else list(request.exclude_workers)
             with contextlib.suppress(*_STORE_ERRORS):
-                await self._store.release(request.request_id)
+                await self._store.release_many([(request.request_id, worker_id) for worker_id in workers])
         heartbeats = self._routable(request.model)
         refusal = self.router.unroutable(request, heartbeats, lambda: self._view.live(self._clock()))
         if refusal is not None:
@@ -326,7 +328,7 @@ class BalancerService:
         self.router.finished(event.request_id, event.worker_id)
         self._finished.put((event.request_id, event.worker_id))
 
-    async def _release_globally(self, releases: list[tuple[str, str | None]]) -> None:
+    async def _release_globally(self, releases: list[tuple[str, str]]) -> None:
         """Free finished requests' slots in the store, then give them to queued requests."""
         try:
             released = await self._store.release_many(releases)
@@ -348,9 +350,13 @@ class BalancerService:
         self._schedule_drain()
 
     async def _release(self, request_id: str, worker_id: str | None = None) -> None:
-        self.router.table.release(request_id, worker_id)
+        chain_id = self.router.table.release(request_id, worker_id)
+        if chain_id is None:
+            # Not placed by this replica: the one that placed it hears the same and knows its node; the store
+            # finds a slot only through its node. Missed, it goes at the request's deadline.
+            return
         try:
-            released = await self._store.release(request_id, worker_id)
+            released = await self._store.release(request_id, worker_of(chain_id))
         except _STORE_ERRORS as exc:
             log.debug("slot_release_failed", request_id=request_id, error=str(exc))
             self._store_degraded = True

@@ -13,12 +13,20 @@ With a ledger, `reserve_with_lease` takes the slot and the request's KV
 lease (shared/block_ledger.py) in one script: one round trip per route
 decision, and a refusal of either leaves both untouched.
 
+Every key of a chain and of its requests carries its node's hash tag
+(`block_ledger.node_tag`), like the node's ledger keys, so on a Redis
+Cluster that one script runs on one master. A slot is therefore found
+through its node: releasing needs the node, and a request reserved on
+another node keeps its first slot until that attempt's end releases it
+or its deadline passes.
+
 `LocalSlotStore` is the single-process stand-in: the `SlotTable` alone is
 the truth, so every placement is confirmed.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -26,23 +34,20 @@ import redis.asyncio as redis
 from msgspec import Struct
 
 from contracts import subjects
-from shared.block_ledger import ALLOCATE_FUNCTION, Reservation, reservation_of
+from shared.block_ledger import ALLOCATE_FUNCTION, Reservation, node_tag, reservation_of
 from shared.redis_scripts import run_batch
 
 # Functions shared by the slot script and the slot-and-lease script.
-# K: chain's sorted set, request's key. `free_room` releases `request_id`'s earlier slot (wherever it was)
-# and drops expired members; it returns the chain's count after.
+# K: chain's sorted set, request's key on the chain's node. `free_room` releases `request_id`'s earlier slot on
+# this chain and drops expired members; it returns the chain's count after.
 _SLOT_FUNCTIONS = """
 local function clock_ms()
   local t = redis.call('TIME')
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
-local function free_room(K, request_id, chain_prefix, now)
-  local previous = redis.call('GET', K[2])
-  if previous then
-    redis.call('ZREM', chain_prefix .. previous, request_id)
-    redis.call('DEL', K[2])
-  end
+local function free_room(K, request_id, now)
+  redis.call('ZREM', K[1], request_id)
+  redis.call('DEL', K[2])
   redis.call('ZREMRANGEBYSCORE', K[1], '-inf', now)
   return redis.call('ZCARD', K[1])
 end
@@ -54,12 +59,15 @@ local function take_slot(K, request_id, chain_id, expires)
 end
 """
 
-# KEYS: chain's sorted set, request's key; ARGV: request id, chain id, slots, expires_at_ms, chain key prefix
+# Expiries are set on Redis's clock from the time left (ms) that the balancer sends, so balancers on hosts whose
+# clocks disagree still agree on when a reservation lapses.
+# KEYS: chain's sorted set, request's key; ARGV: request id, chain id, slots, ms left
 _RESERVE = _SLOT_FUNCTIONS + """
 local now = clock_ms()
-local request_id, chain_id, slots, expires = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
-local used = free_room(KEYS, request_id, ARGV[5], now)
-if used >= slots or expires <= now then
+local request_id, chain_id, slots, left = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
+local expires = now + left
+local used = free_room(KEYS, request_id, now)
+if used >= slots or left <= 0 then
   return {0, used}
 end
 take_slot(KEYS, request_id, chain_id, expires)
@@ -67,17 +75,18 @@ return {1, used + 1}
 """
 
 # A slot and the request's KV lease on the same node in one step: either both are taken or neither.
-# KEYS: the slot's two, then the ledger's four (block_ledger.ALLOCATE_FUNCTION)
-# ARGV: the slot's five, then the ledger's twelve
+# KEYS: the slot's two, then the ledger's four (block_ledger.ALLOCATE_FUNCTION), all in the node's slot
+# ARGV: the slot's four, then the ledger's ten
 # Returns {slot taken, chain's count, lease code, pool, blocks}; lease code -1: the slot was refused, the lease not tried.
 _RESERVE_WITH_LEASE = _SLOT_FUNCTIONS + ALLOCATE_FUNCTION + """
 local now = clock_ms()
-local request_id, chain_id, slots, expires = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
-local used = free_room(KEYS, request_id, ARGV[5], now)
-if used >= slots or expires <= now then
+local request_id, chain_id, slots, left = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
+local expires = now + left
+local used = free_room(KEYS, request_id, now)
+if used >= slots or left <= 0 then
   return {0, used, -1, '', 0}
 end
-local lease = allocate_lease({KEYS[3], KEYS[4], KEYS[5], KEYS[6]}, {unpack(ARGV, 6)})
+local lease = allocate_lease({KEYS[3], KEYS[4], KEYS[5], KEYS[6]}, {unpack(ARGV, 5)})
 if lease[1] == 0 then
   return {0, used, 0, lease[2], lease[3]}
 end
@@ -85,18 +94,15 @@ take_slot(KEYS, request_id, chain_id, expires)
 return {1, used + 1, lease[1], lease[2], lease[3]}
 """
 
+# The request's slot on the chain a read just before found in its key; nothing if it moved meanwhile.
+# KEYS: request's key, that chain's sorted set; ARGV: request id, chain id
 _RELEASE = """
-local chain_id = redis.call('GET', KEYS[1])
-if not chain_id then
-  return false
-end
-if ARGV[3] ~= '' and string.sub(chain_id, 1, #ARGV[3] + 1) ~= ARGV[3] .. '@' then
+if redis.call('GET', KEYS[1]) ~= ARGV[2] then
   return false
 end
 redis.call('DEL', KEYS[1])
-local key = ARGV[2] .. chain_id
-redis.call('ZREM', key, ARGV[1])
-return {chain_id, redis.call('ZCARD', key)}
+redis.call('ZREM', KEYS[2], ARGV[1])
+return {ARGV[2], redis.call('ZCARD', KEYS[2])}
 """
 
 
@@ -115,14 +121,13 @@ class SlotStore(Protocol):
         """Take a slot globally unless `slots` are in use; (taken, chain's count after). Releases any earlier slot of `request_id`."""
         ...
 
-    async def release(self, request_id: str, worker_id: str | None = None) -> tuple[str, int] | None:
-        """Free `request_id`'s slot; (chain, its count after), or None if it held none. Idempotent.
-
-        With `worker_id`, only a slot on that worker's chain (see `SlotTable.release`)."""
+    async def release(self, request_id: str, worker_id: str) -> tuple[str, int] | None:
+        """Free `request_id`'s slot on `worker_id`'s chain; (chain, its count after), or None if it held none
+        there (see `SlotTable.release`). Idempotent."""
         ...
 
-    async def release_many(self, releases: Sequence[tuple[str, str | None]]) -> list[tuple[str, int] | None]:
-        """`release` for each (request_id, worker_id), in one round trip."""
+    async def release_many(self, releases: Sequence[tuple[str, str]]) -> list[tuple[str, int] | None]:
+        """`release` for each (request_id, worker_id), in one batch."""
         ...
 
     async def usage(self, chain_ids: Sequence[str], now: float) -> dict[str, int]:
@@ -134,22 +139,32 @@ class LocalSlotStore:
     async def reserve(self, request_id: str, chain_id: str, slots: int, expires_at: float) -> tuple[bool, int]:
         return True, -1
 
-    async def release(self, request_id: str, worker_id: str | None = None) -> tuple[str, int] | None:
+    async def release(self, request_id: str, worker_id: str) -> tuple[str, int] | None:
         return None
 
-    async def release_many(self, releases: Sequence[tuple[str, str | None]]) -> list[tuple[str, int] | None]:
+    async def release_many(self, releases: Sequence[tuple[str, str]]) -> list[tuple[str, int] | None]:
         return [None] * len(releases)
 
     async def usage(self, chain_ids: Sequence[str], now: float) -> dict[str, int]:
         return {}
 
 
+def worker_of(chain_id: str) -> str:
+    """The node of a chain (`snapshot.chain_id_of`: `<worker_id>@<started_at ms>`)."""
+    return chain_id.rpartition("@")[0] or chain_id
+
+
 def chain_slots_key(chain_id: str) -> str:
-    return f"{subjects.REDIS_PREFIX}:slots:{chain_id}"
+    return f"{subjects.REDIS_PREFIX}:slots:{node_tag(worker_of(chain_id))}:{chain_id}"
 
 
-def request_slot_key(request_id: str) -> str:
-    return f"{subjects.REDIS_PREFIX}:slot:{request_id}"
+def request_slot_key(worker_id: str, request_id: str) -> str:
+    return f"{subjects.REDIS_PREFIX}:slot:{node_tag(worker_id)}:{request_id}"
+
+
+def ms_left(expires_at: float) -> int:
+    """The time until `expires_at` on this host's wall clock, for a script that sets the expiry on Redis's."""
+    return int((expires_at - time.time()) * 1000)
 
 
 class RedisSlotStore:
@@ -158,36 +173,44 @@ class RedisSlotStore:
         self._reserve = client.register_script(_RESERVE)
         self._reserve_with_lease = client.register_script(_RESERVE_WITH_LEASE)
         self._release = client.register_script(_RELEASE)
-        self._chain_prefix = chain_slots_key("")
 
     async def reserve(self, request_id: str, chain_id: str, slots: int, expires_at: float) -> tuple[bool, int]:
         taken, used = await self._reserve(
-            keys=[chain_slots_key(chain_id), request_slot_key(request_id)],
-            args=[request_id, chain_id, slots, int(expires_at * 1000), self._chain_prefix],
+            keys=[chain_slots_key(chain_id), request_slot_key(worker_of(chain_id), request_id)],
+            args=[request_id, chain_id, slots, ms_left(expires_at)],
         )
         return bool(taken), int(used)
 
     async def reserve_with_lease(self, request_id: str, chain_id: str, slots: int, expires_at: float,
                                  lease_call: tuple[list, list]) -> SlotAndLease:
-        """`reserve` and the ledger's allocation (`BlockLedger.allocate_call`) in one atomic round trip."""
+        """`reserve` and the ledger's allocation (`BlockLedger.allocate_call`, on the chain's node) in one atomic round trip."""
         lease_keys, lease_args = lease_call
         taken, used, code, pool, blocks = await self._reserve_with_lease(
-            keys=[chain_slots_key(chain_id), request_slot_key(request_id), *lease_keys],
-            args=[request_id, chain_id, slots, int(expires_at * 1000), self._chain_prefix, *lease_args],
+            keys=[chain_slots_key(chain_id), request_slot_key(worker_of(chain_id), request_id), *lease_keys],
+            args=[request_id, chain_id, slots, ms_left(expires_at), *lease_args],
         )
         lease = None if code < 0 else reservation_of([code, pool, blocks])
         return SlotAndLease(bool(taken), int(used), lease)
 
-    async def release(self, request_id: str, worker_id: str | None = None) -> tuple[str, int] | None:
-        keys, args = self._release_call(request_id, worker_id)
-        return _released(await self._release(keys=keys, args=args))
+    async def release(self, request_id: str, worker_id: str) -> tuple[str, int] | None:
+        return (await self.release_many([(request_id, worker_id)]))[0]
 
-    async def release_many(self, releases: Sequence[tuple[str, str | None]]) -> list[tuple[str, int] | None]:
-        calls = [self._release_call(request_id, worker_id) for request_id, worker_id in releases]
-        return [_released(reply) for reply in await run_batch(self._redis, self._release, calls)]
-
-    def _release_call(self, request_id: str, worker_id: str | None) -> tuple[list, list]:
-        return [request_slot_key(request_id)], [request_id, self._chain_prefix, worker_id or ""]
+    async def release_many(self, releases: Sequence[tuple[str, str]]) -> list[tuple[str, int] | None]:
+        if not releases:
+            return []
+        # A request's key names its chain, whose set the script must be given: read first, then release.
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for request_id, worker_id in releases:
+                pipe.get(request_slot_key(worker_id, request_id))
+            chains = [None if c is None else c.decode() for c in await pipe.execute()]
+        held = [(i, request_id, worker_id, chain_id) for i, ((request_id, worker_id), chain_id)
+                in enumerate(zip(releases, chains, strict=True)) if chain_id is not None]
+        calls = [([request_slot_key(worker_id, request_id), chain_slots_key(chain_id)], [request_id, chain_id])
+                 for _, request_id, worker_id, chain_id in held]
+        released: list[tuple[str, int] | None] = [None] * len(releases)
+        for (i, *_), reply in zip(held, await run_batch(self._redis, self._release, calls), strict=True):
+            released[i] = _released(reply)
+        return released
 
     async def usage(self, chain_ids: Sequence[str], now: float) -> dict[str, int]:
         if not chain_ids:

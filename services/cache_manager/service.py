@@ -113,7 +113,7 @@ class CacheManagerService:
         # None: this replica pre-warms alone.
         self._prewarm_leader = prewarm_leader
         # Leases of finished requests go back a batch at a time: one Redis round trip per burst.
-        self._finished: Coalescer[tuple[str, str | None]] = Coalescer("lease-releases", self._release_finished)
+        self._finished: Coalescer[tuple[str, str]] = Coalescer("lease-releases", self._release_finished)
 
     async def start(self) -> None:
         # Before answering anything: a replica that returns after an outage finds the ledger full of the
@@ -145,7 +145,7 @@ class CacheManagerService:
                 case AllocateRequest():
                     return await self._traced_allocate(request)
                 case ReleaseRequest(request_id=request_id):
-                    freed = await self._ledger.release(request_id)
+                    freed = await self._ledger.release_on_any(request_id, self._live_worker_ids())
                     return Released(request_id, freed or 0, freed is not None)
                 case LookupRequest(block_hashes=hashes):
                     return LookupReply(self.index.match(hashes))
@@ -298,7 +298,7 @@ class CacheManagerService:
 
     async def _on_renew(self, renew: RenewLeases, msg: Msg) -> None:
         try:
-            await self._ledger.renew([(p.request_id, p.generated_tokens) for p in renew.leases])
+            await self._ledger.renew(renew.worker_id, [(p.request_id, p.generated_tokens) for p in renew.leases])
         except (RedisError, OSError) as exc:
             log.warning("lease_renew_failed", worker_id=renew.worker_id, error=str(exc))
 
@@ -309,21 +309,23 @@ class CacheManagerService:
     async def _on_finished(self, event: RequestFinished, msg: Msg) -> None:
         self._finished.put((event.request_id, event.worker_id))
 
-    async def _release_finished(self, releases: list[tuple[str, str | None]]) -> None:
+    async def _release_finished(self, releases: list[tuple[str, str]]) -> None:
         try:
             await self._ledger.release_many(releases)
         except (RedisError, OSError) as exc:
             log.warning("lease_release_failed", requests=len(releases), error=str(exc))
 
-    async def _release(self, request_id: str, worker_id: str | None) -> None:
+    async def _release_anywhere(self, request_id: str) -> None:
         try:
-            await self._ledger.release(request_id, worker_id)
+            # Only the request is known: its lease, if any, is on one of the nodes alive (a lease on a node that
+            # left expires and is reaped).
+            await self._ledger.release_on_any(request_id, self._live_worker_ids())
         except (RedisError, OSError) as exc:
             # The lease expires by itself; its blocks come back then.
             log.warning("lease_release_failed", request_id=request_id, error=str(exc))
 
     async def _on_withdrawn(self, event: RouteWithdrawn, msg: Msg) -> None:
-        await self._release(event.request_id, None)
+        await self._release_anywhere(event.request_id)
 
     async def _on_kv_events(self, events: KvEvents, msg: Msg) -> None:
         if events.worker_id not in self._nodes_with_events:
@@ -356,12 +358,15 @@ class CacheManagerService:
     async def _reap_expired(self) -> None:
         # On every replica: the reaping script frees each expired lease once, whoever runs it.
         try:
-            reaped = await self._ledger.reap()
+            reaped = await self._ledger.reap(self._live_worker_ids())
             if reaped:
                 self._metrics.expired_leases.inc(len(reaped))
                 log.info("leases_expired", count=len(reaped), request_ids=reaped[:10])
         except (RedisError, OSError) as exc:
             log.warning("lease_reap_failed", error=str(exc))
+
+    def _live_worker_ids(self) -> list[str]:
+        return sorted(hb.registration.worker_id for hb in self._view.live(self._clock()))
 
     def _observe_prefix(self, model: str, block_hashes: list[int], prefix_token_ids: list[int]) -> None:
         if not self._settings.prewarm or not prefix_token_ids or not block_hashes:

@@ -29,15 +29,16 @@ from shared.config import (
     SimSettings,
     WorkerSettings,
 )
+from tests.integration.redis_cluster import redis_cluster
 
 FAST_HEARTBEATS = {"heartbeat_interval_s": 0.25, "heartbeat_ttl_s": 1.0, "resync_interval_s": 0.5}
 MODEL = "kvlane-sim"
 
 
-def fleet_config(nats_port: int, redis_port: int, **sim: object) -> KvlaneConfig:
+def fleet_config(nats_port: int, redis_port: int, redis: RedisSettings | None = None, **sim: object) -> KvlaneConfig:
     return KvlaneConfig(
         nats=NatsSettings(url=f"nats://127.0.0.1:{nats_port}"),
-        redis=RedisSettings(url=f"redis://127.0.0.1:{redis_port}/0"),
+        redis=redis or RedisSettings(url=f"redis://127.0.0.1:{redis_port}/0"),
         logging=LoggingSettings(format="json", level="info"),
         cluster=ClusterSettings(**FAST_HEARTBEATS),
         ingress=IngressSettings(port=free_port(), stall_timeout_s=10.0),
@@ -52,15 +53,19 @@ def launch(
     prefill_workers: int = 0,
     decode_workers: int = 0,
     cache_managers: int = 1,
+    redis: RedisSettings | None = None,
     **sim: object,
 ) -> Fleet:
-    """A fleet on its own NATS and Redis; `tune` may adjust the config first."""
+    """A fleet on its own NATS and Redis; `tune` may adjust the config first.
+
+    `redis`: a Redis (or Redis Cluster) started already, instead of a Redis of the fleet's own."""
     launcher = Launcher(log_dir)
     nats_port, redis_port = free_port(), free_port()
     try:
         launcher.start_nats(nats_port)
-        launcher.start_redis(redis_port)
-        config = fleet_config(nats_port, redis_port, **sim)
+        if redis is None:
+            launcher.start_redis(redis_port)
+        config = fleet_config(nats_port, redis_port, redis, **sim)
         return start_fleet(launcher, tune(config) if tune else config, workers,
                            prefill_workers=prefill_workers, decode_workers=decode_workers, cache_managers=cache_managers)
     except BaseException:
@@ -72,6 +77,23 @@ def _stop(fleet: Fleet) -> None:
     crashed = [p for p in fleet.services() if not p.alive() and p.popen.returncode not in (0, -9)]
     fleet.stop()
     assert not crashed, "\n".join(f"{p.name} exited {p.popen.returncode}:\n{p.log_tail()}" for p in crashed)
+
+
+@pytest.fixture(scope="module", params=["single", "cluster"])
+def redis_backend(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisSettings]:
+    """The settings that reach one redis-server, then a real three-master Redis Cluster: tests taking it run on both."""
+    folder = Path(tmp_path_factory.mktemp(f"redis-{request.param}"))
+    if request.param == "cluster":
+        with redis_cluster(folder) as ports:
+            yield RedisSettings(url=f"redis://127.0.0.1:{ports[0]}/0", mode="cluster")
+        return
+    launcher = Launcher(folder)
+    port = free_port()
+    launcher.start_redis(port)
+    try:
+        yield RedisSettings(url=f"redis://127.0.0.1:{port}/0")
+    finally:
+        launcher.stop_all()
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Three balancer replicas, one Redis and one NATS, concurrent load: no chain is ever oversubscribed."""
+"""Three balancer replicas, one Redis (or Redis Cluster) and one NATS, concurrent load: no chain is ever oversubscribed."""
 
 from __future__ import annotations
 
@@ -10,16 +10,16 @@ from pathlib import Path
 import msgspec
 import openai
 import pytest
-import redis.asyncio as redis
 from rich.console import Console
 
 from contracts import subjects
 from contracts.messages import Heartbeat
 from kvlane.fleet import with_overrides
-from kvlane.launcher import Launcher, free_port, wait_services_ready
+from kvlane.launcher import free_port, wait_services_ready
 from kvlane.status import fetch_statuses, render_status
 from services.balancer.slot_store import RedisSlotStore
-from shared.config import to_env
+from shared.config import RedisSettings, to_env
+from shared.state import connect_redis
 from tests.integration.conftest import MODEL, _stop, launch
 
 pytestmark = pytest.mark.integration
@@ -33,18 +33,19 @@ def decisions(port: int) -> float:
     return sum(float(v) for v in re.findall(r'^kvlane_balancer_decisions_total\{[^}]*\} ([0-9.e+]+)$', text, re.M))
 
 
-async def test_three_replicas_never_oversubscribe_a_chain(tmp_path: Path) -> None:
+async def test_three_replicas_never_oversubscribe_a_chain(tmp_path: Path, redis_backend: RedisSettings) -> None:
     def tune(config):
         return with_overrides(config, **{"balancer.slots": {"max_per_chain": SLOTS}})
 
-    fleet = launch(tmp_path, workers=2, tune=tune, speed=0.1)
+    await flush(redis_backend)
+    fleet = launch(tmp_path, workers=2, tune=tune, speed=0.1, redis=redis_backend)
     try:
         ports = [free_port(), free_port()]
         for index, port in enumerate(ports, start=1):
             env = to_env(fleet.config) | {"KVLANE__BALANCER__METRICS_PORT": str(port)}
             fleet.balancers.append(fleet.launcher.start_service("balancer", env, name=f"balancer-{index}"))
         wait_services_ready(fleet.balancers)
-        client = redis.Redis.from_url(fleet.config.redis.url)
+        client = connect_redis(fleet.config.redis)
         worst_reserved: dict[str, int] = {}
         worst_running: dict[str, int] = {}
         done = asyncio.Event()
@@ -97,11 +98,15 @@ async def test_three_replicas_never_oversubscribe_a_chain(tmp_path: Path) -> Non
         _stop(fleet)
 
 
-async def test_slot_store_releases_a_batch_in_one_pipeline(tmp_path: Path) -> None:
-    launcher = Launcher(tmp_path)
-    port = free_port()
-    launcher.start_redis(port)
-    client = redis.Redis(port=port)
+async def flush(settings: RedisSettings) -> None:
+    client = connect_redis(settings)
+    await client.flushall()
+    await client.aclose()
+
+
+async def test_slot_store_releases_a_batch_in_one_pipeline(redis_backend: RedisSettings) -> None:
+    await flush(redis_backend)
+    client = connect_redis(redis_backend)
     try:
         store = RedisSlotStore(client)
         far = 4_000_000_000.0
@@ -109,10 +114,9 @@ async def test_slot_store_releases_a_batch_in_one_pipeline(tmp_path: Path) -> No
             assert (await store.reserve(request_id, chain, SLOTS, far))[0]
         assert not (await store.reserve("r4", "w0@1", SLOTS, far))[0]  # w0's two slots are taken
         await client.script_flush()  # as after a Redis restart: the batch loads its script again
-        released = await store.release_many([("r1", "w0"), ("r3", "w9"), ("r2", None), ("r1", None), ("never", None)])
+        released = await store.release_many([("r1", "w0"), ("r3", "w9"), ("r2", "w0"), ("r1", "w0"), ("never", "w1")])
         # r3 is held on another worker's chain than the one that says it finished: kept.
         assert released == [("w0@1", 1), None, ("w0@1", 0), None, None]
         assert await store.usage(["w0@1", "w1@1"], 0.0) == {"w0@1": 0, "w1@1": 1}
     finally:
         await client.aclose()
-        launcher.stop_all()

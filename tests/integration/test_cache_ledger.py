@@ -1,4 +1,5 @@
-"""The Redis block ledger (Lua scripts) under random operation sequences, on a real redis-server.
+"""The Redis block ledger (Lua scripts) under random operation sequences, on a real redis-server
+and on a real three-master Redis Cluster.
 
 With the balancer's slot-and-lease script too: a chain's slot and a node's
 blocks are taken together or not at all.
@@ -7,18 +8,16 @@ blocks are taken together or not at all.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
-import redis.asyncio as redis
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvlane.launcher import Launcher, free_port
 from services.balancer.slot_store import RedisSlotStore
-from shared.block_ledger import BlockLedger, lease_key
+from shared.block_ledger import LEDGER_NODES_KEY, BlockLedger, expiry_key, lease_key
+from shared.config import RedisSettings
+from shared.state import connect_redis
 
 pytestmark = pytest.mark.integration
 
@@ -31,27 +30,20 @@ def chain_of(node: str) -> str:
     return f"{node}@1"
 
 
-@pytest.fixture(scope="module")
-def redis_port(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
-    launcher = Launcher(Path(tmp_path_factory.mktemp("redis")))
-    port = free_port()
-    launcher.start_redis(port)
-    yield port
-    launcher.stop_all()
-
-
 class LedgerMachine(RuleBasedStateMachine):
-    """Allocate, release, expire, and nodes joining and leaving, against one real Redis."""
+    """Allocate, release, expire, and nodes joining and leaving, against one real Redis or Redis Cluster."""
 
-    port = 0
+    redis_settings = RedisSettings()
 
     def __init__(self) -> None:
         super().__init__()
         self.loop = asyncio.new_event_loop()
-        self.client = redis.Redis(port=self.port)
-        self.run(self.client.flushdb())
+        self.client = connect_redis(self.redis_settings)
+        self.run(self.client.flushall())
         self.ledger = BlockLedger(self.client, lease_ttl_s=60)
         self.live_nodes = {"n0", "n1"}
+        # As the cache-managers' maintenance does: the nodes alive join the ledger's index of nodes to reap.
+        self.run(self.ledger.reap(sorted(self.live_nodes)))
         self.leases: dict[str, tuple[str, int, str]] = {}
         self.slot_store = RedisSlotStore(self.client)
         self.slots: dict[str, str] = {}  # request id -> its node, for the slots taken with a lease
@@ -124,8 +116,12 @@ class LedgerMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def release_slots(self, data) -> None:
         rids = data.draw(st.lists(st.sampled_from(sorted(self.slots)), min_size=1, max_size=3, unique=True))
-        released = self.run(self.slot_store.release_many([(rid, None) for rid in rids]))
-        assert [chain for chain, _ in released] == [chain_of(self.slots.pop(rid)) for rid in rids]
+        # Each as its node's end says, and once more from another node: that one frees nothing.
+        nodes = [self.slots[rid] for rid in rids]
+        others = [next(n for n in sorted(CAPACITY) if n != node) for node in nodes]
+        released = self.run(self.slot_store.release_many([*zip(rids, others), *zip(rids, nodes)]))
+        assert released[:len(rids)] == [None] * len(rids)
+        assert [chain for chain, _ in released[len(rids):]] == [chain_of(self.slots.pop(rid)) for rid in rids]
 
     def free(self, node: str) -> dict[str, int]:
         general, short = CAPACITY[node]
@@ -138,16 +134,25 @@ class LedgerMachine(RuleBasedStateMachine):
     def release(self, data) -> None:
         rid = data.draw(st.sampled_from(sorted(self.leases)))
         node, blocks, _ = self.leases.pop(rid)
-        assert self.run(self.ledger.release(rid)) == blocks
-        assert self.run(self.ledger.release(rid)) is None  # twice is harmless
+        assert self.run(self.ledger.release(rid, node)) == blocks
+        assert self.run(self.ledger.release(rid, node)) is None  # twice is harmless
+
+    @precondition(lambda self: self.leases)
+    @rule(data=st.data())
+    def release_knowing_only_the_request(self, data) -> None:
+        rid = data.draw(st.sampled_from(sorted(self.leases)))
+        _, blocks, _ = self.leases.pop(rid)
+        assert self.run(self.ledger.release_on_any(rid, sorted(CAPACITY))) == blocks
+        assert self.run(self.ledger.release_on_any(rid, sorted(CAPACITY))) is None
 
     @precondition(lambda self: self.leases)
     @rule(data=st.data())
     def release_batch(self, data) -> None:
         rids = data.draw(st.lists(st.sampled_from(sorted(self.leases)), min_size=1, max_size=4, unique=True))
+        nodes = [self.leases[rid][0] for rid in rids]
         expected = [self.leases.pop(rid)[1] for rid in rids]
         # One pipeline; an id twice in a batch, or one never leased, frees nothing the second time.
-        freed = self.run(self.ledger.release_many([(rid, None) for rid in rids] + [(rids[0], None), ("never", None)]))
+        freed = self.run(self.ledger.release_many([*zip(rids, nodes), (rids[0], nodes[0]), ("never", nodes[0])]))
         assert freed == [*expected, None, None]
 
     @precondition(lambda self: self.leases)
@@ -155,20 +160,24 @@ class LedgerMachine(RuleBasedStateMachine):
     def expire(self, data) -> None:
         rid = data.draw(st.sampled_from(sorted(self.leases)))
         # Backdate the lease, as if its holder had stopped renewing long ago.
-        self.run(self.client.zadd("kvlane:v1:cache:leases", {rid: 0}))
-        assert rid in self.run(self.ledger.reap())
+        self.run(self.client.zadd(expiry_key(self.leases[rid][0]), {rid: 0}))
+        assert rid in self.run(self.ledger.reap(sorted(self.live_nodes)))
         self.leases.pop(rid)
 
     @precondition(lambda self: self.leases)
     @rule(data=st.data(), node=st.sampled_from(sorted(CAPACITY)), blocks=st.integers(1, 15))
     def reallocate_elsewhere(self, data, node: str, blocks: int) -> None:
-        # A retried or resumed request allocates again under the same id on another node.
+        # A retried or resumed request allocates again under the same id on another node; the old attempt's
+        # end, later, frees the lease on the old node and leaves the new one be.
         rid = data.draw(st.sampled_from(sorted(self.leases)))
         if node not in self.live_nodes or self.leases[rid][0] == node:
             return
         general, short_cap = CAPACITY[node]
-        self.leases.pop(rid)  # its old blocks are returned whether or not the new node has room
+        fits = blocks <= self.free(node)["general"]
         result = self.run(self.ledger.reserve(rid, node, blocks, "general", general, short_cap, 1.0, 10))
+        assert result.granted == fits and not result.already_held
+        old_node, old_blocks, _ = self.leases.pop(rid)
+        assert self.run(self.ledger.release(rid, old_node)) == old_blocks
         if result.granted:
             self.leases[rid] = (node, blocks, result.pool)
 
@@ -182,15 +191,19 @@ class LedgerMachine(RuleBasedStateMachine):
     @rule(node=st.sampled_from(sorted(CAPACITY)))
     def node_joins(self, node: str) -> None:
         self.live_nodes.add(node)
+        self.run(self.ledger.reap(sorted(self.live_nodes)))
 
     @rule(node=st.sampled_from(sorted(CAPACITY)))
     def node_leaves(self, node: str) -> None:
         # A departed node renews nothing: all its leases expire.
         self.live_nodes.discard(node)
-        for rid in [r for r, (n, _, _) in self.leases.items() if n == node]:
-            self.run(self.client.zadd("kvlane:v1:cache:leases", {rid: 0}))
+        mine = [r for r, (n, _, _) in self.leases.items() if n == node]
+        for rid in mine:
+            self.run(self.client.zadd(expiry_key(node), {rid: 0}))
             self.leases.pop(rid)
-        self.run(self.ledger.reap())
+        # Reaped though no longer among the nodes alive; then it leaves the index, having no lease left.
+        assert sorted(self.run(self.ledger.reap(sorted(self.live_nodes)))) == sorted(mine)
+        assert node.encode() not in self.run(self.client.smembers(LEDGER_NODES_KEY))
 
     @invariant()
     def reserved_within_capacity_and_matching_leases(self) -> None:
@@ -206,19 +219,26 @@ class LedgerMachine(RuleBasedStateMachine):
         assert slots == {chain_of(node): sum(1 for n in self.slots.values() if n == node) for node in CAPACITY}
 
     def teardown(self) -> None:
-        for rid in list(self.leases):
-            self.run(self.ledger.release(rid))
-        self.run(self.slot_store.release_many([(rid, None) for rid in self.slots]))
+        for rid, (node, _, _) in list(self.leases.items()):
+            self.run(self.ledger.release(rid, node))
+        self.run(self.slot_store.release_many(list(self.slots.items())))
         assert not any(self.run(self.slot_store.usage([chain_of(node) for node in CAPACITY], 0.0)).values())
         usage = self.run(self.ledger.usage(sorted(CAPACITY)))
         assert all(u == (0, 0, 0) for u in usage.values()), usage
-        assert not self.run(self.client.exists(*[lease_key(r) for r in [f"r{i}" for i in range(1, self.counter + 1)]] or ["none"]))
+        assert not self.run(self.existing([lease_key(n, f"r{i}") for i in range(1, self.counter + 1) for n in CAPACITY]))
         self.run(self.client.aclose())
         self.loop.close()
 
 
-def test_ledger_never_overcommits_and_returns_to_zero(redis_port: int) -> None:
-    LedgerMachine.port = redis_port
+    async def existing(self, keys: list[str]) -> int:
+        async with self.client.pipeline(transaction=False) as pipe:
+            for key in keys:
+                pipe.exists(key)
+            return sum(await pipe.execute())
+
+
+def test_ledger_never_overcommits_and_returns_to_zero(redis_backend: RedisSettings) -> None:
+    LedgerMachine.redis_settings = redis_backend
     run = LedgerMachine.TestCase()
     run.settings = settings(max_examples=40, stateful_step_count=30, deadline=None)
     run.runTest()

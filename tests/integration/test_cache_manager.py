@@ -111,10 +111,10 @@ async def test_killed_workers_lease_returns_after_ttl_while_a_live_ones_is_renew
             run = GenerateRequest(rid, MODEL, [20] * 40, SamplingParams(max_tokens=4000), f"kvlane.v1.stream.test.{rid}", 60.0)
             await nc.request(subjects.worker_inbox(worker_id), ENCODE(run), timeout=5)
         await asyncio.sleep(2.5)  # past the TTL: both alive thanks to renewals
-        assert await client.exists(lease_key("long-w0"), lease_key("long-w1")) == 2
+        assert await client.exists(lease_key("w0", "long-w0"), lease_key("w1", "long-w1")) == 2
         next(p for p in fleet.workers if p.name == "worker-w0").signal(signal.SIGKILL)
         killed = time.monotonic()
-        while await client.exists(lease_key("long-w0")):
+        while await client.exists(lease_key("w0", "long-w0")):
             assert time.monotonic() - killed < 1.5 + 2.0, "lease outlived its TTL"
             await asyncio.sleep(0.1)
         usage = await BlockLedger(client, 10).usage(["w0", "w1"])
@@ -175,7 +175,7 @@ async def test_the_balancer_leases_kv_itself_and_reports_what_it_placed(tmp_path
                 assert response.status == 200
                 request_id = response.headers["X-Request-Id"]
                 # While it streams, its lease is in the ledger, on its node.
-                lease = await client.hgetall(lease_key(request_id))
+                lease = await client.hgetall(lease_key("w0", request_id))
                 assert lease[b"worker_id"] == b"w0" and int(lease[b"blocks"]) > 0
                 text = b"".join([chunk async for chunk in response.content.iter_any()])
         assert b"[DONE]" in text

@@ -23,7 +23,7 @@ from contracts.messages import (
     WorkerReply,
 )
 from kvlane.fleet import Fleet
-from tests.integration.conftest import FAST_HEARTBEATS, MODEL
+from tests.integration.conftest import FAST_HEARTBEATS, MODEL, until, until_status
 from tests.integration.finished_log import watch_finished
 
 pytestmark = pytest.mark.integration
@@ -96,12 +96,15 @@ async def test_sigterm_drains_in_flight_requests_and_takes_no_new_ones(own_fleet
         assert all(not t.done() for t in long_streams), "streams too short to observe a drain"
         draining = next(p for p in own_fleet.workers if p.name == "worker-w0")
         draining.signal(signal.SIGTERM)
-        await asyncio.sleep(0.3)
-        finished.events.clear()
+        await until_status(own_fleet, lambda status: all(chain.worker_id != "w0" for chain in status.chains))
         new = await asyncio.gather(*(stream_tokens(client, f"new {i}", 5) for i in range(6)))
         assert new == [(5, "length")] * 6
-        await asyncio.sleep(0.2)
-        assert finished.workers() == Counter({"w1": 6})
+
+        def new_ones() -> Counter[str]:  # the long streams (400 tokens) may end meanwhile, on w0
+            return Counter(e.worker_id for e in finished.events if e.usage.completion_tokens == 5)
+
+        await until(lambda: asyncio.sleep(0, sum(new_ones().values()) >= 6), 10, lambda: f"finished: {new_ones()}")
+        assert new_ones() == Counter({"w1": 6})
         assert await asyncio.gather(*long_streams) == [(400, "length")] * 8
         assert await asyncio.to_thread(draining.wait_exit, 20) == 0, draining.log_tail()
 

@@ -3,17 +3,33 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
+import openai
 import pytest
+import redis.asyncio as redis
 from redis.asyncio.cluster import RedisCluster
 
+from services.balancer.slot_store import (
+    RedisSlotStore,
+    chain_slots_key,
+    request_slot_key,
+)
 from shared.api_keys import make_record
+from shared.block_ledger import (
+    BlockLedger,
+    expiry_key,
+    lease_key,
+    node_leases_key,
+    usage_key,
+)
 from shared.config import RedisSettings
 from shared.key_limits import KeyLimiter, limit_keys
 from shared.redis_scripts import run_batch
-from shared.state import connect_redis
+from shared.state import ClusterState, connect_redis
+from tests.integration.conftest import MODEL, _stop, launch, until
 from tests.integration.redis_cluster import MASTERS, redis_cluster
 
 pytestmark = pytest.mark.integration
@@ -32,6 +48,23 @@ async def client(cluster_ports: list[int]) -> AsyncIterator[RedisCluster]:
     await client.flushall()
     yield client
     await client.aclose()
+
+
+async def test_a_burst_larger_than_the_pools_waits_for_connections_instead_of_failing(cluster_ports: list[int]) -> None:
+    # redis-py's own cluster client raises MaxConnectionsError here at once.
+    client = connect_redis(RedisSettings(url=f"redis://127.0.0.1:{cluster_ports[0]}/0", mode="cluster", max_connections=2))
+    try:
+        await asyncio.gather(*(client.set(f"burst:{i}", i) for i in range(300)))
+        pipelines = []
+        for start in range(0, 300, 30):
+            pipe = client.pipeline()
+            for i in range(start, start + 30):
+                pipe.get(f"burst:{i}")
+            pipelines.append(pipe.execute())
+        values = [int(v) for batch in await asyncio.gather(*pipelines) for v in batch]
+        assert values == list(range(300))
+    finally:
+        await client.aclose()
 
 
 def node_of(client: RedisCluster, key: str) -> str:
@@ -59,3 +92,74 @@ async def test_key_limits_hold_per_key_on_a_cluster(client: RedisCluster) -> Non
         verdicts = [await limiter.admit(record, f"r{i}", 1, 30.0) for i in range(3)]
         assert [v.admitted for v in verdicts] == [True, True, False]
         assert verdicts[2].reason == "rpm"
+
+
+async def test_each_nodes_ledger_and_slot_keys_share_a_slot_and_nodes_spread_over_the_masters(client: RedisCluster) -> None:
+    def keys_of(worker_id: str) -> list[str]:
+        return [usage_key(worker_id), lease_key(worker_id, "r1"), expiry_key(worker_id), node_leases_key(worker_id),
+                chain_slots_key(f"{worker_id}@1700000000000"), request_slot_key(worker_id, "r1")]
+
+    workers = [f"w{i}" for i in range(12)]
+    for worker_id in workers:
+        assert len({await client.cluster_keyslot(key) for key in keys_of(worker_id)}) == 1, worker_id
+    assert len({node_of(client, keys_of(worker_id)[0]) for worker_id in workers}) == MASTERS
+    # What one route reserves lies on the master its node's keys name, and releases from there.
+    store, ledger = RedisSlotStore(client), BlockLedger(client, lease_ttl_s=60)
+    for worker_id in workers:
+        both = await store.reserve_with_lease("r1", f"{worker_id}@1", 2, 4_000_000_000.0,
+                                              ledger.allocate_call("r1", worker_id, 3, "general", 10, 0, 1.0, 10))
+        assert both.slot_taken and both.lease is not None and both.lease.granted
+    for key in keys_of("w0")[:2]:
+        holders = []
+        for node in client.get_primaries():
+            async with redis.Redis(host=node.host, port=node.port) as direct:
+                if await direct.keys(key):  # not EXISTS, which a master not serving the key answers with MOVED
+                    holders.append(node.name)
+        assert holders == [node_of(client, key)]
+    assert await store.release_many([("r1", w) for w in workers]) == [(f"{w}@1", 0) for w in workers]
+    assert await ledger.release_many([("r1", w) for w in workers]) == [3] * len(workers)
+    assert set((await ledger.usage(workers)).values()) == {(0, 0, 0)}
+
+
+async def test_a_fleet_on_a_cluster_serves_requests_with_kv_leases_and_gives_every_one_back(
+    tmp_path: Path, client: RedisCluster, cluster_ports: list[int]
+) -> None:
+    settings = RedisSettings(url=f"redis://127.0.0.1:{cluster_ports[0]}/0", mode="cluster")
+    fleet = launch(tmp_path, workers=2, redis=settings, speed=0.2)
+    try:
+        workers = ["w0", "w1"]
+
+        async def heartbeats_stored() -> bool:
+            live = await ClusterState(client, 5).live_heartbeats()
+            return sorted(item.heartbeat.registration.worker_id for item in live) == workers
+
+        await until(heartbeats_stored, 10, "the workers' heartbeats are not in the cluster")
+        ledger = BlockLedger(client, lease_ttl_s=60)
+        api = openai.AsyncOpenAI(base_url=f"{fleet.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+        async def one(i: int) -> int:
+            reply = await api.completions.create(model=MODEL, prompt=f"cluster request {i}", max_tokens=30)
+            return reply.usage.completion_tokens
+
+        running = asyncio.gather(*(one(i) for i in range(6)))
+
+        async def leased() -> bool:
+            return any(count for _, _, count in (await ledger.usage(workers)).values())
+
+        # While they run, their leases are in the ledger, on their nodes' masters.
+        await until(leased, 30, "no KV lease taken on the cluster")
+        assert await running == [30] * 6
+
+        async def all_back() -> bool:
+            slots = await RedisSlotStore(client).usage([await chain_of(client, w) for w in workers], 0.0)
+            return set((await ledger.usage(workers)).values()) == {(0, 0, 0)} and not any(slots.values())
+
+        await until(all_back, 10, lambda: "leases or slots were not given back")
+    finally:
+        _stop(fleet)
+
+
+async def chain_of(client: RedisCluster, worker_id: str) -> str:
+    """The chain id the balancer keys `worker_id`'s slots by (`snapshot.chain_id_of`)."""
+    (live,) = [live for live in await ClusterState(client, 5).live_heartbeats() if live.heartbeat.registration.worker_id == worker_id]
+    return f"{worker_id}@{int(live.heartbeat.registration.started_at * 1000)}"
