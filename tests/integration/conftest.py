@@ -7,9 +7,11 @@ each other's workers and fault tests may kill or restart servers freely.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import nats
@@ -112,13 +114,27 @@ def own_fleet(tmp_path: Path) -> Iterator[Fleet]:
     _stop(fleet)
 
 
-async def until(condition, timeout: float, what) -> float:
-    """Seconds until `condition()` (a coroutine function) holds; `what` (text, or a function giving it) names it on failure."""
+async def until(condition: Callable[[], Any], timeout: float, what: Any = "the condition") -> float:
+    """Seconds until `condition()` (plain or a coroutine function) holds; `what` (text, or a function giving it)
+    names it on failure."""
     started = time.monotonic()
-    while not await condition():
+    while not await _value(condition()):
         assert time.monotonic() - started < timeout, f"not within {timeout:.0f}s: {what() if callable(what) else what}"
-        await asyncio.sleep(0.1)
+        await asyncio.sleep(0.05)
     return time.monotonic() - started
+
+
+async def _value(result: Any) -> Any:
+    return await result if inspect.isawaitable(result) else result
+
+
+def wait_for(condition: Callable[[], Any], timeout: float, what: str) -> Any:
+    """`condition()`'s first true result, polled from synchronous code, bounded by `timeout`."""
+    deadline = time.monotonic() + timeout
+    while not (result := condition()):
+        assert time.monotonic() < deadline, f"not within {timeout:.0f}s: {what}"
+        time.sleep(0.05)
+    return result
 
 
 async def until_status(fleet: Fleet, holds: Callable[[BalancerStatus], bool], timeout_s: float = 10.0) -> None:

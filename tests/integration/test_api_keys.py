@@ -14,7 +14,7 @@ import json
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import aiohttp
 import nats
@@ -26,7 +26,7 @@ from kvlane.fleet import Fleet, with_overrides
 from kvlane.launcher import Process, free_port, wait_services_ready
 from shared.api_keys import make_record, write_keys_file
 from shared.config import to_env
-from tests.integration.conftest import MODEL, _stop, launch
+from tests.integration.conftest import MODEL, _stop, launch, wait_for
 from tests.integration.test_nats_api import run as nats_run
 
 pytestmark = pytest.mark.integration
@@ -91,16 +91,6 @@ def post(base_url: str, body: dict, key: str | None, path: str = "/v1/completion
             return response.status, dict(response.headers), json.loads(response.read())
     except urllib.error.HTTPError as exc:
         return exc.code, dict(exc.headers), json.loads(exc.read())
-
-
-def wait_for(condition: Callable[[], object], timeout_s: float, what: str) -> object:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        if result := condition():
-            return result
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout_s}s: {what}")
-        time.sleep(0.05)
 
 
 # --- who may ask ---------------------------------------------------------------------------

@@ -103,7 +103,7 @@ async def test_sigterm_drains_in_flight_requests_and_takes_no_new_ones(own_fleet
         def new_ones() -> Counter[str]:  # the long streams (400 tokens) may end meanwhile, on w0
             return Counter(e.worker_id for e in finished.events if e.usage.completion_tokens == 5)
 
-        await until(lambda: asyncio.sleep(0, sum(new_ones().values()) >= 6), 10, lambda: f"finished: {new_ones()}")
+        await until(lambda: sum(new_ones().values()) >= 6, 10, lambda: f"finished: {new_ones()}")
         assert new_ones() == Counter({"w1": 6})
         assert await asyncio.gather(*long_streams) == [(400, "length")] * 8
         assert await asyncio.to_thread(draining.wait_exit, 20) == 0, draining.log_tail()

@@ -151,20 +151,8 @@ async def counter_total(url: str, name: str, **labels: str) -> float:
     )
 
 
-async def wait_until_async(read, wanted: set, timeout: float) -> float:
-    started = time.monotonic()
-    while await read() not in wanted:
-        assert time.monotonic() - started < timeout, f"state not in {wanted} within {timeout}s"
-        await asyncio.sleep(0.1)
-    return time.monotonic() - started
-
-
-async def wait_until(predicate, timeout: float) -> float:
-    started = time.monotonic()
-    while not predicate():
-        assert time.monotonic() - started < timeout, "condition not reached in time"
-        await asyncio.sleep(0.05)
-    return time.monotonic() - started
+async def _in(state, wanted: set) -> bool:
+    return await state in wanted
 
 
 def with_balancer_metrics(config):
@@ -192,7 +180,7 @@ async def test_sigkill_mid_stream_migrates_without_gaps_or_duplicates(fleet3: Fl
     killed = time.monotonic()
     completed_at_kill = result.completed
     # Recovery: requests keep completing after the kill.
-    recovery = await wait_until(lambda: result.completed >= completed_at_kill + 8, 30)
+    recovery = await until(lambda: result.completed >= completed_at_kill + 8, 30)
     await asyncio.sleep(1.0)
     await finish_load(load, stop)
     migrated = await counter_total(migrations, "kvlane_ingress_migrations")
@@ -219,7 +207,7 @@ async def test_nats_restart_under_load(fleet3: Fleet) -> None:
     fleet3.launcher.start_nats(port)
     restarted = time.monotonic()
     completed = result.completed
-    recovery = await wait_until(lambda: result.completed >= completed + 4, 30)
+    recovery = await until(lambda: result.completed >= completed + 4, 30)
     await asyncio.sleep(0.5)
     await finish_load(load, stop)
     print(result.report("nats-server restart", recovery))
@@ -240,7 +228,7 @@ async def test_redis_restart_under_load(fleet3: Fleet) -> None:
     await asyncio.sleep(FAST_HEARTBEATS["heartbeat_ttl_s"])
     fleet3.launcher.start_redis(port)
     completed = result.completed
-    recovery = await wait_until(lambda: result.completed >= completed + 4, 30)
+    recovery = await until(lambda: result.completed >= completed + 4, 30)
     await asyncio.sleep(0.5)
     await finish_load(load, stop)
     unleased = await counter_total(balancer_metrics(fleet3), "kvlane_balancer_unleased_routes", reason="redis_unavailable")
@@ -312,20 +300,20 @@ async def test_slow_node_is_marked_and_avoided_then_comes_back(tmp_path: Path) -
 
             crawler = asyncio.create_task(crawl())
             slowed = time.monotonic()
-            marked = await wait_until_async(lambda: health_state(fleet, "w0"), {"suspect", "unhealthy"}, 30)
+            marked = await until(lambda: _in(health_state(fleet, "w0"), {"suspect", "unhealthy"}), 30, "w0 marked suspect or unhealthy")
             finished.events.clear()
             await asyncio.sleep(3.0)
             share_while_slow = finished.share("w0")
             crawling.set()
             await crawler
             victim.signal(signal.SIGCONT)
-            back = await wait_until_async(lambda: health_state(fleet, "w0"), {"healthy"}, 20)
+            back = await until(lambda: _in(health_state(fleet, "w0"), {"healthy"}), 20, "w0 healthy again")
             finished.events.clear()
             # It may have been measured slow while it crawled; idle, that estimate drifts back to its
             # peers' heartbeat by heartbeat (SpeedTracker._relax_idle), and then it shares the load
             # again. So its return is waited for, within a bound, not sampled in a fixed window.
             try:
-                regained = await wait_until(lambda: finished.workers()["w0"] >= 10, 20)
+                regained = await until(lambda: finished.workers()["w0"] >= 10, 20)
             except AssertionError:
                 regained = None
             share_after = finished.share("w0")
@@ -356,7 +344,7 @@ async def test_sigterm_each_service_in_turn_loses_nothing(tmp_path: Path) -> Non
             process.signal(signal.SIGTERM)
             code = await asyncio.to_thread(process.wait_exit, 30)
             assert code == 0, process.log_tail()
-            recovery = await wait_until(lambda c=completed: result.completed >= c + 4, 30)
+            recovery = await until(lambda c=completed: result.completed >= c + 4, 30)
             exits.append(f"{process.name}: exit {code}, +4 completions {recovery:.2f}s later")
         await finish_load(load, stop)
         print(result.report("SIGTERM balancer, cache-manager, health-prober, worker in turn", None) + "; " + "; ".join(exits))
@@ -455,7 +443,7 @@ async def test_with_two_cache_managers_one_killed_every_route_still_gets_a_lease
         result, stop = LoadResult(), asyncio.Event()
         load = asyncio.create_task(steady_load(fleet, stop, result, concurrency=4, max_tokens=40))
         # Three times what the ledger holds without releases.
-        await wait_until(lambda: result.completed >= 120, 120)
+        await until(lambda: result.completed >= 120, 120)
         await finish_load(load, stop)
         unleased = await counter_total(balancer_metrics(fleet), "kvlane_balancer_unleased_routes")
         print(result.report("one of two cache-managers SIGKILLed", None) + f" unleased_routes={unleased:.0f}")
@@ -506,7 +494,7 @@ async def until_leased_again(result: LoadResult, unleased, timeout: float) -> fl
     started = time.monotonic()
     while True:
         before, done = await unleased(), result.completed
-        await wait_until(lambda d=done: result.completed >= d + 10, timeout)
+        await until(lambda d=done: result.completed >= d + 10, timeout)
         if await unleased() == before:
             return time.monotonic() - started
         assert time.monotonic() - started < timeout, f"routes still go on without a lease after {timeout}s"

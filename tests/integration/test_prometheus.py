@@ -17,10 +17,9 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import aiohttp
 import pytest
@@ -28,7 +27,7 @@ import pytest
 from kvlane.fleet import Fleet, with_overrides
 from kvlane.launcher import Launcher, Process, free_port, port_open, servers_available, wait_ready, wait_services_ready
 from shared.config import to_env
-from tests.integration.conftest import MODEL, fleet_config
+from tests.integration.conftest import MODEL, fleet_config, wait_for
 
 PROMETHEUS = shutil.which("prometheus")
 
@@ -107,17 +106,6 @@ def _ready(url: str, process: Process) -> bool:
             return response.status == 200
     except (urllib.error.URLError, OSError):
         return False
-
-
-def wait_for(condition: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        result = condition()
-        if result:
-            return result
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
-        time.sleep(0.2)
 
 
 def query(url: str, promql: str) -> list[dict]:
