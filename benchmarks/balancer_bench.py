@@ -12,9 +12,14 @@ Two measurements:
 * through NATS: a real nats-server, redis-server, balancer and
   cache-manager process (slots in Redis and a KV allocation per decision,
   the defaults; `--no-kv` leaves the cache-manager out), N fake-but-real
-  workers heartbeating on NATS; route requests over request/reply, each
+  workers heartbeating on NATS (each second, as real nodes do: a full
+  heartbeat every `cluster.full_heartbeat_every`th beat, load reports
+  between); route requests over request/reply, each
   followed by its RequestFinished. Latency from sequential requests,
-  decisions per second from `--concurrency` requests in flight.
+  decisions per second from `--concurrency` requests in flight, and the
+  balancer process's CPU meanwhile: per decision, and beyond what it uses
+  with the fleet heartbeating and no requests (what one core of its own
+  would sustain, on a machine busy with other work).
 
     python -m benchmarks.balancer_bench [--quick] [--skip-nats] [--policies jffc,least_loaded] [--sizes 16,256]
 
@@ -33,19 +38,23 @@ from pathlib import Path
 
 import msgspec
 import nats
+import psutil
 
 from contracts import subjects
+from contracts.balancer import BalancerStatus, BalancerStatusReply, BalancerStatusRequest
 from contracts.messages import EngineStats, Heartbeat, RequestFinished, RouteDecision, RouteReply, RouteRequest, Usage, WorkerRegistration
 from kvlane.launcher import Launcher, free_port
 from services.balancer.main import build_router, fallback_step_model
 from services.balancer.policies import POLICY_NAMES
 from shared.block_hash import chained_block_hashes
 from shared.config import BalancerSettings, ClusterSettings, KvlaneConfig, LoggingSettings, NatsSettings, RedisSettings, to_env
+from shared.heartbeats import HeartbeatSender
 
 SIZES = (4, 16, 64, 256)
 MODEL = "bench-model"
 BLOCK_SIZE = 16
 PREFIXES = 8  # distinct shared system prompts
+IDLE_SAMPLE_S = 2.0  # through NATS: how long the balancer's CPU is read with the fleet heartbeating and no requests
 
 
 def make_heartbeat(index: int, sent_at: float) -> Heartbeat:
@@ -127,6 +136,51 @@ def _summary(latencies: list[float], per_second: float) -> dict:
     }
 
 
+class FakeFleet:
+    """Nodes that heartbeat on NATS like real workers for as long as the benchmark runs: every node once per
+    interval, all of them in one burst, a full heartbeat every `full_every`th beat and load reports between."""
+
+    def __init__(self, nc, interval_s: float, full_every: int) -> None:
+        self._nc = nc
+        self._interval_s = interval_s
+        self._full_every = full_every
+        self._senders: list[HeartbeatSender] = []
+        self._seq = 0
+        self._encoder = msgspec.msgpack.Encoder()
+
+    async def grow(self, nodes: int) -> None:
+        """Heartbeat `nodes` nodes from now on, their first (full) heartbeats sent at once."""
+        self._senders += [HeartbeatSender(self._full_every) for _ in range(nodes - len(self._senders))]
+        await self.beat()
+
+    async def beat(self) -> None:
+        self._seq += 1
+        now = time.time()
+        for index, sender in enumerate(self._senders):
+            heartbeat = make_heartbeat(index, now)
+            _, message = sender.beat(heartbeat.registration, heartbeat.stats, now, self._seq, False)
+            await self._nc.publish(subjects.heartbeat(heartbeat.registration.worker_id), self._encoder.encode(message))
+        await self._nc.flush()
+
+    async def run(self) -> None:
+        next_beat = time.monotonic()
+        while True:
+            next_beat += self._interval_s
+            await asyncio.sleep(max(0.0, next_beat - time.monotonic()))
+            await self.beat()
+
+
+async def _wait_for_nodes(nc, nodes: int) -> None:
+    """Until the balancer routes on all `nodes` nodes."""
+    decoder = msgspec.msgpack.Decoder(BalancerStatusReply)
+    for _ in range(100):
+        reply = decoder.decode((await nc.request(subjects.BALANCER_STATUS, msgspec.msgpack.encode(BalancerStatusRequest()), timeout=5)).data)
+        if isinstance(reply, BalancerStatus) and len(reply.chains) >= nodes:
+            return
+        await asyncio.sleep(0.1)
+    raise RuntimeError(f"the balancer did not learn all {nodes} nodes")
+
+
 async def bench_nats(policy: str, sizes: tuple[int, ...], sequential: int, concurrent: int, concurrency: int, log_dir: Path,
                      allocate_kv: bool = True) -> dict:
     launcher = Launcher(log_dir / policy)
@@ -139,7 +193,7 @@ async def bench_nats(policy: str, sizes: tuple[int, ...], sequential: int, concu
             nats=NatsSettings(url=f"nats://127.0.0.1:{nats_port}"),
             redis=RedisSettings(url=f"redis://127.0.0.1:{redis_port}/0"),
             logging=LoggingSettings(level="warning"),
-            cluster=ClusterSettings(heartbeat_interval_s=1.0, heartbeat_ttl_s=30.0, resync_interval_s=30.0),
+            cluster=ClusterSettings(),  # a node is stale after the default 3 s without a heartbeat, as in production
             balancer=BalancerSettings(policy=policy, allocate_kv=allocate_kv),  # type: ignore[arg-type]
         )
         balancer = launcher.start_service("balancer", to_env(config))
@@ -151,6 +205,8 @@ async def bench_nats(policy: str, sizes: tuple[int, ...], sequential: int, concu
             # Up before the heartbeats below, or it would not know the nodes it is asked to allocate on.
             cache_manager = launcher.start_service("cache_manager", to_env(config))
             await _wait_for(nc, cache_manager, subjects.CACHE_REQUEST, {"type": "status"})
+        fleet = FakeFleet(nc, config.cluster.heartbeat_interval_s, config.cluster.full_heartbeat_every)
+        heartbeats = asyncio.ensure_future(fleet.run())
         counter = 0
 
         async def route_once() -> float:
@@ -168,11 +224,8 @@ async def bench_nats(policy: str, sizes: tuple[int, ...], sequential: int, concu
             return took
 
         for nodes in sizes:
-            now = time.time()
-            for i in range(nodes):
-                await nc.publish(subjects.heartbeat(f"n{i:03d}"), encode(make_heartbeat(i, now)))
-            await nc.flush()
-            await asyncio.sleep(0.3)
+            await fleet.grow(nodes)
+            await _wait_for_nodes(nc, nodes)
             for _ in range(20):  # warm up
                 await route_once()
             latencies = [await route_once() for _ in range(sequential)]
@@ -182,16 +235,35 @@ async def bench_nats(policy: str, sizes: tuple[int, ...], sequential: int, concu
                 async with in_flight:
                     await route_once()
 
-            started = time.perf_counter()
+            # The balancer's CPU with no requests (the fleet's heartbeats, housekeeping), then under load: what a
+            # decision costs it whatever else the machine runs, and the rate one core of its own would sustain.
+            balancer_process = psutil.Process(balancer.pid)
+            idle_cpu, idle_started = _cpu_seconds(balancer_process), time.perf_counter()
+            await asyncio.sleep(IDLE_SAMPLE_S)
+            idle_share = (_cpu_seconds(balancer_process) - idle_cpu) / (time.perf_counter() - idle_started)
+            busy_cpu, started = _cpu_seconds(balancer_process), time.perf_counter()
             await asyncio.gather(*(limited() for _ in range(concurrent)))
-            per_second = concurrent / (time.perf_counter() - started)
-            results[nodes] = _summary(latencies, per_second)
-            print(f"  nats {policy:17s} {nodes:4d} nodes  p50 {results[nodes]['p50_us']:8.0f} us  "
-                  f"p99 {results[nodes]['p99_us']:8.0f} us  {results[nodes]['decisions_per_s']:6d}/s", flush=True)
+            elapsed = time.perf_counter() - started
+            busy_cpu = _cpu_seconds(balancer_process) - busy_cpu
+            results[nodes] = r = _summary(latencies, concurrent / elapsed)
+            r["balancer_idle_cpu_share"] = round(idle_share, 3)
+            r["balancer_cpu_us_per_decision"] = round(busy_cpu / concurrent * 1e6, 1)
+            r["balancer_marginal_cpu_us_per_decision"] = round(max(0.0, busy_cpu - idle_share * elapsed) / concurrent * 1e6, 1)
+            print(f"  nats {policy:17s} {nodes:4d} nodes  p50 {r['p50_us']:8.0f} us  p99 {r['p99_us']:8.0f} us  "
+                  f"{r['decisions_per_s']:6d}/s  balancer CPU {r['balancer_cpu_us_per_decision']:5.0f} us/decision, "
+                  f"{r['balancer_marginal_cpu_us_per_decision']:5.0f} beyond its idle {100 * idle_share:4.1f}% of a core "
+                  f"({(1 - idle_share) * 1e6 / max(r['balancer_marginal_cpu_us_per_decision'], 1e-3):6.0f}/s per core)",
+                  flush=True)
+        heartbeats.cancel()
         await nc.close()
     finally:
         launcher.stop_all()
     return results
+
+
+def _cpu_seconds(process: psutil.Process) -> float:
+    times = process.cpu_times()
+    return times.user + times.system
 
 
 async def _wait_for(nc, service, subject: str, status_request: dict) -> None:

@@ -7,7 +7,12 @@ Pure core: `rank` (the greedy choice) over 4-256 nodes, and
 memory per million blocks. Through NATS: a real nats-server, redis-server
 and cache-manager process, with heartbeats of N fake nodes published the
 way workers publish them; allocate+release pairs (on a given node, as the
-balancer asks) and lookups from 32 concurrent clients. Prints a table and writes JSON.
+balancer asks) and lookups from 32 concurrent clients, then allocates and
+releases from one client, one request at a time (the latency of one
+allocation with nothing queued, and the cache-manager's CPU per request).
+Prints a table and writes JSON.
+
+    python -m benchmarks.cache_manager_bench --nats-only --nodes 16 --sequential 5000
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from pathlib import Path
 import msgspec
 import nats
 import nats.errors
+import psutil
 from rich.console import Console
 from rich.table import Table
 
@@ -103,7 +109,7 @@ def fake_heartbeat(worker_id: str, seq: int) -> Heartbeat:
     return Heartbeat(registration, EngineStats(kv_blocks_total=4096), time.time(), seq)
 
 
-async def bench_nats(nodes: int, pairs: int, concurrency: int, log_dir: Path) -> dict:
+async def bench_nats(nodes: int, pairs: int, concurrency: int, sequential: int, log_dir: Path) -> dict:
     launcher = Launcher(log_dir)
     nats_port, redis_port = free_port(), free_port()
     try:
@@ -112,9 +118,10 @@ async def bench_nats(nodes: int, pairs: int, concurrency: int, log_dir: Path) ->
         config = KvlaneConfig(nats=NatsSettings(url=f"nats://127.0.0.1:{nats_port}"),
                               redis=RedisSettings(url=f"redis://127.0.0.1:{redis_port}/0"))
         env = to_env(config) | {"KVLANE__LOGGING__LEVEL": '"warning"', "KVLANE__CACHE_MANAGER__PREWARM": "false"}
-        launcher.start_service("cache_manager", env)
+        manager = psutil.Process(launcher.start_service("cache_manager", env).pid)
         nc = await nats.connect(config.nats.url)
-        state = ClusterState(connect_redis(config.redis), config.cluster.heartbeat_ttl_s)
+        redis_client = connect_redis(config.redis)
+        state = ClusterState(redis_client, config.cluster.heartbeat_ttl_s)
         encoder, decoder = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(CacheReply)
 
         async def heartbeats() -> None:
@@ -164,10 +171,39 @@ async def bench_nats(nodes: int, pairs: int, concurrency: int, log_dir: Path) ->
         started = time.perf_counter()
         await asyncio.gather(*(client() for _ in range(concurrency)))
         elapsed = time.perf_counter() - started
+        # One at a time: what one allocation costs with nothing queued ahead of it.
+        one_alloc: list[float] = []
+        one_release: list[float] = []
+        # An empty lookup touches neither Redis nor the index: the round trip through NATS and the bus alone.
+        one_floor: list[float] = []
+        # And one Redis round trip from here, the other hop an allocation takes.
+        redis_samples: list[float] = []
+        cpu_before = manager.cpu_times()
+        for k in range(sequential):
+            rid = f"s{k}"
+            started = time.perf_counter()
+            await ask(LookupRequest([]))
+            one_floor.append(time.perf_counter() - started)
+            started = time.perf_counter()
+            await redis_client.ping()
+            redis_samples.append(time.perf_counter() - started)
+            started = time.perf_counter()
+            await ask(AllocateRequest(rid, "bench", rng.randint(16, 2048), rng.randint(16, 256),
+                                      block_hashes=[rng.randint(0, 1000)] * 8, worker_id=f"w{rng.randrange(nodes)}", may_preempt=False))
+            one_alloc.append(time.perf_counter() - started)
+            started = time.perf_counter()
+            await ask(ReleaseRequest(rid))
+            one_release.append(time.perf_counter() - started)
+        cpu_after = manager.cpu_times()
+        manager_cpu_s = (cpu_after.user - cpu_before.user) + (cpu_after.system - cpu_before.system)
         beating.cancel()
         await nc.close()
         return {"nodes": nodes, "allocate_release_pairs_per_s": len(alloc_samples) / elapsed,
-                "allocate_release": percentiles(alloc_samples), "lookup": percentiles(lookup_samples)}
+                "allocate_release": percentiles(alloc_samples), "lookup": percentiles(lookup_samples),
+                "sequential": {"allocate": percentiles(one_alloc), "release": percentiles(one_release),
+                               "empty_lookup": percentiles(one_floor), "redis_ping": percentiles(redis_samples),
+                               # Per request of the three; heartbeats and maintenance included (a small share at one beat a second).
+                               "manager_cpu_us_per_request": manager_cpu_s / (3 * sequential) * 1e6 if sequential else 0.0}}
     finally:
         launcher.stop_all()
 
@@ -176,13 +212,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.cache_manager_bench")
     parser.add_argument("--quick", action="store_true", help="small counts, for a smoke run")
     parser.add_argument("--out", default="benchmarks/results/cache_manager_bench.json")
+    parser.add_argument("--nats-only", action="store_true", help="only the runs through NATS, not the pure core")
+    parser.add_argument("--nodes", type=int, nargs="+", default=list(NODE_COUNTS), help="fake node counts of the NATS runs")
+    parser.add_argument("--sequential", type=int, help="rounds of an empty lookup, an allocate and its release, one request at a time (default 2000, quick 200)")
     args = parser.parse_args(argv)
     decisions, lookups, pairs = (500, 2000, 128) if args.quick else (5000, 20000, 1024)
+    sequential = args.sequential if args.sequential is not None else (200 if args.quick else 2000)
     console = Console()
-    pure_rank = [bench_rank(n, decisions) for n in NODE_COUNTS]
-    pure_lookup = [bench_lookup(b, lookups) for b in (INDEX_SIZES[:2] if args.quick else INDEX_SIZES)]
+    pure_rank = [] if args.nats_only else [bench_rank(n, decisions) for n in NODE_COUNTS]
+    pure_lookup = [] if args.nats_only else [bench_lookup(b, lookups) for b in (INDEX_SIZES[:2] if args.quick else INDEX_SIZES)]
     with tempfile.TemporaryDirectory(prefix="kvlane-cm-bench-") as log_dir:
-        through_nats = [asyncio.run(bench_nats(n, pairs, 32, Path(log_dir) / str(n))) for n in NODE_COUNTS]
+        through_nats = [asyncio.run(bench_nats(n, pairs, 32, sequential, Path(log_dir) / str(n))) for n in args.nodes]
     table = Table(title="cache-manager: allocation (rank) and prefix lookup")
     for column in ("case", "per s", "p50 us", "p99 us", "extra"):
         table.add_column(column)
@@ -195,6 +235,13 @@ def main(argv: list[str] | None = None) -> int:
         a, lk = row["allocate_release"], row["lookup"]
         table.add_row(f"allocate+release, {row['nodes']} nodes (NATS)", f"{row['allocate_release_pairs_per_s']:,.0f}",
                       f"{a['p50_us']:.0f}", f"{a['p99_us']:.0f}", f"lookup p50 {lk['p50_us']:.0f} p99 {lk['p99_us']:.0f} us")
+    for row in through_nats:
+        one = row["sequential"]
+        for kind in ("allocate", "release", "empty_lookup", "redis_ping"):
+            where = "" if kind == "redis_ping" else " (NATS)"
+            table.add_row(f"{kind.replace('_', ' ')}, one at a time, {row['nodes']} nodes{where}", f"{1e6 / one[kind]['mean_us']:,.0f}",
+                          f"{one[kind]['p50_us']:.0f}", f"{one[kind]['p99_us']:.0f}",
+                          f"manager CPU {one['manager_cpu_us_per_request']:.0f} us per request" if kind == "allocate" else "")
     console.print(table)
     result = {"machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0], "platform": platform.platform()},
               "timestamp": time.time(), "pure_rank": pure_rank, "pure_lookup": pure_lookup, "through_nats": through_nats}

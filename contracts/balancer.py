@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from msgspec import Struct
 
-from contracts.messages import ErrorReply, NonNegativeInt
+from contracts.messages import Compact, ErrorReply, NonNegativeInt
 
 
 class BalancerStatusRequest(Struct, tag="balancer_status_request", tag_field="type"):
@@ -36,7 +36,7 @@ class QueueClass(Struct):
     length: NonNegativeInt
 
 
-class BalancerStatus(Struct, tag="balancer_status", tag_field="type"):
+class BalancerStatus(Compact, tag="balancer_status", tag_field="type"):
     balancer_id: str
     policy: str
     slot_store: str

@@ -11,12 +11,12 @@ from typing import Annotated, Literal
 
 from msgspec import Meta, Struct
 
-from contracts.messages import ErrorReply, NonNegativeInt, RemainingSeconds, RequestId, WorkerId
+from contracts.messages import Compact, ErrorReply, NonNegativeInt, RemainingSeconds, RequestId, WorkerId
 
 Pool = Literal["short", "general"]
 
 
-class AllocateRequest(Struct, tag="allocate", tag_field="type"):
+class AllocateRequest(Compact, tag="allocate", tag_field="type"):
     """Reserve KV blocks for a request.
 
     With `worker_id` set the allocation is made on that node only (the
@@ -39,7 +39,7 @@ class AllocateRequest(Struct, tag="allocate", tag_field="type"):
     prefix_token_ids: list[int] = []
 
 
-class Allocation(Struct, tag="allocation", tag_field="type"):
+class Allocation(Compact, tag="allocation", tag_field="type"):
     request_id: RequestId
     worker_id: WorkerId
     blocks: NonNegativeInt
@@ -70,11 +70,11 @@ class PrefixesRouted(Struct, tag="prefixes_routed", tag_field="type"):
     prefixes: list[RoutedPrefix]
 
 
-class ReleaseRequest(Struct, tag="release", tag_field="type"):
+class ReleaseRequest(Compact, tag="release", tag_field="type"):
     request_id: RequestId
 
 
-class Released(Struct, tag="released", tag_field="type"):
+class Released(Compact, tag="released", tag_field="type"):
     request_id: RequestId
     blocks: NonNegativeInt
     existed: bool
@@ -92,16 +92,16 @@ class RenewLeases(Struct, tag="renew", tag_field="type"):
     leases: list[LeaseProgress]
 
 
-class LookupRequest(Struct, tag="lookup", tag_field="type"):
+class LookupRequest(Compact, tag="lookup", tag_field="type"):
     block_hashes: list[int]
 
 
-class LookupReply(Struct, tag="lookup_reply", tag_field="type"):
+class LookupReply(Compact, tag="lookup_reply", tag_field="type"):
     # Per node, the number of leading blocks of the query it holds.
     matches: dict[str, int]
 
 
-class CacheStatusRequest(Struct, tag="status", tag_field="type"):
+class CacheStatusRequest(Compact, tag="status", tag_field="type"):
     pass
 
 
@@ -115,7 +115,7 @@ class NodeUsage(Struct):
     indexed_blocks: NonNegativeInt
 
 
-class CacheStatus(Struct, tag="cache_status", tag_field="type"):
+class CacheStatus(Compact, tag="cache_status", tag_field="type"):
     nodes: list[NodeUsage]
     indexed_blocks: NonNegativeInt
     prewarms: NonNegativeInt

@@ -1,10 +1,11 @@
 """Internal wire messages (msgpack over NATS, JSON in Redis).
 
 Each subject that carries several kinds of message uses a tagged union
-(`type` field), so a receiver decodes with one typed decoder and dispatches
-with `match`. A deadline crosses the wire as the time left (`timeout_s`,
-seconds when sent), never as a moment: hosts' clocks disagree, so each
-receiver turns it into a moment on its own clock as it arrives. The other
+(`type` field, or the first element of a `Compact` message's array), so a
+receiver decodes with one typed decoder and dispatches with `match`. A
+deadline crosses the wire as the time left (`timeout_s`, seconds when
+sent), never as a moment: hosts' clocks disagree, so each receiver turns
+it into a moment on its own clock as it arrives. The other
 moments on the wire (heartbeats' `sent_at`, registrations' `started_at`) are
 Unix epoch seconds, only ever compared with moments of the same sender.
 """
@@ -30,7 +31,19 @@ WorkerRole = Literal["aggregated", "prefill", "decode"]
 EngineKind = Literal["sim", "vllm"]
 
 
-class ErrorReply(Struct, tag="error", tag_field="type"):
+class Compact(Struct, array_like=True, gc=False, omit_defaults=True):
+    """The base of the messages sent on every request or engine step: a msgpack array in field order (the field
+    names were most of their bytes), trailing fields at their default left off, and instances the garbage collector
+    never tracks (fewer collections while frames pour in; safe because these hold only numbers, text, and lists and
+    Structs of them: nothing that could lead back to them and close a cycle).
+
+    Positional on the wire: a new field goes at the end of its Struct, with a default. A union mixes no array-like
+    and map-like Structs (msgspec refuses it), so every member of a union with one `Compact` member is `Compact`:
+    `ErrorReply` makes every reply and stream frame one.
+    """
+
+
+class ErrorReply(Compact, tag="error", tag_field="type"):
     """A failure answered instead of the expected reply or stream frame.
 
     `status` is the HTTP status ingress should answer with; `retry_after_s`
@@ -46,7 +59,7 @@ class ErrorReply(Struct, tag="error", tag_field="type"):
 # --- routing ------------------------------------------------------------------
 
 
-class RouteRequest(Struct, tag="route", tag_field="type"):
+class RouteRequest(Compact, tag="route", tag_field="type"):
     request_id: RequestId
     model: str
     prompt_tokens: NonNegativeInt
@@ -61,14 +74,14 @@ class RouteRequest(Struct, tag="route", tag_field="type"):
     tenant: str = ""
 
 
-class RouteWithdrawn(Struct, tag="route_withdrawn", tag_field="type"):
+class RouteWithdrawn(Compact, tag="route_withdrawn", tag_field="type"):
     """Ingress no longer wants the route it asked for: its client left while the request was being
     routed or queued. Balancers drop it from the queue or free its slot, cache-managers its lease."""
 
     request_id: RequestId
 
 
-class RouteDecision(Struct, tag="decision", tag_field="type"):
+class RouteDecision(Compact, tag="decision", tag_field="type"):
     """Where one request runs: `worker_id` generates its tokens.
 
     When `prefill_worker_id` is set the chain has two nodes: ingress sends a
@@ -96,7 +109,7 @@ RouteReply = RouteDecision | ErrorReply
 # --- generation -----------------------------------------------------------------
 
 
-class SamplingParams(Struct, forbid_unknown_fields=True):
+class SamplingParams(Compact, forbid_unknown_fields=True):
     max_tokens: Annotated[int, Meta(ge=1)]
     temperature: Annotated[float, Meta(ge=0.0, le=2.0)] = 1.0
     top_p: Annotated[float, Meta(gt=0.0, le=1.0)] = 1.0
@@ -133,7 +146,7 @@ class KvRef(Struct, frozen=True):
     engine_extras: dict[str, str | int | float | bool | None] = {}
 
 
-class RequestToRun(Struct):
+class RequestToRun(Compact):
     """What every node that runs part of a request gets: the prompt, the sampling, where to stream."""
 
     request_id: RequestId
@@ -175,7 +188,7 @@ class PrefillRequest(RequestToRun, tag="prefill", tag_field="type", kw_only=True
     decode_inbox: Subject
 
 
-class AbortRequest(Struct, tag="abort", tag_field="type"):
+class AbortRequest(Compact, tag="abort", tag_field="type"):
     request_id: RequestId
     reason: str = "client_disconnected"
 
@@ -183,7 +196,7 @@ class AbortRequest(Struct, tag="abort", tag_field="type"):
 WorkerRequest = GenerateRequest | PrefillRequest | AbortRequest
 
 
-class GenerateAccepted(Struct, tag="accepted", tag_field="type"):
+class GenerateAccepted(Compact, tag="accepted", tag_field="type"):
     request_id: RequestId
     worker_id: WorkerId
 
@@ -191,27 +204,27 @@ class GenerateAccepted(Struct, tag="accepted", tag_field="type"):
 WorkerReply = GenerateAccepted | ErrorReply
 
 
-class Usage(Struct):
+class Usage(Compact):
     prompt_tokens: NonNegativeInt
     completion_tokens: NonNegativeInt
     cached_tokens: NonNegativeInt = 0
 
 
-class Timings(Struct):
+class Timings(Compact):
     """Worker-side timings, seconds since the worker accepted the request."""
 
     first_token_s: float | None = None
     finished_s: float = 0.0
 
 
-class TokenChunk(Struct, tag="chunk", tag_field="type", gc=False):
+class TokenChunk(Compact, tag="chunk", tag_field="type"):
     request_id: RequestId
     seq: NonNegativeInt
     token_ids: list[int]
     text: str
 
 
-class StreamEnd(Struct, tag="end", tag_field="type"):
+class StreamEnd(Compact, tag="end", tag_field="type"):
     request_id: RequestId
     seq: NonNegativeInt
     finish_reason: FinishReason
@@ -220,7 +233,7 @@ class StreamEnd(Struct, tag="end", tag_field="type"):
     worker_id: WorkerId
 
 
-class Handoff(Struct, tag="handoff", tag_field="type"):
+class Handoff(Compact, tag="handoff", tag_field="type"):
     """The prefill node passed the request to `decode_worker_id` (not a numbered frame)."""
 
     request_id: RequestId
@@ -239,7 +252,7 @@ class AddressedFrame(Struct, array_like=True, gc=False):
     frame: StreamFrame
 
 
-class StreamBatch(Struct, tag="batch", tag_field="type", gc=False):
+class StreamBatch(Compact, tag="batch", tag_field="type"):
     """The frames one worker produced in one engine step for the streams of one receiver.
 
     One message per step and receiver, not one per token and request: at
@@ -265,7 +278,7 @@ class KvPull(Struct, tag="kv_pull", tag_field="type"):
     puller_id: WorkerId
 
 
-class KvPullGranted(Struct, tag="kv_granted", tag_field="type"):
+class KvPullGranted(Compact, tag="kv_granted", tag_field="type"):
     request_id: RequestId
     num_tokens: NonNegativeInt
     kv_bytes: NonNegativeInt
@@ -284,7 +297,11 @@ KvMessage = KvPull | KvRelease
 
 
 class RequestFinished(Struct, tag="finished", tag_field="type"):
-    """Published once per request the worker ran, however it ended."""
+    """Published once per request the worker ran, however it ended.
+
+    A map, not `Compact`: the load-test harness reads it by field name (`loadtest/events.py`), so that a
+    field added later does not break a run.
+    """
 
     request_id: RequestId
     worker_id: WorkerId
@@ -366,7 +383,7 @@ class EngineStats(Struct, omit_defaults=True):
     kv_pull_seconds: Annotated[float, Meta(ge=0.0)] = 0.0
 
 
-class Heartbeat(Struct, tag="heartbeat", tag_field="type"):
+class Heartbeat(Compact, tag="heartbeat", tag_field="type"):
     registration: WorkerRegistration
     stats: EngineStats
     sent_at: EpochSeconds
@@ -385,7 +402,7 @@ class PackedStats(EngineStats, array_like=True):
     names were most of their bytes. Positional, so a new `EngineStats` field goes at its end."""
 
 
-class LoadReport(Struct, tag="load", tag_field="type", omit_defaults=True):
+class LoadReport(Compact, tag="load", tag_field="type"):
     """A heartbeat without the registration, which rarely changes: what a worker sends between full heartbeats.
 
     It applies to the registration whose digest is `registration_digest`. A receiver that holds no
@@ -406,7 +423,7 @@ class LoadReport(Struct, tag="load", tag_field="type", omit_defaults=True):
 HeartbeatMessage = Heartbeat | LoadReport
 
 
-class KvEvents(Struct, tag="kv_events", tag_field="type"):
+class KvEvents(Compact, tag="kv_events", tag_field="type"):
     """What entered and left one worker's prefix cache since its previous batch.
 
     Hashes are kvlane's chained block hashes (`shared.block_hash`), never an

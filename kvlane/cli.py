@@ -36,7 +36,8 @@ def _up_flags_refused(args: argparse.Namespace) -> str | None:
 
 def up_config(args: argparse.Namespace) -> KvlaneConfig:
     """The configuration file, with what the flags given override (a flag not given leaves the file's value)."""
-    ingress = {name: value for name, value in (("port", args.port), ("host", args.host)) if value is not None}
+    ingress = {name: value for name, value in (("port", args.port), ("host", args.host),
+                                               ("processes", getattr(args, "ingress_processes", None))) if value is not None}
     return with_overrides(
         load_config(args.config),
         ingress=ingress,
@@ -63,6 +64,9 @@ def _up(args: argparse.Namespace, console: Console) -> int:
         restart_policy = restart_policy_from(config.supervision)
     except ValueError as exc:
         console.print(f"[red]supervision: {exc}[/]")
+        return 2
+    if config.ingress.processes > 1 and args.secure:
+        console.print("[red]ingress.processes > 1 does not combine with --secure (each ingress id needs a NATS user of its own)[/]")
         return 2
     args.engine = config.worker.engine
     if args.engine == "vllm":
@@ -279,6 +283,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="cache-manager replicas; they share the work, and the fleet keeps its leases while one is left (default 1)")
     up.add_argument("--port", type=int, help="ingress port (default: ingress.port, 8000)")
     up.add_argument("--host", help="ingress address (default: ingress.host, 127.0.0.1)")
+    up.add_argument("--ingress-processes", type=_at_least_one, metavar="N",
+                    help="ingress processes sharing the port, Linux only (default: ingress.processes, 1)")
     up.add_argument("--config", help="TOML configuration file")
     up.add_argument("--log-dir", help="where child logs go (default: a new temporary directory)")
     up.add_argument("--ready-timeout", type=float, help="seconds to wait for the fleet (default: 60 sim, 600 vllm)")

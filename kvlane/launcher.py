@@ -7,7 +7,6 @@ and by the benchmarks. Every child's output goes to its own log file under
 
 from __future__ import annotations
 
-import ctypes
 import os
 import shutil
 import signal
@@ -22,28 +21,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from urllib.parse import urlparse
 
+from shared.parent_death import ending_with
+
 
 class LaunchError(RuntimeError):
     pass
-
-
-_PR_SET_PDEATHSIG = 1
-_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
-
-
-def _ending_with(parent_pid: int):
-    """A `preexec_fn` that makes the child get SIGTERM when its parent dies, however it dies.
-
-    Children run in sessions of their own (Ctrl-C goes to the launcher, which
-    stops them in order), so without this a SIGKILLed `kvlane up` would
-    leave every service running, registered and holding its port.
-    """
-    def preexec() -> None:
-        _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-        if os.getppid() != parent_pid:  # the parent died before the line above
-            os.kill(os.getpid(), signal.SIGTERM)
-
-    return preexec
 
 
 def free_port() -> int:
@@ -191,9 +173,10 @@ class Launcher:
 
     def _popen(self, argv: list[str], env: Mapping[str, str], log_path: Path) -> subprocess.Popen:
         log_file = log_path.open("ab")
-        # The death signal follows the thread that forks the child: only the main
-        # thread lives as long as the process (tests also start servers from others).
-        end_with_parent = _LIBC is not None and threading.current_thread() is threading.main_thread()
+        # Children run in sessions of their own, so without a death signal a SIGKILLed `kvlane up` would leave
+        # every service running. The signal follows the thread that forks the child: only the main thread lives
+        # as long as the process (tests also start servers from others).
+        end_with_parent = threading.current_thread() is threading.main_thread()
         try:
             return subprocess.Popen(
                 argv,
@@ -202,7 +185,7 @@ class Launcher:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,  # Ctrl-C reaches kvlane up, which stops children in order
-                preexec_fn=_ending_with(os.getpid()) if end_with_parent else None,
+                preexec_fn=ending_with(os.getpid()) if end_with_parent else None,
             )
         finally:
             log_file.close()

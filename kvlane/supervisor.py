@@ -1,6 +1,6 @@
 """`kvlane up` keeps its processes running: one that exits on its own is restarted alone.
 
-The decisions (when to restart, when to give up) are kvlane/restarts.py's;
+The decisions (when to restart, when to give up) are shared/restarts.py's;
 this only watches the processes and carries the decisions out. A restarted
 process is started exactly as before (kvlane/launcher.py keeps its command
 line and environment), so a worker comes back with its worker id and ports
@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 
 from kvlane.launcher import LaunchError, Launcher, Process
-from kvlane.restarts import GiveUp, RestartBook, RestartPolicy
+from shared.restarts import GiveUp, RestartBook, RestartPolicy
 from shared.config import SupervisionSettings
 
 

@@ -16,10 +16,15 @@ of 127.0.0.1, then measures:
    on both paths, with the CPU each process used meanwhile (which shows the
    bottleneck: the ingress, the worker, or this client itself).
 
+With `--ingress-processes 1,2` the fleet gets one more ingress, of two
+processes sharing its port (`ingress.processes`), on the same balancer and
+worker: path A runs through each ingress in turn (`ingress`, then
+`ingress-2p`), so the counts compare within one run.
+
 Results are printed as tables and written as JSON. Everything the run
 started is stopped however it ends.
 
-    python -m loadtest.overhead [--requests N] [--concurrency C] [--duration S] [--out PATH]
+    python -m loadtest.overhead [--requests N] [--concurrency C] [--duration S] [--ingress-processes 1,2] [--out PATH]
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import psutil
 from rich.console import Console
 from rich.table import Table
 
@@ -55,11 +61,12 @@ from contracts.messages import (
     WorkerReply,
 )
 from kvlane.fleet import Fleet, start_fleet, with_overrides
-from kvlane.launcher import Launcher, free_port
+from kvlane.launcher import Launcher, LaunchError, Process, free_port, wait_ready
 from loadtest.machine import CpuMeter, machine_info
 from shared.bus import Bus, BusError, StreamReceiver
 from shared.config import KvlaneConfig, LoggingSettings, TracingSettings
 from shared.logging import configure_logging
+from shared.runner import READY_EVENT
 from shared.telemetry import Telemetry
 from shared.tokenizer import SimTokenizer
 
@@ -84,10 +91,14 @@ class BenchOptions:
     ready_timeout_s: float = 60.0
     log_dir: Path | None = None  # default: a temporary directory, removed after a clean run
     quiet: bool = False
+    # One ingress per count, each of that many processes on its own port (the first is the fleet's).
+    ingress_processes: tuple[int, ...] = (1,)
 
     def check(self) -> None:
         if self.requests < 1 or self.concurrency < 1 or self.warmup < 0 or self.max_tokens < 1:
             raise ValueError("requests, concurrency and max_tokens must be at least 1, warmup at least 0")
+        if not self.ingress_processes or min(self.ingress_processes) < 1 or len(set(self.ingress_processes)) != len(self.ingress_processes):
+            raise ValueError("ingress processes: distinct counts of at least 1, such as 1,2")
         if not 0 < self.duration_s <= 600:
             raise ValueError("duration must be in (0, 600] seconds")
         if self.requests > 100_000:
@@ -144,9 +155,9 @@ def _diff(a: float | None, b: float | None) -> float | None:
 class HttpPath:
     """Path A: non-streaming `POST /v1/completions` to the ingress (keep-alive)."""
 
-    name = "ingress"
-
-    def __init__(self, session: aiohttp.ClientSession, base_url: str, model: str, prompt: str, max_tokens: int) -> None:
+    def __init__(self, session: aiohttp.ClientSession, base_url: str, model: str, prompt: str, max_tokens: int,
+                 name: str = "ingress") -> None:
+        self.name = name
         self._session = session
         self._url = f"{base_url}/v1/completions"
         self._body = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens}).encode()
@@ -314,8 +325,43 @@ async def closed_loop(call: Call, concurrency: int, duration_s: float, max_reque
     }
 
 
-async def measure(fleet: Fleet, options: BenchOptions, console: Console) -> dict[str, Any]:
+@dataclass
+class IngressUnderTest:
+    """One ingress that path A runs through: `processes` processes sharing the port of `base_url`."""
+
+    name: str  # its path's name in the results: "ingress" (the fleet's), "ingress-2p"...
+    processes: int
+    base_url: str
+    process: Process  # the first of its processes, which starts the others
+
+    def measured(self) -> list[Any]:
+        """Its processes for the CPU meter: the first, then the others as `<name>/<k>`."""
+        others = psutil.Process(self.process.pid).children()
+        return [self.process, *(_Measured(f"{self.name}/{k}", child.pid) for k, child in enumerate(others, 1))]
+
+
+@dataclass
+class _Measured:
+    """A process the CPU meter reads that no launcher `Process` stands for (an ingress's other processes)."""
+
+    name: str
+    pid: int
+
+
+def _with_ingress_totals(run: dict[str, Any], ingresses: Sequence[IngressUnderTest]) -> None:
+    """Add `<name> (all)`: the CPU of all of an ingress's processes together, for those of several."""
+    for ingress in ingresses:
+        if ingress.processes == 1:
+            continue
+        for key in ("cpu_percent", "cpu_ms_per_request"):
+            values = [v for name, v in run[key].items() if name == ingress.name or name.startswith(f"{ingress.name}/")]
+            run[key][f"{ingress.name} (all)"] = None if not values or None in values else sum(values)
+
+
+async def measure(fleet: Fleet, options: BenchOptions, console: Console,
+                  ingresses: Sequence[IngressUnderTest] = ()) -> dict[str, Any]:
     config = fleet.config
+    ingresses = list(ingresses) or [IngressUnderTest("ingress", 1, fleet.base_url, fleet.ingress)]
     model = config.worker.model
     prompt_token_ids = SimTokenizer().encode(options.prompt)
     telemetry = Telemetry(TracingSettings(), "loadtest")
@@ -327,45 +373,55 @@ async def measure(fleet: Fleet, options: BenchOptions, console: Console) -> dict
         connector = aiohttp.TCPConnector(limit=options.concurrency, ttl_dns_cache=None)
         timeout = aiohttp.ClientTimeout(total=options.request_timeout_s)
         async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
-            http = HttpPath(session, fleet.base_url, model, options.prompt, options.max_tokens)
+            https = [HttpPath(session, ingress.base_url, model, options.prompt, options.max_tokens, ingress.name)
+                     for ingress in ingresses]
             direct = DirectPath(bus, streams, WORKER_ID, model, prompt_token_ids, options.max_tokens, options.request_timeout_s)
-            meter = CpuMeter([*fleet.servers, *fleet.services()])
-
-            await wait_until_ok(http.call, 20.0)
+            for http in https:
+                await wait_until_ok(http.call, 20.0)
             await wait_until_ok(direct.call, 20.0)
             if options.warmup:
-                await sequential([http, direct], options.warmup)
+                await sequential([*https, direct], options.warmup)
+            measured = [p for p in [*fleet.servers, *fleet.services()] if p is not fleet.ingress]
+            meter = CpuMeter([*measured, *(p for ingress in ingresses for p in ingress.measured())])
 
             _status(console, options, f"latency: {options.requests} sequential requests per path, interleaved")
-            runs = await sequential([http, direct], options.requests)
-            latency = _latency_report(runs)
+            runs = await sequential([*https, direct], options.requests)
+            latency = _latency_report(runs, [http.name for http in https])
 
             throughput = {}
-            for path in (http, direct):
+            for path in (*https, direct):
                 # Opens the pool's connections (and warms the worker) before the clock starts.
                 await asyncio.gather(*(path.call() for _ in range(options.concurrency)), return_exceptions=True)
                 _status(console, options, f"throughput via {path.name}: {options.concurrency} clients for {options.duration_s:g}s")
                 throughput[path.name] = await closed_loop(
                     path.call, options.concurrency, options.duration_s, options.max_requests, options.request_timeout_s, meter
                 )
-            ingress_rps, direct_rps = throughput["ingress"]["requests_per_s"], throughput["direct"]["requests_per_s"]
-            throughput["ingress_vs_direct"] = _ratio(ingress_rps, direct_rps)
+                _with_ingress_totals(throughput[path.name], ingresses)
+            for http in https:
+                throughput[f"{http.name}_vs_direct"] = _ratio(throughput[http.name]["requests_per_s"],
+                                                              throughput["direct"]["requests_per_s"])
         return {"prompt_tokens": len(prompt_token_ids), "latency": latency, "throughput": throughput}
     finally:
         await bus.close()
         telemetry.shutdown()
 
 
-def _latency_report(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    a_raw, b_raw = runs["ingress"]["latencies"], runs["direct"]["latencies"]
+def _latency_report(runs: dict[str, dict[str, Any]], http_names: Sequence[str] = ("ingress",)) -> dict[str, Any]:
+    """Each path's latencies, and A - B for each ingress path A: `overhead` for the first, `<name>_overhead` for others."""
     report: dict[str, Any] = {}
     for name, run in runs.items():
         report[name] = {**summarize([x for x in run["latencies"] if x is not None]), "errors": run["errors"],
                         "error_kinds": run["error_kinds"]}
-    a, b = report["ingress"], report["direct"]
+    for index, name in enumerate(http_names):
+        report["overhead" if index == 0 else f"{name}_overhead"] = _overhead(report[name], report["direct"],
+                                                                             runs[name]["latencies"], runs["direct"]["latencies"])
+    return report
+
+
+def _overhead(a: dict[str, Any], b: dict[str, Any], a_raw: Sequence[float | None], b_raw: Sequence[float | None]) -> dict[str, Any]:
     # Pairs measured back to back: the median difference is less noisy than a difference of medians.
     paired = sorted((x - y) * 1000.0 for x, y in zip(a_raw, b_raw) if x is not None and y is not None)
-    report["overhead"] = {
+    return {
         "p50_ms": _diff(a["p50_ms"], b["p50_ms"]),
         "p90_ms": _diff(a["p90_ms"], b["p90_ms"]),
         "p99_ms": _diff(a["p99_ms"], b["p99_ms"]),
@@ -375,7 +431,6 @@ def _latency_report(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
         "ratio_p99": _ratio(a["p99_ms"], b["p99_ms"]),
         "ratio_mean": _ratio(a["mean_ms"], b["mean_ms"]),
     }
-    return report
 
 
 def _status(console: Console, options: BenchOptions, text: str) -> None:
@@ -412,7 +467,7 @@ def run_benchmark(options: BenchOptions, console: Console | None = None) -> dict
     """Start a fleet, measure, stop everything; returns the results (also written to `options.out`)."""
     options.check()
     console = console or Console()
-    config = bench_config()
+    config = with_overrides(bench_config(), ingress={"processes": options.ingress_processes[0]})
     own_log_dir = options.log_dir is None
     log_dir = Path(tempfile.mkdtemp(prefix="kvlane-overhead-")) if own_log_dir else Path(options.log_dir)
     launcher = Launcher(log_dir)
@@ -423,8 +478,14 @@ def run_benchmark(options: BenchOptions, console: Console | None = None) -> dict
     try:
         _status(console, options, f"starting nats, redis, balancer, worker {WORKER_ID} (sim, profile zero), ingress; logs in {log_dir}")
         fleet = start_fleet(launcher, config, workers=1, ready_timeout=options.ready_timeout_s)
-        measured = _run_async(measure(fleet, options, console))
-        dead = [p.name for p in fleet.services() if not p.alive()]
+        assert fleet.ingress is not None
+        ingresses = [IngressUnderTest("ingress", options.ingress_processes[0], fleet.base_url, fleet.ingress)]
+        _wait_all_serving(ingresses[0], options.ready_timeout_s)
+        for processes in options.ingress_processes[1:]:
+            _status(console, options, f"starting an ingress of {processes} processes on the same fleet")
+            ingresses.append(_start_ingress(launcher, fleet, processes, options.ready_timeout_s))
+        measured = _run_async(measure(fleet, options, console, ingresses))
+        dead = [p.name for p in [*fleet.services(), *(ingress.process for ingress in ingresses)] if not p.alive()]
         if dead:
             raise BenchError(f"{', '.join(dead)} exited during the run; logs in {log_dir}")
         clean = True
@@ -461,9 +522,11 @@ def run_benchmark(options: BenchOptions, console: Console | None = None) -> dict
             "worker_profile": config.worker.sim.profile,
             "workers": 1,
             "balancers": 1,
-            "ingresses": 1,
+            "ingresses": len(options.ingress_processes),
+            "ingress_processes": list(options.ingress_processes),
             "client_event_loop": "uvloop",
-            "interleaving": "A,B,A,B (A=ingress, B=direct)",
+            "interleaving": "A,B,A,B (A=ingress, B=direct)" if len(options.ingress_processes) == 1 else
+                            f"A1..A{len(options.ingress_processes)},B,A1... (A=each ingress, B=direct)",
         },
         "latency": measured["latency"],
         "throughput": measured["throughput"],
@@ -477,6 +540,28 @@ def run_benchmark(options: BenchOptions, console: Console | None = None) -> dict
     return results
 
 
+def _start_ingress(launcher: Launcher, fleet: Fleet, processes: int, timeout_s: float) -> IngressUnderTest:
+    """One more ingress of `processes` processes, on a port of its own, in front of the fleet's balancer and worker."""
+    name, port = f"ingress-{processes}p", free_port()
+    env = fleet.service_env("ingress", name) | {
+        "KVLANE__INGRESS__PORT": str(port), "KVLANE__INGRESS__PROCESSES": str(processes),
+        "KVLANE__INGRESS__INGRESS_ID": json.dumps(f"i{processes}p"),
+    }
+    ingress = IngressUnderTest(name, processes, f"http://{HOST}:{port}", launcher.start_service("ingress", env, name=name))
+    wait_ready(ingress.base_url, timeout_s, [ingress.process])
+    _wait_all_serving(ingress, timeout_s)
+    return ingress
+
+
+def _wait_all_serving(ingress: IngressUnderTest, timeout_s: float) -> None:
+    """Until each of the ingress's processes has said it serves (they share one log)."""
+    deadline = time.monotonic() + timeout_s
+    while ingress.process.log_path.read_text(errors="replace").count(f'"event": "{READY_EVENT}"') < ingress.processes:
+        if not ingress.process.alive() or time.monotonic() > deadline:
+            raise LaunchError(f"{ingress.name}: not all {ingress.processes} processes serve:\n{ingress.process.log_tail()}")
+        time.sleep(0.1)
+
+
 # --- report ----------------------------------------------------------------------------------
 
 
@@ -484,40 +569,62 @@ def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value:.3f}"
 
 
+def _http_paths(results: dict[str, Any]) -> list[str]:
+    """The ingress paths measured: `ingress`, then `ingress-<n>p` for each further count."""
+    return ["ingress", *(f"ingress-{n}p" for n in results["parameters"].get("ingress_processes", [1])[1:])]
+
+
+def _label(results: dict[str, Any], path: str) -> str:
+    counts = results["parameters"].get("ingress_processes", [1])
+    processes = counts[0] if path == "ingress" else int(path.removeprefix("ingress-").removesuffix("p"))
+    return f"{path} ({processes} process{'es' if processes > 1 else ''})" if len(counts) > 1 else "HTTP ingress"
+
+
 def print_report(results: dict[str, Any], console: Console) -> None:
     params, lat, thr = results["parameters"], results["latency"], results["throughput"]
+    https = _http_paths(results)
+    ratio = lambda v: "-" if v is None else f"{v:.2f}x"  # noqa: E731
     table = Table(title=f"Sequential {params['max_tokens']}-token requests, {params['requests']} per path (ms)")
     for column in ("path", "p50", "p90", "p99", "mean", "errors"):
         table.add_column(column, justify="left" if column == "path" else "right")
-    table.add_row("A: ingress (HTTP)", *(_ms(lat["ingress"][k]) for k in ("p50_ms", "p90_ms", "p99_ms", "mean_ms")),
-                  str(lat["ingress"]["errors"]))
+    for path in https:
+        table.add_row(f"A: {_label(results, path)}", *(_ms(lat[path][k]) for k in ("p50_ms", "p90_ms", "p99_ms", "mean_ms")),
+                      str(lat[path]["errors"]))
     table.add_row("B: worker direct (NATS)", *(_ms(lat["direct"][k]) for k in ("p50_ms", "p90_ms", "p99_ms", "mean_ms")),
                   str(lat["direct"]["errors"]))
-    ovh = lat["overhead"]
-    table.add_row("[bold]overhead A - B[/]", *(_ms(ovh[k]) for k in ("p50_ms", "p90_ms", "p99_ms", "mean_ms")), "")
-    ratio = lambda v: "-" if v is None else f"{v:.2f}x"  # noqa: E731
-    table.add_row("[bold]ratio A / B[/]", ratio(ovh["ratio_p50"]), "", ratio(ovh["ratio_p99"]), ratio(ovh["ratio_mean"]), "")
+    for path in https:
+        ovh = lat["overhead" if path == "ingress" else f"{path}_overhead"]
+        which = "" if len(https) == 1 else f" ({path})"
+        table.add_row(f"[bold]overhead A - B{which}[/]", *(_ms(ovh[k]) for k in ("p50_ms", "p90_ms", "p99_ms", "mean_ms")), "")
+        table.add_row(f"[bold]ratio A / B{which}[/]", ratio(ovh["ratio_p50"]), "", ratio(ovh["ratio_p99"]), ratio(ovh["ratio_mean"]), "")
     console.print(table)
-    console.print(f"paired median of (A - B): {_ms(ovh['paired_median_ms'])} ms")
+    for path in https:
+        ovh = lat["overhead" if path == "ingress" else f"{path}_overhead"]
+        console.print(f"paired median of (A - B){'' if len(https) == 1 else f' for {path}'}: {_ms(ovh['paired_median_ms'])} ms")
 
     table = Table(title=f"Closed loop: {params['concurrency']} clients, {params['duration_s']:g} s per path")
-    for column in ("path", "req/s", "requests", "errors", "p50 ms", "p99 ms"):
+    for column in ("path", "req/s", "requests", "errors", "p50 ms", "p99 ms", "vs direct"):
         table.add_column(column, justify="left" if column == "path" else "right")
-    for key, label in (("ingress", "HTTP ingress"), ("direct", "NATS direct")):
+    for key in (*https, "direct"):
         run = thr[key]
-        table.add_row(label, f"{run['requests_per_s']:.0f}", str(run["succeeded"]), str(run["errors"]), _ms(run["p50_ms"]), _ms(run["p99_ms"]))
+        label = "NATS direct" if key == "direct" else _label(results, key)
+        versus = "" if key == "direct" else ratio(thr[f"{key}_vs_direct"])
+        table.add_row(label, f"{run['requests_per_s']:.0f}", str(run["succeeded"]), str(run["errors"]), _ms(run["p50_ms"]),
+                      _ms(run["p99_ms"]), versus)
     console.print(table)
 
-    names = sorted({name for key in ("ingress", "direct") for name in thr[key]["cpu_percent"]},
+    loops = (*https, "direct")
+    names = sorted({name for key in loops for name in thr[key]["cpu_percent"]},
                    key=lambda n: (n.startswith(("machine-", "other-")), n))
     capacity = 100 * (results["machine"]["cpus_usable"] or 1)
     table = Table(title=f"CPU during the closed loops: % of one core (the machine has {capacity}%), CPU ms per request")
     table.add_column("process")
-    for label in ("HTTP loop %", "ms/req", "NATS loop %", "ms/req"):
-        table.add_column(label, justify="right")
+    for key in loops:
+        table.add_column(f"{'NATS' if key == 'direct' else key} loop %", justify="right")
+        table.add_column("ms/req", justify="right")
     for name in names:
         cells = []
-        for key in ("ingress", "direct"):
+        for key in loops:
             pct, per_request = thr[key]["cpu_percent"].get(name), thr[key]["cpu_ms_per_request"].get(name)
             cells += ["-" if pct is None else f"{pct:.0f}", "" if per_request is None else f"{per_request:.3f}"]
         table.add_row(name, *cells)
@@ -539,7 +646,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", type=Path, default=defaults.out, help="JSON results file (default %(default)s)")
     parser.add_argument("--warmup", type=int, default=defaults.warmup, help="warm-up requests per path (default %(default)s)")
     parser.add_argument("--log-dir", type=Path, help="keep the fleet's logs here (default: a temporary directory, removed after a clean run)")
+    parser.add_argument("--ingress-processes", type=_counts, default=defaults.ingress_processes, metavar="N[,M...]",
+                        help="one ingress of each count of processes sharing its port, measured in turn, e.g. 1,2 "
+                             "(default: 1; more than 1 needs Linux)")
     return parser
+
+
+def _counts(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of whole numbers") from None
 
 
 def _terminate(signum: int, frame: object) -> None:
@@ -553,7 +670,7 @@ def main(argv: list[str] | None = None) -> int:
     # disconnect logs a warning) out of the report.
     configure_logging(LoggingSettings(format="console", level="error"), "loadtest")
     options = BenchOptions(requests=args.requests, concurrency=args.concurrency, duration_s=args.duration,
-                           out=args.out, warmup=args.warmup, log_dir=args.log_dir)
+                           out=args.out, warmup=args.warmup, log_dir=args.log_dir, ingress_processes=args.ingress_processes)
     console = Console()
     try:
         options.check()
@@ -568,6 +685,7 @@ def main(argv: list[str] | None = None) -> int:
         console.print(f"[red]{_describe(exc)}[/]")
         return 1
     failed = results["latency"]["ingress"]["errors"] + results["latency"]["direct"]["errors"]
+    failed += sum(results["latency"][path]["errors"] + results["throughput"][path]["errors"] for path in _http_paths(results)[1:])
     failed += results["throughput"]["ingress"]["errors"] + results["throughput"]["direct"]["errors"]
     return 1 if failed else 0
 

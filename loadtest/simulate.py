@@ -66,6 +66,12 @@ def build_parser() -> argparse.ArgumentParser:
                      help="one message between services (route request, reply, stream frame, event)")
     sim.add_argument("--decision-ms", type=float, default=Latencies.decision_s * 1000,
                      help="the balancer's own time per route decision")
+    sim.add_argument("--handover-ms", type=float, default=Latencies.handover_s * 1000,
+                     help="from the route decision to the worker taking the request (reply, ingress, request)")
+    sim.add_argument("--stream-ms", type=float, default=Latencies.stream_s * 1000,
+                     help="from the engine step that made a token to the client reading it")
+    sim.add_argument("--step-overhead-ms", type=float, default=Latencies.step_overhead_s * 1000,
+                     help="what a live sim engine's step takes beyond its profile time (timer, event loop)")
     sim.add_argument("--prefill", help="prefill nodes p0..., PROFILE[@SPEED]:COUNT,... (a disaggregated fleet, with --decode)")
     sim.add_argument("--decode", help="decode nodes d0..., PROFILE[@SPEED]:COUNT,... (with --prefill; --fleet adds aggregated ones)")
     sim.add_argument("--kv-link", help="link the KV travels over from prefill to decode nodes (default: worker.sim.kv_link)")
@@ -74,6 +80,12 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--join", action="append", default=[], metavar="T=PROFILE[@SPEED]",
                      help="a new node of PROFILE joins at simulated second T (repeatable)")
     return parser
+
+
+def latency_options_ms(args: argparse.Namespace) -> dict[str, float]:
+    """The `Latencies` fields (without `_s`) as the options give them, in milliseconds."""
+    return {"ingress": args.ingress_ms, "hop": args.hop_ms, "decision": args.decision_ms, "handover": args.handover_ms,
+            "stream": args.stream_ms, "step_overhead": args.step_overhead_ms}
 
 
 def node_changes(fails: list[str], joins: list[str], first_new_index: int) -> tuple[NodeChange, ...]:
@@ -132,10 +144,7 @@ def plan(args: argparse.Namespace) -> tuple[list[SimRun], dict[str, Any]]:
     issue_for = min(args.duration or args.max_run_time, args.max_run_time)
     limits = DriveLimits(issue_for_s=issue_for, hard_stop_s=issue_for + args.request_timeout + 5.0,
                          concurrency=args.concurrency)
-    latencies = Latencies(ingress_s=args.ingress_ms / 1000.0, hop_s=args.hop_ms / 1000.0,
-                          decision_s=args.decision_ms / 1000.0)
-    if min(latencies.ingress_s, latencies.hop_s, latencies.decision_s) < 0:
-        raise ValueError("--ingress-ms, --hop-ms and --decision-ms must not be negative")
+    latencies = Latencies(**{f"{name}_s": value / 1000.0 for name, value in latency_options_ms(args).items()})
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     runs = []
     for rate in loads(args):
@@ -201,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
             "loads": [rate_label(r, args.concurrency) for r in dict.fromkeys(_rate_of(s) for s in runs)],
             "slo": {"ttft_ms": args.ttft_slo_ms, "tpot_ms": args.tpot_slo_ms},
             "request_timeout_s": args.request_timeout,
-            "latencies_ms": {"ingress": args.ingress_ms, "hop": args.hop_ms, "decision": args.decision_ms},
+            "latencies_ms": latency_options_ms(args),
             "node_changes": [asdict(c) for c in runs[0].changes] if runs else [],
             "units": UNITS,
             "argv": list(sys.argv[1:] if argv is None else argv),

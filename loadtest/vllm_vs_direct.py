@@ -278,11 +278,25 @@ def merge(runs: list[PathRun]) -> PathRun:
     return total
 
 
+def cpu_ms_per_token(cpu_s: dict[str, float], completion_tokens: int) -> dict[str, float | None]:
+    """CPU milliseconds per output token, per process and for the front end as a whole.
+
+    A cost per token, unlike tokens/s, barely moves when other jobs take the
+    machine's cores for a while: the figure to compare the two paths by.
+    """
+    if not completion_tokens:
+        return {name: None for name in [*cpu_s, "front_end"]}
+    per_token = {name: 1000.0 * seconds / completion_tokens for name, seconds in cpu_s.items()}
+    per_token["front_end"] = 1000.0 * front_end_cpu(cpu_s) / completion_tokens
+    return per_token
+
+
 def report(kvlane: PathRun, direct: PathRun) -> dict[str, Any]:
     def path(run: PathRun) -> dict[str, Any]:
         return {"throughput_tok_s": run.completion_tokens / run.wall_s if run.wall_s else None,
                 "completion_tokens": run.completion_tokens, "wall_s": run.wall_s, "errors": run.errors,
                 "ttft": summarize(run.ttft_s), "itl": summarize(run.itl_s), "cpu_s": run.cpu_s,
+                "cpu_ms_per_token": cpu_ms_per_token(run.cpu_s, run.completion_tokens),
                 "other_server_cpu_s": run.other_cpu_s}
 
     a, b = path(kvlane), path(direct)
@@ -292,7 +306,12 @@ def report(kvlane: PathRun, direct: PathRun) -> dict[str, Any]:
         "throughput_ratio": a["throughput_tok_s"] / b["throughput_tok_s"] if b["throughput_tok_s"] else None,
         "ttft_diff_ms": {q: a["ttft"][q] - b["ttft"][q] for q in ("p50_ms", "p99_ms")},
         "itl_diff_ms": {q: a["itl"][q] - b["itl"][q] for q in ("p50_ms", "p99_ms")},
+        "front_end_cpu_ratio": _ratio(a["cpu_ms_per_token"]["front_end"], b["cpu_ms_per_token"]["front_end"]),
     }
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
 
 
 async def run_level(options: Options, model_dir: Path) -> dict[str, Any]:
@@ -318,8 +337,10 @@ async def run_level(options: Options, model_dir: Path) -> dict[str, Any]:
                 processes, others = (kvlane_processes, [direct]) if name == "kvlane" else ([direct], kvlane_processes)
                 result = await measured(url, prompts, options, processes, others)
                 runs[name].append(result)
+                per_token = cpu_ms_per_token(result.cpu_s, result.completion_tokens)
                 print(f"c={options.concurrency} round {index} {name}: {result.completion_tokens / result.wall_s:.0f} tok/s, "
-                      f"{result.errors} errors, cpu {result.cpu_s}, other server {result.other_cpu_s}", flush=True)
+                      f"{result.errors} errors, CPU ms/token {_rounded(per_token)}, other server {result.other_cpu_s}",
+                      flush=True)
             if index == 0:
                 phases["fresh"] = report(runs["kvlane"][0], runs["direct"][0])
         if options.rounds > 1:
@@ -350,6 +371,10 @@ async def run(options: Options) -> dict[str, Any]:
     return results
 
 
+def _rounded(figures: dict[str, float | None]) -> dict[str, float | None]:
+    return {name: None if value is None else round(value, 3) for name, value in figures.items()}
+
+
 def _has(distribution: str) -> bool:
     try:
         metadata.version(distribution)
@@ -373,14 +398,22 @@ def main(argv: list[str] | None = None) -> int:
     options.out.parent.mkdir(parents=True, exist_ok=True)
     options.out.write_text(json.dumps(results, indent=2))
     print(f"{'streams':>7} {'phase':<6} {'tok/s kvlane':>12} {'direct':>7} {'ratio':>6} {'median':>6} {'TTFT p50 +ms':>12}"
-          f" {'ITL p50 +ms':>11} {'front-end CPU s kvlane':>22} {'direct':>7}")
+          f" {'ITL p50 +ms':>11} {'front-end CPU s kvlane':>22} {'direct':>7} {'CPU ms/tok kvlane':>17} {'direct':>7}"
+          f" {'ratio':>6}")
     for concurrency, phases in results["concurrency"].items():
         for phase, r in phases.items():
             k, d = r["kvlane"], r["direct"]
             print(f"{concurrency:>7} {phase:<6} {k['throughput_tok_s']:>12.0f} {d['throughput_tok_s']:>7.0f} "
                   f"{r['throughput_ratio']:>6.3f} {r.get('median_round_ratio', r['throughput_ratio']):>6.3f}"
                   f" {r['ttft_diff_ms']['p50_ms']:>12.1f} {r['itl_diff_ms']['p50_ms']:>11.2f}"
-                  f" {front_end_cpu(k['cpu_s']):>22.2f} {front_end_cpu(d['cpu_s']):>7.2f}")
+                  f" {front_end_cpu(k['cpu_s']):>22.2f} {front_end_cpu(d['cpu_s']):>7.2f}"
+                  f" {k['cpu_ms_per_token']['front_end']:>17.3f} {d['cpu_ms_per_token']['front_end']:>7.3f}"
+                  f" {r['front_end_cpu_ratio']:>6.2f}")
+    # Where the front end's CPU goes, per process (warm rounds).
+    for concurrency, phases in results["concurrency"].items():
+        if "warm" in phases:
+            for path in ("kvlane", "direct"):
+                print(f"{concurrency:>7} warm {path} CPU ms/token: {_rounded(phases['warm'][path]['cpu_ms_per_token'])}")
     print(f"written to {options.out}")
     return 0
 

@@ -145,6 +145,10 @@ class IngressSettings(_Section):
     host: str = "127.0.0.1"
     port: Annotated[int, Meta(ge=0, le=65535)] = 8000
     ingress_id: str = ""
+    # Processes serving the port together (SO_REUSEPORT: the kernel spreads connections
+    # over them), each with its own NATS connection and ingress id `<ingress_id>-<k>`;
+    # the first starts the others and ends them when it ends. Linux only.
+    processes: PositiveInt = 1
     auth: AuthSettings = msgspec.field(default_factory=AuthSettings)
     request_timeout_s: PositiveFloat = 600.0
     route_timeout_s: PositiveFloat = 5.0
@@ -494,7 +498,7 @@ class AutoscalerSettings(_Section):
 
 
 class SupervisionSettings(_Section):
-    """How `kvlane up` restarts a process that exited on its own (kvlane/restarts.py)."""
+    """How `kvlane up` restarts a process that exited on its own (shared/restarts.py)."""
 
     # The wait before a restart doubles with each exit in a row, from the first delay up to the max.
     first_delay_s: PositiveFloat = 0.5

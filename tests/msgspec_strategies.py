@@ -97,7 +97,8 @@ def _struct(info: mi.StructType, hints: dict[str, st.SearchStrategy[Any]]) -> st
     tag = {} if info.tag_field is None else {info.tag_field: st.just(info.tag)}
     if info.array_like:
         # [tag?, field...]: trailing optional fields may be left out.
-        required = sum(1 for f in info.fields if f.required)
+        # Up to the last required field (a kw_only one may follow fields with defaults).
+        required = max((i + 1 for i, f in enumerate(info.fields) if f.required), default=0)
         head = [st.just(info.tag)] if info.tag_field is not None else []
         return st.integers(required, len(fields)).flatmap(
             lambda n: st.tuples(*head, *(s for _, s in fields[:n])).map(list))

@@ -33,6 +33,7 @@ class SimNode:
         output_token_range: tuple[int, int],
         events: EventQueue,
         on_step: StepListener,
+        step_overhead_s: float = 0.0,
     ) -> None:
         self.registration = registration
         self.worker_id = registration.worker_id
@@ -44,6 +45,8 @@ class SimNode:
         self.draining = False
         self._events = events
         self._on_step = on_step
+        # Wall time a live engine's step takes beyond its simulated duration (`Latencies.step_overhead_s`).
+        self._step_overhead_s = step_overhead_s
         self._stepping = False
         self._under_way: StepOutcome | None = None
         self._step_ends_at = 0.0
@@ -83,6 +86,8 @@ class SimNode:
             return
         outcome = self._under_way = self.scheduler.step()
         duration = outcome.duration_s / self.speed
+        if duration > 0:
+            duration += self._step_overhead_s
         self._step_ends_at = self._events.now + duration
         self._events.after(duration, self._deliver, outcome)
 

@@ -53,16 +53,32 @@ from shared.tokenizer import SimTokenizer
 
 @dataclass(frozen=True)
 class Latencies:
-    """The control plane's own delays. The defaults are what a live sim fleet of a few nodes shows on a
-    2-core machine (`kvlane bench`'s wait before the worker, about 9-10 ms at p50); a GPU host's
-    control plane takes a fraction of that."""
+    """The control plane's own delays, one per stretch of a request's way that a live fleet's spans show
+    apart (`loadtest.simulation.calibration` measures them on a live fleet). The defaults are what a live
+    sim fleet of a few nodes shows on an idle 2-core machine (`kvlane bench`'s wait before the worker,
+    about 9-10 ms at p50); a GPU host's control plane takes a fraction of that, a busy machine more."""
 
-    # Ingress's own time per request before it asks for a route: HTTP, validation, chat template, tokens.
+    # From the client's send to ingress asking for a route: HTTP, validation, chat template, tokens.
     ingress_s: float = 0.005
-    # One NATS message: route request, its reply, the hand-over to the worker, a stream frame, an event.
+    # One NATS message: the route request, an event (heartbeat, KV events, RequestFinished, health).
     hop_s: float = 0.0005
     # The balancer's own time per route decision, with its slot and lease round trips to Redis.
     decision_s: float = 0.002
+    # From the route decision to the worker taking the request: the reply to ingress, which opens the
+    # stream and sends the request (its prompt's tokens) on to the worker.
+    handover_s: float = 0.001
+    # From the end of the engine step that made a token to the client reading it: the worker's stream
+    # batch, NATS, ingress's relay and the SSE frame.
+    stream_s: float = 0.0005
+    # What a live sim engine's step takes beyond its profile time: the step is computed before its sleep
+    # starts, the sleep wakes on the event loop's millisecond timer, and the worker shares its loop and
+    # the host's cores with its requests' streams.
+    step_overhead_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        negative = [name for name, value in vars(self).items() if not value >= 0]
+        if negative:
+            raise ValueError(f"latencies must not be negative: {', '.join(negative)}")
 
 
 @dataclass(frozen=True)
@@ -193,7 +209,8 @@ class Simulation:
             self._fail(flight, CANCELLED)
         simulated_s = events.now - start
         # Messages still on their way (the last RequestFinished) land, so the final state is settled.
-        events.run(until=events.now + 4 * self._lat.hop_s + self._lat.decision_s, after_each=check)
+        lat = self._lat
+        events.run(until=events.now + 4 * lat.hop_s + lat.decision_s + lat.handover_s + lat.stream_s, after_each=check)
         if self.scaler is not None:
             self.scaler.finish()
         return SimulationResult(self._records, self._runs, simulated_s, events.processed,
@@ -224,7 +241,8 @@ class Simulation:
             # Its KV moves over the fleet's link at the link's own speed (`_hand_off`), whatever the node's.
             kv_transfer=advertised_kv_transfer(profile.kv_bytes_per_token, self._link),
         )
-        node = SimNode(registration, profile, speed, sim, self._tokenizer.output_token_range, self._events, self._on_step)
+        node = SimNode(registration, profile, speed, sim, self._tokenizer.output_token_range, self._events, self._on_step,
+                       self._lat.step_overhead_s)
         self.nodes[worker_id] = node
         self._health[worker_id] = NodeHealth(worker_id, self._config.health, self._events.now)
         self._events.after(0.0, self._beat, node)
@@ -281,7 +299,7 @@ class Simulation:
             self._events.after(settings.probe_interval_s, self._probe, node)
 
     def _on_step(self, node: SimNode, outcome: StepOutcome) -> None:
-        now, hop = self._events.now, self._lat.hop_s
+        now, hop, stream = self._events.now, self._lat.hop_s, self._lat.stream_s
         if not node.kv_batch_due:
             # Workers batch their cache changes every kv_events_interval_s; a node that did not step has none.
             node.kv_batch_due = True
@@ -302,7 +320,7 @@ class Simulation:
                 continue
             flight.output.append(token)
             record = flight.record
-            seen = now + hop - self._origin
+            seen = now + stream - self._origin
             if record.first_token_s is None:
                 record.first_token_s = seen
             record.token_times_s.append(seen)
@@ -311,14 +329,14 @@ class Simulation:
             if flight is None or flight.worker_id != node.worker_id:
                 continue
             record = flight.record
-            record.end_s = now + hop - self._origin
+            record.end_s = now + stream - self._origin
             record.status = 200
             record.finish_reason = "length"
             record.completion_tokens = len(flight.output)
             record.cached_tokens = info.cached_prompt_tokens
             self._runs[info.request_id] = WorkerRun(node.worker_id, now - flight.accepted_at, "length")
             self._events.after(hop, self.balancer.on_finished, info.request_id, node.worker_id)
-            self._end(flight, client_delay=hop)
+            self._end(flight, client_delay=stream)
 
     def _generated(self, request_id: str) -> int:
         flight = self._flights.get(request_id)
@@ -414,7 +432,7 @@ class Simulation:
             sampling = msgspec.structs.replace(flight.prepared.sampling, max_tokens=allowed)
             flight.prepared = msgspec.structs.replace(flight.prepared, sampling=sampling)
         prefill = placement.prefill.worker_id if placement.prefill is not None else None
-        self._events.after(2 * self._lat.hop_s, self._dispatch, flight, placement.chain.worker_id, prefill)
+        self._events.after(self._lat.handover_s, self._dispatch, flight, placement.chain.worker_id, prefill)
 
     def refused(self, request_id: str, reply: ErrorReply) -> None:
         flight = self._flights.get(request_id)

@@ -32,7 +32,10 @@ class PrefillBacklog:
         left = self._tokens.get(worker_id)
         if not left:
             return 0.0
-        return max(0.0, left - drain_per_s * max(0.0, now - self._since[worker_id]))
+        # max(0.0, x) as conditional expressions (it runs per routing decision): x if x > 0.0 else 0.0, NaN included.
+        elapsed = now - self._since[worker_id]
+        left -= drain_per_s * (elapsed if elapsed > 0.0 else 0.0)
+        return left if left > 0.0 else 0.0
 
     def state(self, worker_id: str) -> tuple[float, float]:
         """(tokens left, when they were counted); (0.0, 0.0) for a node with no backlog."""

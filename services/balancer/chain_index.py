@@ -15,10 +15,13 @@ refreshes a row only when something about it changed:
   whether it is free.
 
 A decision then reads whole columns: policies with a `choose_indexed`
-score every free chain with a few numpy operations and never look at a
-busy one. Only what belongs to the request (its cached prefix blocks, the
-workers it excludes) and what drifts with time (the prefill backlog) is
-computed per decision.
+score every free chain in one compiled call (numba; a loop over the rows,
+where numpy would take some twenty calls over them, each a microsecond or
+two at 256 nodes) and never look at a busy one. Only what belongs to the
+request (its cached prefix blocks, the workers it excludes) and what
+drifts with time (the prefill backlog) is computed per decision. The
+kernels are compiled when this module is imported, not at the first
+request.
 
 Columns are computed with the same operations in the same order as the
 scalar `ChainState` and `StepModel` code, so every figure equals the one a
@@ -35,8 +38,10 @@ worker twice is not indexed: the router takes the snapshot path for it.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import functools
+from collections.abc import Callable, Mapping, Sequence
 
+import numba
 import numpy as np
 
 from contracts.messages import Heartbeat, RouteRequest
@@ -44,11 +49,51 @@ from services.balancer.slot_table import SlotTable
 from services.balancer.snapshot import ChainState, NodeFacts, SnapshotBuilder, chain_id_of
 
 
+# The columns of each block, in block row order; the kernels below read them by position.
+FLOAT_COLUMNS = ("a", "b", "c", "d", "per_request", "step_at_batch", "present", "health", "drain_per_s", "backlog_left",
+                 "backlog_since", "load", "speed", "kv_usage", "growth_penalty")
+INT_COLUMNS = ("block_size", "kv_tokens", "request_blocks", "slots_total", "slots_used", "finished")
+BOOL_COLUMNS = ("busy", "eligible", "free")
+_A, _B, _C, _D, _PER_REQUEST, _STEP_AT_BATCH, _PRESENT, _HEALTH, _DRAIN_PER_S, _BACKLOG_LEFT, _BACKLOG_SINCE = map(
+    FLOAT_COLUMNS.index, ("a", "b", "c", "d", "per_request", "step_at_batch", "present", "health", "drain_per_s", "backlog_left",
+                          "backlog_since"))
+_BLOCK_SIZE, _KV_TOKENS, _REQUEST_BLOCKS = map(INT_COLUMNS.index, ("block_size", "kv_tokens", "request_blocks"))
+_BUSY = BOOL_COLUMNS.index("busy")
+
+
 class Unindexable(Exception):
     """The indexed figures cannot settle this decision (a NaN score): decide on a snapshot instead."""
 
 
 class ChainIndex:
+    # Views of the column blocks (`_allocate`), one value per row.
+    a: np.ndarray
+    b: np.ndarray
+    c: np.ndarray
+    d: np.ndarray
+    per_request: np.ndarray
+    step_at_batch: np.ndarray
+    present: np.ndarray
+    health: np.ndarray
+    drain_per_s: np.ndarray
+    backlog_left: np.ndarray
+    backlog_since: np.ndarray
+    load: np.ndarray
+    speed: np.ndarray
+    kv_usage: np.ndarray
+    growth_penalty: np.ndarray
+    block_size: np.ndarray
+    kv_tokens: np.ndarray
+    # The leading blocks of the last decision's request cached on each row (a column, not a
+    # Python dict, so that the request-cost kernel reads it with the others).
+    request_blocks: np.ndarray
+    slots_total: np.ndarray
+    slots_used: np.ndarray
+    finished: np.ndarray
+    busy: np.ndarray
+    eligible: np.ndarray
+    free: np.ndarray
+
     def __init__(self, builder: SnapshotBuilder, table: SlotTable) -> None:
         self._builder = builder
         self._table = table
@@ -64,34 +109,29 @@ class ChainIndex:
         self._touched: set[int] = set()
         # Rows whose chain's used slots changed.
         self._recount: set[int] = set()
-        # Rows whose step time has a KV term (d != 0) or a per-request cost, whose health weight is
-        # not 1, or with a prefill backlog: while there are none, scores skip those operations
-        # (adding 0, dividing by 1).
-        self._kv_rows: set[int] = set()
-        self._overhead_rows: set[int] = set()
-        self._weighted_rows: set[int] = set()
-        self._backlog_rows: set[int] = set()
+        self._decisions = 0  # a `Decision` reads `request_blocks` only while it is the last one made
         self._allocate(0)
 
     def _allocate(self, rows: int) -> None:
-        ints = lambda: np.zeros(rows, dtype=np.int64)  # noqa: E731
-        floats = lambda: np.zeros(rows, dtype=np.float64)  # noqa: E731
-        # A row can be chosen: a generating node whose facts are current and whose health is above 0.
-        self.eligible = np.zeros(rows, dtype=bool)
-        self.free = np.zeros(rows, dtype=bool)
-        self.busy = np.zeros(rows, dtype=bool)  # present > 0
-        self.slots_total, self.slots_used = ints(), ints()
-        self.finished = ints()
-        self.block_size, self.kv_tokens = ints(), ints()
-        self.kv_usage, self.growth_penalty, self.speed = floats(), floats(), floats()
-        self.health = np.ones(rows, dtype=np.float64)
-        self.a, self.b, self.c, self.d, self.per_request = floats(), floats(), floats(), floats(), floats()
-        self.drain_per_s, self.backlog_left, self.backlog_since = floats(), floats(), floats()
-        # Kept per row from the above: requests on the node plus queue growth (`present`), that per unit
-        # of health, and a decode step's cost at the batch a newcomer would join (`a + c * (present + 1)`).
-        self.present, self.load, self.step_at_batch = floats(), floats(), floats()
+        # One block per dtype, each column a view of one of its rows: the request-cost kernel takes
+        # three arguments instead of twenty (a compiled call's cost grows with its array arguments).
+        self._floats = np.zeros((len(FLOAT_COLUMNS), rows), dtype=np.float64)
+        self._ints = np.zeros((len(INT_COLUMNS), rows), dtype=np.int64)
+        self._bools = np.zeros((len(BOOL_COLUMNS), rows), dtype=bool)
+        for block, names in ((self._floats, FLOAT_COLUMNS), (self._ints, INT_COLUMNS), (self._bools, BOOL_COLUMNS)):
+            for i, name in enumerate(names):
+                setattr(self, name, block[i])
+        # A row can be chosen (`eligible`): a generating node whose facts are current and whose health is above 0.
+        # `busy`: present > 0. Kept per row from the facts: requests on the node plus queue growth
+        # (`present`), that per unit of health (`load`), and a decode step's cost at the batch a
+        # newcomer would join (`step_at_batch`, `a + c * (present + 1)`).
+        self.health[:] = 1.0
         # Rows by chain id (ties by row): round-robin's order.
         self.chain_order = np.zeros(rows, dtype=np.int64)
+        # What the request-cost kernel writes: every row's cost, and the free rows tied at the lowest.
+        self._seconds = np.zeros(rows, dtype=np.float64)
+        self._tied = np.zeros(rows, dtype=np.int64)
+        self._request_rows: list[int] = []  # rows of `request_blocks` that are not 0
 
     def sync(self, heartbeats: Sequence[Heartbeat]) -> bool:
         """Note what changed since the last call; False when this list cannot be indexed."""
@@ -140,7 +180,6 @@ class ChainIndex:
         self._indexable = (len(self._row_of_worker) == len(heartbeats)
                            and not any(hb.registration.role == "decode" for hb in heartbeats))
         self._stale = set(range(len(heartbeats)))
-        self._kv_rows, self._overhead_rows, self._weighted_rows, self._backlog_rows = set(), set(), set(), set()
         self._touched = set()
         self._recount = set()
         self._order_chains()
@@ -176,11 +215,16 @@ class ChainIndex:
         if excluded:
             free = free.copy()
             free[excluded] = False
+        request_blocks = self.request_blocks
+        for row in self._request_rows:
+            request_blocks[row] = 0
         cached: dict[int, int] = {}
         for worker_id, blocks in cached_blocks.items():
             row = self._row_of_worker.get(worker_id)
             if row is not None:
-                cached[row] = blocks
+                cached[row] = request_blocks[row] = blocks
+        self._request_rows = list(cached)
+        self._decisions += 1
         return Decision(self, free, cached, self._builder.clock())
 
     def _refresh(self, row: int) -> None:
@@ -200,16 +244,12 @@ class ChainIndex:
         self.health[row] = facts.health_weight if facts.health_weight > 0 else 1.0
         self.speed[row] = facts.speed
         self.a[row], self.b[row], self.c[row], self.d[row], self.per_request[row] = model.a, model.b, model.c, model.d, model.per_request
-        _mark(self._kv_rows, row, model.d != 0)
-        _mark(self._overhead_rows, row, model.per_request != 0)
-        _mark(self._weighted_rows, row, self.health[row] != 1.0)
         if model.b > 0:
             self.drain_per_s[row] = 1.0 / model.b
             self.backlog_left[row], self.backlog_since[row] = self._builder.backlog_state(facts.worker_id)
         else:
             # A node that prefills for free drains any backlog at once.
             self.drain_per_s[row] = self.backlog_left[row] = self.backlog_since[row] = 0.0
-        _mark(self._backlog_rows, row, self.backlog_left[row] != 0)
         self.finished[row] = self._builder.finished_since_heartbeat(facts.worker_id)
         self.eligible[row] = facts.health_weight > 0
         self._count(row)
@@ -220,7 +260,6 @@ class ChainIndex:
         assert facts is not None
         if facts.model.b > 0:
             self.backlog_left[row], self.backlog_since[row] = self._builder.backlog_state(facts.worker_id)
-            _mark(self._backlog_rows, row, self.backlog_left[row] != 0)
         self.finished[row] = self._builder.finished_since_heartbeat(facts.worker_id)
         self._count(row)
 
@@ -239,39 +278,10 @@ class ChainIndex:
         self.busy[row] = present > 0
         self.free[row] = bool(self.eligible[row]) and facts.slots_total - used > 0
 
-    def backlog_s(self, now: float) -> np.ndarray:
-        """Each row's prefill backlog in seconds at `now` (as `SnapshotBuilder.backlog_s`)."""
-        # fmax(x, 0.0) is Python's max(0.0, x), NaN included; drain rates are finite, so a row
-        # with no backlog drains from 0 and stays at 0, as `PrefillBacklog.tokens` returns.
-        elapsed = np.fmax(now - self.backlog_since, 0.0)
-        return np.fmax(self.backlog_left - self.drain_per_s * elapsed, 0.0) * self.b
-
-    def has_backlog(self) -> bool:
-        return bool(self._backlog_rows)
-
-    def has_overhead(self) -> bool:
-        """Whether some node's step time has a per-request cost."""
-        return bool(self._overhead_rows)
-
-    def has_kv_term(self) -> bool:
-        """Whether some node's step time grows with the KV it holds (d != 0)."""
-        return bool(self._kv_rows)
-
-    def has_weights(self) -> bool:
-        """Whether some node's health weight is below 1."""
-        return bool(self._weighted_rows)
-
     def state(self, row: int, cached_blocks: int, now: float) -> ChainState:
         facts = self._facts[row]
         assert facts is not None
         return self._builder.state(facts, int(self.slots_used[row]), cached_blocks, now)
-
-
-def _mark(rows: set[int], row: int, flagged: bool) -> None:
-    if flagged:
-        rows.add(row)
-    else:
-        rows.discard(row)
 
 
 class Decision:
@@ -280,32 +290,164 @@ class Decision:
     def __init__(self, index: ChainIndex, free: np.ndarray, cached: dict[int, int], now: float) -> None:
         self.index = index
         self.free = free
-        self.free_rows = free.nonzero()[0]
         self.cached = cached  # row -> leading prompt blocks cached there
         self.now = now
+        self._serial = index._decisions
 
-    def backlog_s(self) -> np.ndarray | None:
-        """Each row's prefill backlog in seconds now; None when no node has any."""
-        return self.index.backlog_s(self.now) if self.index.has_backlog() else None
+    @functools.cached_property
+    def free_rows(self) -> np.ndarray:
+        return self.free.nonzero()[0]
 
-    def uncached_tokens(self, prompt_tokens: int) -> dict[int, int]:
-        """The prompt tokens not cached on each row that caches some (as `ChainState.uncached_tokens`); the rest cache none."""
-        block_size = self.index.block_size
-        return {row: max(0, prompt_tokens - blocks * block_size.item(row)) for row, blocks in self.cached.items()}
+    def limit_backlog(self, bound_s: float) -> None:
+        """Leave out the free rows with more than `bound_s` seconds of prefill backlog."""
+        index = self.index
+        # As `SnapshotBuilder.backlog_s`: a row with no backlog drains from 0 and stays at 0.
+        elapsed = np.fmax(self.now - index.backlog_since, 0.0)
+        backlog = np.fmax(index.backlog_left - index.drain_per_s * elapsed, 0.0) * index.b
+        self.free = self.free & (backlog <= bound_s)
+        self.__dict__.pop("free_rows", None)
 
-    def lowest(self, *keys: np.ndarray) -> list[int]:
-        """Free rows with the smallest key, compared as tuples (`keys[0]` first), in row order."""
-        rows = self.free_rows
-        for key in keys:
-            values = key[rows]
-            # argmin stops at the first NaN, as min returns NaN when there is one; and it is the cheaper call.
-            lowest = values[values.argmin()]
-            if lowest != lowest:
-                raise Unindexable("a NaN score")
-            rows = rows[values == lowest]
-            if len(rows) == 1:
-                break
-        return rows.tolist()
+    def request_seconds(self, prompt_tokens: int, output_tokens: int, imposed_weight: float) -> np.ndarray:
+        """Every row's `JffcPerRequest.expected_seconds` for a request of this size (a new array)."""
+        self._cost(prompt_tokens, output_tokens, imposed_weight)
+        return self.index._seconds.copy()
+
+    def cheapest(self, prompt_tokens: int, output_tokens: int, imposed_weight: float) -> list[int]:
+        """The free rows of least `request_seconds`, in row order; empty when none is free."""
+        tied = self._cost(prompt_tokens, output_tokens, imposed_weight)
+        return [self.index._tied.item(0)] if tied == 1 else self.index._tied[:tied].tolist()
+
+    def _cost(self, prompt_tokens: int, output_tokens: int, imposed_weight: float) -> int:
+        index = self.index
+        if self._serial != index._decisions:
+            raise RuntimeError("this decision's request columns belong to a later decision now")
+        tied = _request_seconds(index._floats, index._ints, index._bools, self.free, prompt_tokens, output_tokens,
+                                self.now, float(imposed_weight), index._seconds, index._tied)
+        if tied < 0:
+            raise Unindexable("a NaN score")
+        return tied
+
+    def least(self, *columns: str) -> list[int]:
+        """Free rows with the smallest values of these float columns, compared as tuples, in row order.
+
+        A name with a leading "-" compares that column's negation (largest first). A NaN
+        on a row still in the running raises `Unindexable` (`min` over the chains' keys
+        would not be defined).
+        """
+        keys = _KEYS.get(columns)
+        if keys is None:
+            unknown = [c for c in columns if c.removeprefix("-") not in FLOAT_COLUMNS]
+            if unknown or not columns:
+                raise ValueError(f"not float columns of the chain index: {unknown or columns}")
+            keys = _KEYS[columns] = (np.array([FLOAT_COLUMNS.index(c.removeprefix("-")) for c in columns], dtype=np.int64),
+                                     np.array([c.startswith("-") for c in columns], dtype=bool))
+        index = self.index
+        tied = _least(index._floats, self.free, keys[0], keys[1], index._tied)
+        if tied < 0:
+            raise Unindexable("a NaN score")
+        return [index._tied.item(0)] if tied == 1 else index._tied[:tied].tolist()
 
     def state(self, row: int) -> ChainState:
         return self.index.state(row, self.cached.get(row, 0), self.now)
+
+
+def _compiled(signature: str) -> Callable[[Callable[..., int]], Callable[..., int]]:
+    """Compiles the function now, at import (a signature makes it eager), from the on-disk cache when it is there."""
+    def compile_(function: Callable[..., int]) -> Callable[..., int]:
+        try:
+            return numba.njit(signature, cache=True, nogil=True)(function)
+        except RuntimeError:
+            # No writable cache directory (a read-only install without NUMBA_CACHE_DIR): compile without caching.
+            return numba.njit(signature, nogil=True)(function)
+    return compile_
+
+
+@_compiled("int64(float64[:, ::1], int64[:, ::1], boolean[:, ::1], boolean[::1], int64, int64, float64, float64, float64[::1], int64[::1])")
+def _request_seconds(floats: np.ndarray, ints: np.ndarray, bools: np.ndarray, free: np.ndarray, prompt: int, output: int,
+                     now: float, imposed_weight: float, seconds: np.ndarray, tied: np.ndarray) -> int:
+    """Writes each row's `JffcPerRequest.expected_seconds` to `seconds` and the free rows tied at the least to `tied`.
+
+    Returns how many are tied (0: no row is free; -1: a free row's figure is NaN). The
+    operations are the scalar code's (`StepModel.request_seconds` at factor 1, the prefill
+    backlog, `StepModel.imposed_seconds`), in its order, so every figure equals the one it
+    gives: a term that is 0 on a row (no KV term, no per-request cost, no backlog, weight 1)
+    adds 0 or divides by 1 there, which leaves the figure as it is.
+    """
+    rows = seconds.shape[0]
+    a, b, c, d = floats[_A], floats[_B], floats[_C], floats[_D]
+    per_request, step_at_batch, present, health = floats[_PER_REQUEST], floats[_STEP_AT_BATCH], floats[_PRESENT], floats[_HEALTH]
+    drain_per_s, backlog_left, backlog_since = floats[_DRAIN_PER_S], floats[_BACKLOG_LEFT], floats[_BACKLOG_SINCE]
+    block_size, kv_tokens, request_blocks, busy = ints[_BLOCK_SIZE], ints[_KV_TOKENS], ints[_REQUEST_BLOCKS], bools[_BUSY]
+    context = prompt + output / 2  # the request's own, on average
+    lowest = np.inf
+    count = 0
+    for row in range(rows):
+        uncached = max(0, prompt - request_blocks[row] * block_size[row])  # ChainState.uncached_tokens
+        prefill_cost = b[row] * uncached
+        prefill = a[row] + prefill_cost if uncached > 0 else 0.0
+        decode = output * (step_at_batch[row] + d[row] * ((kv_tokens[row] + prompt) + output / 2))
+        cost = (per_request[row] + prefill) + decode
+        # The backlog as `PrefillBacklog.tokens` drains it (max(0.0, x), NaN included), in seconds.
+        elapsed = now - backlog_since[row]
+        elapsed = elapsed if elapsed > 0.0 else 0.0
+        left = backlog_left[row] - drain_per_s[row] * elapsed
+        cost = (left if left > 0.0 else 0.0) * b[row] + cost
+        if imposed_weight != 0.0 and busy[row]:
+            per_decode_step = c[row] + d[row] * context
+            cost = cost + imposed_weight * (present[row] * (prefill_cost + per_decode_step * output / 2))
+        cost = cost / health[row]
+        seconds[row] = cost
+        if not free[row]:
+            continue
+        if cost != cost:
+            return -1
+        if cost < lowest or count == 0:
+            lowest = cost
+            tied[0] = row
+            count = 1
+        elif cost == lowest:
+            tied[count] = row
+            count += 1
+    return count
+
+
+@_compiled("int64(float64[:, ::1], boolean[::1], int64[::1], boolean[::1], int64[::1])")
+def _least(floats: np.ndarray, free: np.ndarray, keys: np.ndarray, negated: np.ndarray, tied: np.ndarray) -> int:
+    """`Decision.least` on the float columns `keys` (negated where `negated`): writes the rows to `tied`, returns how many.
+
+    -1 when a key is NaN on a row still in the running; the first key is compared even on a
+    single free row, a later one only while rows are tied.
+    """
+    count = 0
+    for row in range(free.shape[0]):
+        if free[row]:
+            tied[count] = row
+            count += 1
+    if count == 0:
+        return 0
+    for k in range(keys.shape[0]):
+        column, negate = floats[keys[k]], negated[k]
+        lowest = np.inf
+        for i in range(count):
+            value = -column[tied[i]] if negate else column[tied[i]]
+            if value != value:
+                return -1
+            if value < lowest or i == 0:
+                lowest = value
+        kept = 0
+        for i in range(count):
+            value = -column[tied[i]] if negate else column[tied[i]]
+            if value == lowest:
+                tied[kept] = tied[i]
+                kept += 1
+        count = kept
+        if count == 1:
+            break
+    return count
+
+
+
+
+
+# Key column sets `Decision.least` was asked for, as the kernel takes them.
+_KEYS: dict[tuple[str, ...], tuple[np.ndarray, np.ndarray]] = {}

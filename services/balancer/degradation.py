@@ -12,6 +12,10 @@ and higher classes are served first) and the rate at which slots free:
   `max_tokens_factor`), which frees slots sooner for everyone;
 * a full queue makes room for a request by refusing the newest waiting
   request of the lowest class below it (`evict_lower_when_full`).
+
+The same prediction bounds where a request may be placed at once
+(`backlog_bound_s`): a free slot behind more prefill than the TTFT target
+and the queue's predicted wait is not the faster way to a first token.
 """
 
 from __future__ import annotations
@@ -84,6 +88,18 @@ class Degradation:
                 self.counts["max_tokens"] += 1
                 return msgspec.structs.replace(request, max_tokens=reduced)
         return request
+
+    def backlog_bound_s(self, queue: CentralQueue, priority: int, now: float) -> float:
+        """The most prefill backlog a free chain may have for a request of `priority` to be placed there now.
+
+        A node busy prefilling long prompts can still have free slots; a
+        request placed there waits behind all of that prefill, bound to the
+        node, while a slot on another node frees in about the queue's
+        predicted wait. Beyond the TTFT target and that wait, the request is
+        better off queued. With no departures measured yet there is no
+        prediction, and no bound (inf).
+        """
+        return max(self._settings.ttft_target_s, predicted_wait_s(queue, priority, self.departures.per_s(now)))
 
     def make_room(self, request: RouteRequest, queue: CentralQueue) -> QueuedRequest | None:
         """Take the newest waiting request of the lowest class below `request`'s out of a full queue (it is refused)."""

@@ -12,6 +12,7 @@ got the slot first.
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import msgspec
@@ -81,19 +82,27 @@ class Router:
         # Policies that can choose from columns decide on the chain index; the others on a snapshot.
         self.chains = ChainIndex(builder, table) if use_index else None
 
-    def place(self, request: RouteRequest, heartbeats: Sequence[Heartbeat], expires_at: float) -> Placement | None:
-        """Choose a chain with a free slot and reserve it locally until `expires_at`; None when the policy finds none."""
+    def place(self, request: RouteRequest, heartbeats: Sequence[Heartbeat], expires_at: float,
+              backlog_bound: float = math.inf) -> Placement | None:
+        """Choose a chain with a free slot and reserve it locally until `expires_at`; None when the policy finds none.
+
+        Chains with more than `backlog_bound` seconds of prefill backlog are left out (`backlog_bound_s`).
+        """
         cached = self.index.match(request.block_hashes) if request.block_hashes else {}
         # Synced whatever the policy, so that the index stays current if the policy changes.
         if self.chains is not None and self.chains.sync(heartbeats) and hasattr(self.policy, "choose_indexed"):
             try:
-                return self._place_indexed(request, cached, expires_at)
+                return self._place_indexed(request, cached, expires_at, backlog_bound)
             except Unindexable:
                 pass
         snapshot = self.builder.snapshot(request, heartbeats, self.table.used, cached)
         prefill_for: dict[str, ChainState] = {}
         if any(c.node.role == "decode" for c in snapshot.chains):
             snapshot, prefill_for = self._with_prefill_nodes(request, snapshot, heartbeats, cached)
+        if backlog_bound < math.inf:
+            # A two-node chain's wait is its prefill node's, already in `remote_prefill_s`.
+            snapshot = msgspec.structs.replace(snapshot, chains=tuple(
+                c for c in snapshot.chains if c.remote_prefill_s is not None or c.prefill_backlog_s <= backlog_bound))
         fast_forwards = getattr(self.policy, "fast_forwards", 0)
         chain = self.policy.choose(request, snapshot)
         if chain is None:
@@ -106,10 +115,13 @@ class Router:
         self.builder.note_sent(prefill or chain, request)
         return Placement(request, chain, expires_at, prefill, fast_forward=getattr(self.policy, "fast_forwards", 0) > fast_forwards)
 
-    def _place_indexed(self, request: RouteRequest, cached: Mapping[str, int], expires_at: float) -> Placement | None:
+    def _place_indexed(self, request: RouteRequest, cached: Mapping[str, int], expires_at: float,
+                       backlog_bound: float) -> Placement | None:
         """`place` on the chain index: only aggregated nodes, so no prefill node to pair."""
         assert self.chains is not None
         decision = self.chains.decision(request, cached)
+        if backlog_bound < math.inf:
+            decision.limit_backlog(backlog_bound)
         fast_forwards = getattr(self.policy, "fast_forwards", 0)
         row = self.policy.choose_indexed(request, decision)  # type: ignore[attr-defined]
         if row is None:
@@ -119,6 +131,17 @@ class Router:
             raise RuntimeError(f"policy {self.policy.name} chose full chain {chain.chain_id}")
         self.builder.note_sent(chain, request)
         return Placement(request, chain, expires_at, None, fast_forward=getattr(self.policy, "fast_forwards", 0) > fast_forwards)
+
+    def backlog_bound_s(self, request: RouteRequest, now: float) -> float:
+        """The most prefill backlog a free chain may have to take `request` now (`Degradation.backlog_bound_s`).
+
+        Only for a policy that costs the request's own wait (`bounds_backlog`):
+        it would otherwise place a request behind any backlog rather than
+        leave it queued, since it sees only free chains.
+        """
+        if not getattr(self.policy, "bounds_backlog", False):
+            return math.inf
+        return self.degradation.backlog_bound_s(self.queue, request.priority, now)
 
     def _with_prefill_nodes(
         self, request: RouteRequest, snapshot: ClusterSnapshot, heartbeats: Sequence[Heartbeat], cached: Mapping[str, int],
@@ -162,7 +185,7 @@ class Router:
         self.queue.remove(request.request_id)
         # The time left the request arrived with, as a moment on this balancer's clock.
         request_deadline = now + request.timeout_s
-        placement = self.place(request, heartbeats, request_deadline)
+        placement = self.place(request, heartbeats, request_deadline, self.backlog_bound_s(request, now))
         if placement is not None:
             return placement
         deadline = min(request_deadline, now + self._queue_settings.max_wait_s)
@@ -202,7 +225,8 @@ class Router:
             if not self._any_free(entry.request, heartbeats):
                 exhausted.add(model)
                 continue
-            placement = self.place(entry.request, heartbeats, entry.enqueued_at + entry.request.timeout_s)
+            placement = self.place(entry.request, heartbeats, entry.enqueued_at + entry.request.timeout_s,
+                                   self.backlog_bound_s(entry.request, self.builder.clock()))
             if placement is not None:
                 self.queue.remove(entry.request_id)
                 self._count_overtaken(entry, order)

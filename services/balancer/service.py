@@ -23,6 +23,7 @@ from nats.aio.msg import Msg
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import Span, Tracer
+from prometheus_client import Counter
 
 from contracts import subjects
 from contracts.balancer import BalancerStatusReply, BalancerStatusRequest
@@ -59,6 +60,9 @@ log = structlog.get_logger("kvlane.balancer")
 
 _STORE_ERRORS = (redis.exceptions.RedisError, OSError, asyncio.TimeoutError)
 _UNLEASED_LOG_EVERY_S = 10.0
+# How long one model's routable nodes are reused between heartbeats: listing them walks the whole fleet, and
+# a burst of route requests would otherwise do it once each. Small against the heartbeat TTL.
+_ROUTABLE_REUSE_S = 0.05
 
 
 class BalancerService:
@@ -80,6 +84,7 @@ class BalancerService:
         self._bus = bus
         self._view = view
         self._tracer = tracer or trace.NoOpTracer()
+        self._tracing = not isinstance(self._tracer, trace.NoOpTracer)
         # The trace of each queued request: its placement (and KV allocation) happen in the drain task.
         self._waiting_traces: dict[str, otel_context.Context] = {}
         self.router = router
@@ -103,7 +108,11 @@ class BalancerService:
         # Routes without a KV lease: one log line per reason per interval, each saying how many it stands for.
         self._unleased_log = LogThrottle(_UNLEASED_LOG_EVERY_S)
         # Slots of finished requests are freed here at once and in the global store a batch at a time.
-        self._finished: Coalescer[tuple[str, str]] = Coalescer("slot-releases", self._release_globally)
+        # Each: (request, its node, the chain this replica placed it on or None).
+        self._finished: Coalescer[tuple[str, str, str | None]] = Coalescer("slot-releases", self._release_globally)
+        # Per model: (reuse until, its routable nodes); emptied whenever a heartbeat or a departure changes them.
+        self._routable_nodes: dict[str, tuple[float, list[Heartbeat]]] = {}
+        self._decision_counters: dict[str, Counter] = {}
 
     async def start(self) -> None:
         bus = self._bus
@@ -140,6 +149,8 @@ class BalancerService:
     # --- routing -------------------------------------------------------------------
 
     async def _on_route(self, request: RouteRequest, msg: Msg) -> RouteReply:
+        if not self._tracing:
+            return await self.route(request)
         attributes = {"kvlane.request_id": request.request_id, "gen_ai.request.model": request.model,
                       "kvlane.route.prompt_tokens": request.prompt_tokens, "kvlane.priority": request.priority}
         if request.tenant:
@@ -164,9 +175,12 @@ class BalancerService:
             # Ingress routes again after failing to reach the chosen worker: free that slot first. The store finds
             # it through its node: the chain this replica gave it, else whichever excluded worker it was on.
             chain_id = self.router.table.release(request.request_id)
-            workers = [worker_of(chain_id)] if chain_id is not None else list(request.exclude_workers)
+            if chain_id is not None:
+                releases, chains = [(request.request_id, worker_of(chain_id))], [chain_id]
+            else:
+                releases, chains = [(request.request_id, worker_id) for worker_id in request.exclude_workers], None
             with contextlib.suppress(*_STORE_ERRORS):
-                await self._store.release_many([(request.request_id, worker_id) for worker_id in workers])
+                await self._store.release_many(releases, chains)
         heartbeats = self._routable(request.model)
         refusal = self.router.unroutable(request, heartbeats, lambda: self._view.live(self._clock()))
         if refusal is not None:
@@ -193,7 +207,10 @@ class BalancerService:
     def _count(self, reply: RouteReply, outcome: str) -> RouteReply:
         if isinstance(reply, ErrorReply) and outcome != "refused":
             outcome = f"{outcome}_refused"
-        self._metrics.decisions.labels(self.router.policy.name, outcome).inc()
+        counter = self._decision_counters.get(outcome)
+        if counter is None:
+            counter = self._decision_counters[outcome] = self._metrics.decisions.labels(self.router.policy.name, outcome)
+        counter.inc()
         span = trace.get_current_span()  # the request's `route` span
         if span.is_recording():
             _annotate_route(span, reply, outcome, self.router.policy.name)
@@ -325,13 +342,14 @@ class BalancerService:
     # --- events ---------------------------------------------------------------------
 
     async def _on_finished(self, event: RequestFinished, msg: Msg) -> None:
-        self.router.finished(event.request_id, event.worker_id)
-        self._finished.put((event.request_id, event.worker_id))
+        chain_id = self.router.finished(event.request_id, event.worker_id)
+        self._finished.put((event.request_id, event.worker_id, chain_id))
 
-    async def _release_globally(self, releases: list[tuple[str, str]]) -> None:
+    async def _release_globally(self, finished: list[tuple[str, str, str | None]]) -> None:
         """Free finished requests' slots in the store, then give them to queued requests."""
+        releases = [(request_id, worker_id) for request_id, worker_id, _ in finished]
         try:
-            released = await self._store.release_many(releases)
+            released = await self._store.release_many(releases, [chain_id for *_, chain_id in finished])
         except _STORE_ERRORS as exc:
             log.debug("slot_release_failed", requests=len(releases), error=str(exc))
             self._store_degraded = True
@@ -356,7 +374,7 @@ class BalancerService:
             # finds a slot only through its node. Missed, it goes at the request's deadline.
             return
         try:
-            released = await self._store.release(request_id, worker_of(chain_id))
+            released = (await self._store.release_many([(request_id, worker_of(chain_id))], [chain_id]))[0]
         except _STORE_ERRORS as exc:
             log.debug("slot_release_failed", request_id=request_id, error=str(exc))
             self._store_degraded = True
@@ -368,6 +386,9 @@ class BalancerService:
         heartbeat = self._view.assemble(message)
         if heartbeat is None:  # a load report whose registration the view learns later
             return
+        # The cluster watcher records it too, maybe later: the routable nodes listed next must include it.
+        self._view.observe(heartbeat, self._clock())
+        self._routable_nodes.clear()
         self.router.observe(heartbeat)
         self._schedule_drain()
 
@@ -379,6 +400,8 @@ class BalancerService:
         self._schedule_drain()
 
     async def _on_worker_left(self, event: WorkerLeft, msg: Msg) -> None:
+        self._view.remove(event.worker_id)  # as the cluster watcher does, maybe later: routes must not go there now
+        self._routable_nodes.clear()
         self.router.forget([event.worker_id])
 
     # --- housekeeping -----------------------------------------------------------------
@@ -389,6 +412,7 @@ class BalancerService:
         table = self.router.table
         live = self._view.live(self._clock())
         released, _ = self.router.prune(now, live)
+        self._routable_nodes.clear()
         self._metrics.expired_reservations.inc(released)
         live_chains = {self.router.builder.facts(hb).chain_id: hb for hb in live}
         try:
@@ -427,7 +451,13 @@ class BalancerService:
         log.info("slot_store_restored", reservations=len(self.router.table))
 
     def _routable(self, model: str) -> list[Heartbeat]:
-        return self._view.routable(self._clock(), model)
+        now = self._clock()
+        reused = self._routable_nodes.get(model)
+        if reused is not None and now < reused[0]:
+            return reused[1]
+        heartbeats = self._view.routable(now, model)
+        self._routable_nodes[model] = (now + _ROUTABLE_REUSE_S, heartbeats)
+        return heartbeats
 
     # --- admin ------------------------------------------------------------------------
 

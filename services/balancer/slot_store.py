@@ -11,7 +11,11 @@ with an empty set.
 
 With a ledger, `reserve_with_lease` takes the slot and the request's KV
 lease (shared/block_ledger.py) in one script: one round trip per route
-decision, and a refusal of either leaves both untouched.
+decision, and a refusal of either leaves both untouched. The reservations
+asked for within one event-loop iteration go to Redis in one pipeline
+(`ScriptBatch`): each script still runs atomically on its own, so nothing
+changes for replica safety, while a burst of route decisions costs one
+round trip and one socket write instead of one per decision.
 
 Every key of a chain and of its requests carries its node's hash tag
 (`block_ledger.node_tag`), like the node's ledger keys, so on a Redis
@@ -26,16 +30,18 @@ the truth, so every placement is confirmed.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import redis.asyncio as redis
 from msgspec import Struct
+from redis.commands.core import AsyncScript
 
 from contracts import subjects
 from shared.block_ledger import ALLOCATE_FUNCTION, Reservation, node_tag, reservation_of
-from shared.redis_scripts import run_batch
+from shared.redis_scripts import run_calls
 
 # Functions shared by the slot script and the slot-and-lease script.
 # K: chain's sorted set, request's key on the chain's node. `free_room` releases `request_id`'s earlier slot on
@@ -126,8 +132,10 @@ class SlotStore(Protocol):
         there (see `SlotTable.release`). Idempotent."""
         ...
 
-    async def release_many(self, releases: Sequence[tuple[str, str]]) -> list[tuple[str, int] | None]:
-        """`release` for each (request_id, worker_id), in one batch."""
+    async def release_many(self, releases: Sequence[tuple[str, str]],
+                           chains: Sequence[str | None] | None = None) -> list[tuple[str, int] | None]:
+        """`release` for each (request_id, worker_id), in one batch. `chains`: for each, the chain on that node
+        its slot is known to be on (None where not known); a release is the same with or without it."""
         ...
 
     async def usage(self, chain_ids: Sequence[str], now: float) -> dict[str, int]:
@@ -142,7 +150,8 @@ class LocalSlotStore:
     async def release(self, request_id: str, worker_id: str) -> tuple[str, int] | None:
         return None
 
-    async def release_many(self, releases: Sequence[tuple[str, str]]) -> list[tuple[str, int] | None]:
+    async def release_many(self, releases: Sequence[tuple[str, str]],
+                           chains: Sequence[str | None] | None = None) -> list[tuple[str, int] | None]:
         return [None] * len(releases)
 
     async def usage(self, chain_ids: Sequence[str], now: float) -> dict[str, int]:
@@ -167,17 +176,78 @@ def ms_left(expires_at: float) -> int:
     return int((expires_at - time.time()) * 1000)
 
 
+class ScriptBatch:
+    """Script calls made while the previous batch is out, sent together in one pipeline.
+
+    The first call of a burst starts a flush that waits one loop iteration, so
+    every call made in that iteration joins it; calls made while a batch is
+    out wait for it and go in the next one, so under load batches grow rather
+    than round trips queueing up. Each call gets its own reply or error: a
+    failed call fails only its caller, a lost connection every caller of the
+    batch.
+    """
+
+    def __init__(self, client: redis.Redis) -> None:
+        self._redis = client
+        self._pending: list[tuple[AsyncScript, list, list, asyncio.Future]] = []
+        self._flush_task: asyncio.Task | None = None
+
+    def call(self, script: AsyncScript, keys: list, args: list) -> asyncio.Future:
+        """The script's reply, once its batch is back."""
+        loop = asyncio.get_running_loop()
+        reply = loop.create_future()
+        self._pending.append((script, keys, args, reply))
+        if self._flush_task is None:
+            self._flush_task = loop.create_task(self._flush(), name="slot-reservations")
+        return reply
+
+    async def _flush(self) -> None:
+        try:
+            await asyncio.sleep(0)  # the other decisions of this iteration add their calls first
+            while self._pending:
+                batch, self._pending = self._pending, []
+                await self._send(batch)
+        finally:
+            self._flush_task = None
+            if self._pending:  # cancelled: nobody will send these
+                batch, self._pending = self._pending, []
+                for *_, waiter in batch:
+                    waiter.cancel()
+
+    async def _send(self, batch: list[tuple[AsyncScript, list, list, asyncio.Future]]) -> None:
+        try:
+            replies = await run_calls(self._redis, [(script, keys, args) for script, keys, args, _ in batch])
+        except Exception as exc:
+            for *_, waiter in batch:
+                if not waiter.done():
+                    waiter.set_exception(exc)
+            return
+        except BaseException:
+            for *_, waiter in batch:
+                waiter.cancel()
+            raise
+        for (*_, waiter), reply in zip(batch, replies, strict=True):
+            if waiter.done():  # its caller was cancelled meanwhile
+                continue
+            if isinstance(reply, Exception):
+                waiter.set_exception(reply)
+            else:
+                waiter.set_result(reply)
+
+
 class RedisSlotStore:
     def __init__(self, client: redis.Redis) -> None:
         self._redis = client
         self._reserve = client.register_script(_RESERVE)
         self._reserve_with_lease = client.register_script(_RESERVE_WITH_LEASE)
         self._release = client.register_script(_RELEASE)
+        self._batch = ScriptBatch(client)
 
     async def reserve(self, request_id: str, chain_id: str, slots: int, expires_at: float) -> tuple[bool, int]:
-        taken, used = await self._reserve(
-            keys=[chain_slots_key(chain_id), request_slot_key(worker_of(chain_id), request_id)],
-            args=[request_id, chain_id, slots, ms_left(expires_at)],
+        taken, used = await self._batch.call(
+            self._reserve,
+            [chain_slots_key(chain_id), request_slot_key(worker_of(chain_id), request_id)],
+            [request_id, chain_id, slots, ms_left(expires_at)],
         )
         return bool(taken), int(used)
 
@@ -185,9 +255,10 @@ class RedisSlotStore:
                                  lease_call: tuple[list, list]) -> SlotAndLease:
         """`reserve` and the ledger's allocation (`BlockLedger.allocate_call`, on the chain's node) in one atomic round trip."""
         lease_keys, lease_args = lease_call
-        taken, used, code, pool, blocks = await self._reserve_with_lease(
-            keys=[chain_slots_key(chain_id), request_slot_key(worker_of(chain_id), request_id), *lease_keys],
-            args=[request_id, chain_id, slots, ms_left(expires_at), *lease_args],
+        taken, used, code, pool, blocks = await self._batch.call(
+            self._reserve_with_lease,
+            [chain_slots_key(chain_id), request_slot_key(worker_of(chain_id), request_id), *lease_keys],
+            [request_id, chain_id, slots, ms_left(expires_at), *lease_args],
         )
         lease = None if code < 0 else reservation_of([code, pool, blocks])
         return SlotAndLease(bool(taken), int(used), lease)
@@ -195,22 +266,44 @@ class RedisSlotStore:
     async def release(self, request_id: str, worker_id: str) -> tuple[str, int] | None:
         return (await self.release_many([(request_id, worker_id)]))[0]
 
-    async def release_many(self, releases: Sequence[tuple[str, str]]) -> list[tuple[str, int] | None]:
+    async def release_many(self, releases: Sequence[tuple[str, str]],
+                           chains: Sequence[str | None] | None = None) -> list[tuple[str, int] | None]:
         if not releases:
             return []
-        # A request's key names its chain, whose set the script must be given: read first, then release.
-        async with self._redis.pipeline(transaction=False) as pipe:
-            for request_id, worker_id in releases:
-                pipe.get(request_slot_key(worker_id, request_id))
-            chains = [None if c is None else c.decode() for c in await pipe.execute()]
-        held = [(i, request_id, worker_id, chain_id) for i, ((request_id, worker_id), chain_id)
-                in enumerate(zip(releases, chains, strict=True)) if chain_id is not None]
-        calls = [([request_slot_key(worker_id, request_id), chain_slots_key(chain_id)], [request_id, chain_id])
-                 for _, request_id, worker_id, chain_id in held]
         released: list[tuple[str, int] | None] = [None] * len(releases)
-        for (i, *_), reply in zip(held, await run_batch(self._redis, self._release, calls), strict=True):
+        # Where the chain is known (this replica placed the request) the release goes straight into the next
+        # batch of scripts, with the route decisions'. Its script checks the request's key still names that chain.
+        known = [i for i, chain_id in enumerate(chains or ()) if chain_id is not None]
+        for i, reply in zip(known, await self._release_on(
+                [(*releases[i], chains[i]) for i in known]), strict=True):  # type: ignore[index]
+            released[i] = _released(reply)
+        # The others, and a request that moved to another chain of its node meanwhile: a request's key names
+        # its chain, whose set the script must be given: read first, then release.
+        unknown = [i for i in range(len(releases)) if released[i] is None]
+        if not unknown:
+            return released
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for i in unknown:
+                request_id, worker_id = releases[i]
+                pipe.get(request_slot_key(worker_id, request_id))
+            read = [None if c is None else c.decode() for c in await pipe.execute()]
+        held = [(i, chain_id) for i, chain_id in zip(unknown, read, strict=True) if chain_id is not None]
+        for (i, _), reply in zip(held, await self._release_on([(*releases[i], chain_id) for i, chain_id in held]), strict=True):
             released[i] = _released(reply)
         return released
+
+    async def _release_on(self, releases: Sequence[tuple[str, str, str]]) -> list[Any]:
+        """The release script's reply for each (request_id, worker_id, chain_id); the first failure raises."""
+        if not releases:
+            return []
+        replies = await asyncio.gather(*(
+            self._batch.call(self._release, [request_slot_key(worker_id, request_id), chain_slots_key(chain_id)],
+                             [request_id, chain_id])
+            for request_id, worker_id, chain_id in releases), return_exceptions=True)
+        for reply in replies:
+            if isinstance(reply, BaseException):
+                raise reply
+        return replies
 
     async def usage(self, chain_ids: Sequence[str], now: float) -> dict[str, int]:
         if not chain_ids:

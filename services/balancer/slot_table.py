@@ -12,14 +12,14 @@ policies see usage without a Redis round trip per chain.
 from __future__ import annotations
 
 import heapq
-from collections import Counter
 from collections.abc import Iterable
 
 
 class SlotTable:
     def __init__(self) -> None:
         self._holders: dict[str, tuple[str, float]] = {}
-        self._own: Counter[str] = Counter()
+        # A plain dict, not a Counter: Counter's `del` is Python code, and it runs on every release.
+        self._own: dict[str, int] = {}
         self._foreign: dict[str, int] = {}
         self._expiry: list[tuple[float, str]] = []
         # Chains whose count changed since the last `take_changed`: the chain index refreshes only those.
@@ -46,7 +46,7 @@ class SlotTable:
         if self.used(chain_id) >= slots:
             return False
         self._holders[request_id] = (chain_id, expires_at)
-        self._own[chain_id] += 1
+        self._own[chain_id] = self._own.get(chain_id, 0) + 1
         self._changed.add(chain_id)
         heapq.heappush(self._expiry, (expires_at, request_id))
         return True
@@ -64,8 +64,10 @@ class SlotTable:
         del self._holders[request_id]
         chain_id = entry[0]
         self._changed.add(chain_id)
-        self._own[chain_id] -= 1
-        if self._own[chain_id] <= 0:
+        own = self._own[chain_id] - 1
+        if own > 0:
+            self._own[chain_id] = own
+        else:
             del self._own[chain_id]
         return chain_id
 

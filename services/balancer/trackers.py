@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Iterable, Mapping
 
 from contracts.messages import Heartbeat, WorkerRegistration
@@ -56,6 +57,9 @@ class SpeedTracker:
         self._smoothing = smoothing
         self._equal_within = equal_within
         self._factor: dict[str, float] = {}
+        # (factor, worker) of every measured node, slowest first: kept in order as measurements come, since
+        # sorting the fleet at every heartbeat would cost more than the rest of the heartbeat.
+        self._ordered: list[tuple[float, str]] = []
         self._seen: dict[str, float] = {}
         self._was_busy: set[str] = set()
         self._tiers: tuple[dict[str, float], float] | None = None  # (tiered factors, median); None: recompute
@@ -83,8 +87,28 @@ class SpeedTracker:
         # `predicted_busy` seconds of work as the node's model prices it.
         factor = predicted_busy
         previous = self._factor.get(worker_id)
-        self._factor[worker_id] = factor if previous is None else previous + self._smoothing * (factor - previous)
+        self._set_factor(worker_id, factor if previous is None else previous + self._smoothing * (factor - previous))
+
+    def _set_factor(self, worker_id: str, factor: float) -> None:
+        previous = self._factor.get(worker_id)
+        if previous == factor:
+            return
+        if previous is not None:
+            self._unorder(worker_id, previous)
+        self._factor[worker_id] = factor
+        bisect.insort(self._ordered, (factor, worker_id))
         self._tiers = None
+
+    def _unorder(self, worker_id: str, factor: float) -> None:
+        entry = (factor, worker_id)
+        at = bisect.bisect_left(self._ordered, entry)
+        if at < len(self._ordered) and self._ordered[at] == entry:
+            del self._ordered[at]
+        else:  # a NaN measurement sorts nowhere in particular
+            self._ordered.remove(entry)
+
+    def _median(self) -> float:
+        return self._ordered[len(self._ordered) // 2][0] if self._ordered else 1.0
 
     def _relax_idle(self, worker_id: str) -> None:
         """An idle node's estimate drifts back toward the fleet's median.
@@ -96,9 +120,8 @@ class SpeedTracker:
         previous = self._factor.get(worker_id)
         if previous is None or len(self._factor) < 2:
             return
-        median = self._tiered()[1]
-        self._factor[worker_id] = previous + self._smoothing * (median - previous)
-        self._tiers = None
+        median = self._median()
+        self._set_factor(worker_id, previous + self._smoothing * (median - previous))
 
     def model_for(self, registration: WorkerRegistration) -> StepModel:
         """The node's own step time when it advertises one, else the fallback profile's."""
@@ -121,18 +144,19 @@ class SpeedTracker:
 
     def typical_factor(self) -> float:
         """What an unmeasured node is assumed to be: the median measured node, else the profile."""
-        return self._tiered()[1] if self._factor else 1.0
+        return self._median()
 
     def _tiered(self) -> tuple[dict[str, float], float]:
         # Recomputed once per new measurement, not per routing decision.
         if self._tiers is None:
-            ordered = sorted(self._factor.values())
-            self._tiers = (speed_tiers(self._factor, self._equal_within), ordered[len(ordered) // 2] if ordered else 1.0)
+            self._tiers = (_tiers_of_sorted(self._ordered, self._equal_within), self._median())
         return self._tiers
 
     def forget(self, worker_ids: Iterable[str]) -> None:
         for worker_id in worker_ids:
-            self._factor.pop(worker_id, None)
+            factor = self._factor.pop(worker_id, None)
+            if factor is not None:
+                self._unorder(worker_id, factor)
             self._seen.pop(worker_id, None)
             self._was_busy.discard(worker_id)
         self._tiers = None
@@ -149,17 +173,29 @@ def speed_tiers(factors: Mapping[str, float], equal_within: float) -> dict[str, 
     it is ranked above the rest on noise. Tiers depend only on the set of
     measurements: every replica computes the same ones.
     """
+    return _tiers_of_sorted(_by_factor(factors), equal_within)
+
+
+def _by_factor(factors: Mapping[str, float]) -> list[tuple[float, str]]:
+    """(factor, worker) pairs, slowest first (ties by worker id)."""
+    return sorted(zip(factors.values(), factors.keys()))
+
+
+def _tiers_of_sorted(ordered: list[tuple[float, str]], equal_within: float) -> dict[str, float]:
+    """`speed_tiers` of `_by_factor`'s pairs. A tier is a run of neighbours in that order, and what is left
+    after taking one is still sorted: each tier costs two bisections, not a pass over the fleet (heartbeats
+    change measurements, and so the tiers, hundreds of times a second)."""
     if equal_within <= 0:
-        return dict(factors)
-    left = sorted(factors.items(), key=lambda item: (item[1], item[0]))
+        return {worker_id: factor for factor, worker_id in ordered}
+    values = [factor for factor, _ in ordered]
+    workers = [worker_id for _, worker_id in ordered]
     tiers: dict[str, float] = {}
-    while left:
-        median = left[len(left) // 2][1]
-        low, high = median / (1 + equal_within), median * (1 + equal_within)
-        for worker_id, factor in left:
-            if low <= factor <= high:
-                tiers[worker_id] = median
-        left = [item for item in left if item[0] not in tiers]
+    while values:
+        median = values[len(values) // 2]
+        start = bisect.bisect_left(values, median / (1 + equal_within))
+        end = bisect.bisect_right(values, median * (1 + equal_within))
+        tiers.update(dict.fromkeys(workers[start:end], median))
+        values, workers = values[:start] + values[end:], workers[:start] + workers[end:]
     return tiers
 
 

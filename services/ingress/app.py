@@ -75,7 +75,7 @@ class IngressApp:
             log.exception("unhandled_error", path=request.path)
             response = ApiError(500, "internal error", code="internal_error").response()
         if request.path.startswith("/v1/"):
-            self._metrics.requests.labels(request.path, str(response.status)).inc()
+            self._metrics.http_request(request.path, response.status)
         return response
 
     # --- completions --------------------------------------------------------------

@@ -11,14 +11,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
 import msgspec
 import structlog
+from multidict import CIMultiDictProxy
+from opentelemetry.context import Context
 
 from contracts.autoscaler import RequestServed
 from contracts.messages import StreamEnd, TokenChunk, WorkerRegistration
@@ -111,7 +113,7 @@ class Completions:
         span continues the caller's `traceparent` (in `headers`), if any.
         """
         received = self._clock()
-        span = RequestTrace(self._telemetry.tracer, self._genai, operation.name, self._telemetry.extract(headers), received)
+        span = RequestTrace(self._telemetry.tracer, self._genai, operation.name, self._caller_trace(headers), received)
         key = admission = None
         try:
             # The key first: a caller without one learns nothing else (not even that its body is bad).
@@ -132,7 +134,7 @@ class Completions:
             asked = prepare(body, registration, tokenizer, self._settings.max_tokens_default)
             # The key's tenant rides along; a priority above the key's maximum is lowered to it.
             prepared = Authenticator.apply(key, asked)
-            request_id = uuid.uuid4().hex
+            request_id = os.urandom(16).hex()  # as random as a uuid4's hex, without building the UUID
             response_id = f"{operation.id_prefix}-{request_id}"
             span.prepared(request_id, response_id, prepared, requested_priority=asked.priority)
             if key is not None:
@@ -149,6 +151,12 @@ class Completions:
             raise
         await call.begin(self._dispatcher.run(request_id, prepared, span.context, on_capped=call.capped))
         return call
+
+    def _caller_trace(self, headers: Mapping[str, str] | None) -> Context:
+        """The trace of the caller's `traceparent`; empty without one (HTTP headers are looked up in any letter case)."""
+        if not headers or (isinstance(headers, CIMultiDictProxy) and "traceparent" not in headers):
+            return Context()
+        return self._telemetry.extract(headers)
 
     def _model(self, name: str) -> WorkerRegistration:
         registration = self._view.models(self._clock()).get(name)
@@ -195,7 +203,9 @@ class Completions:
 
     async def _tokenizer(self, registration: WorkerRegistration) -> Tokenizer:
         loading = self._tokenizers.get(_tokenizer_key(registration))
-        if loading is None or (loading.done() and loading.exception() is not None):
+        if loading is not None and loading.done() and loading.exception() is None:
+            return loading.result()  # loaded: nothing to wait for (nearly every request)
+        if loading is None or loading.done():
             loading = self._load(registration)  # a request tries a failed one again
         try:
             return await asyncio.shield(loading)

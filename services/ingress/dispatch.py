@@ -90,11 +90,15 @@ class _Attempt:
     """
 
     def __init__(self, tracer: Tracer, parent: Context | None, number: int, request_id: str, resumed_tokens: int) -> None:
+        self.outcome = "unknown"
+        if isinstance(tracer, trace.NoOpTracer) and not trace.get_current_span(parent).get_span_context().is_valid:
+            # Tracing off and no caller's trace to continue: no span to make (its methods below do nothing).
+            self.span, self.context = trace.INVALID_SPAN, parent
+            return
         self.span = tracer.start_span("dispatch.attempt", context=parent, attributes={
             "kvlane.attempt": number, "kvlane.request_id": request_id, "kvlane.resumed_tokens": resumed_tokens,
         })
         self.context = trace.set_span_in_context(self.span, parent)
-        self.outcome = "unknown"
 
     def routed(self, decision: RouteDecision) -> None:
         if self.span.is_recording():
@@ -220,7 +224,8 @@ class Dispatcher:
                         settled = isinstance(frame, StreamEnd)
                         if settled:
                             attempt.outcome = "finished"
-                        yield msgspec.structs.replace(frame, seq=out_seq)
+                        # Renumbered only after a resumption: until then the node's numbering is the client's.
+                        yield frame if frame.seq == out_seq else msgspec.structs.replace(frame, seq=out_seq)
                         out_seq += 1
                     return
                 except StreamInterrupted as exc:

@@ -275,7 +275,8 @@ class HttpGuard:
         guarded = protocol if isinstance(protocol, GuardedHandler) else None
         if guarded is not None and guarded.refusal is not None:
             return _closing(guarded.refusal)
-        if request.body_exists and request.can_read_body:
+        # A body that came whole with its head (nearly every one) needs no timer.
+        if request.body_exists and request.can_read_body and not request.content.is_eof():
             try:
                 async with asyncio.timeout(self.settings.body_timeout_s):
                     await request.read()  # kept by aiohttp: the handler's own read() returns it

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import importlib.metadata
+import os
 import time
 import uuid
 
@@ -12,7 +12,6 @@ import structlog
 from aiohttp import web
 
 from contracts import subjects
-from contracts.autoscaler import RequestServed
 from contracts.balancer import BalancerStatusReply, BalancerStatusRequest
 from contracts.cache import CacheReply, LookupRequest
 from services.ingress.app import COMPLETION_PATHS, IngressApp
@@ -22,9 +21,11 @@ from services.ingress.dispatch import Dispatcher
 from services.ingress.http_guard import HttpGuard
 from services.ingress.metrics import IngressMetrics
 from services.ingress.nats_api import NatsApi
+from services.ingress.processes import METRICS_DIR_ENV, SHARES_PORT_ENV, SiblingProcesses, platform_refusal, process_ids
 from services.ingress.readiness import Dependency, Readiness
+from services.ingress.served_events import ServedEvents
 from shared.api_keys import ApiKeyStore
-from shared.bus import Bus, StreamReceiver
+from shared.bus import StreamReceiver
 from shared.config import KvlaneConfig
 from shared.key_limits import KeyLimiter
 from shared.model_store import ModelFileCache, default_cache_dir
@@ -37,9 +38,15 @@ log = structlog.get_logger("kvlane.ingress")
 
 async def main(config: KvlaneConfig, stop: asyncio.Event) -> None:
     settings = config.ingress
-    ingress_id = settings.ingress_id or f"i-{uuid.uuid4().hex[:8]}"
-    if not subjects.is_valid_token(ingress_id):
-        raise SystemExit(f"ingress_id {ingress_id!r} must be 1-64 characters of A-Z a-z 0-9 _ -")
+    if (refusal := platform_refusal(settings.processes)) is not None:
+        raise SystemExit(refusal)
+    if settings.processes > 1 and not os.environ.get(METRICS_DIR_ENV):
+        raise SystemExit(f"ingress.processes > 1 needs {METRICS_DIR_ENV} set before prometheus_client is imported, "
+                         "so that /metrics counts every process: start the ingress with `python -m services.ingress`")
+    try:
+        ingress_id, *sibling_ids = process_ids(settings.ingress_id or f"i-{uuid.uuid4().hex[:8]}", settings.processes)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from exc
     async with service_context(config, "ingress", ingress_id) as ctx:
         bus, view = ctx.bus, ctx.view
         streams = StreamReceiver(bus, ingress_id)
@@ -58,9 +65,10 @@ async def main(config: KvlaneConfig, stop: asyncio.Event) -> None:
             auth = Authenticator(settings.auth, ApiKeyStore(ctx.redis), KeyLimiter(ctx.redis))
         except ValueError as exc:
             raise SystemExit(str(exc)) from exc
+        served_events = ServedEvents(bus)
         completions = Completions(
             settings, view, dispatcher, metrics, telemetry=ctx.telemetry,
-            on_served=lambda served: bus.spawn(_publish_served(bus, served)), auth=auth,
+            on_served=served_events.add, auth=auth,
             model_files=ModelFileCache(bus.client, settings.model_cache_dir or default_cache_dir()),
         )
         # Slow clients, oversized heads, too many connections or streams per client (http_guard.py).
@@ -75,9 +83,18 @@ async def main(config: KvlaneConfig, stop: asyncio.Event) -> None:
                               handler_cancellation=True)
         # A model's tokenizer loads as soon as a worker for it shows up, not on its first request.
         preloading = Periodic("tokenizers", config.cluster.heartbeat_interval_s, completions.preload_tokenizers, immediately=True)
+        siblings: SiblingProcesses | None = None
         try:
             await runner.setup()
-            await web.TCPSite(runner, settings.host, settings.port).start()
+            # Several processes share the port: the kernel spreads connections over them.
+            shares_port = bool(sibling_ids) or os.environ.get(SHARES_PORT_ENV) == "1"
+            site = web.TCPSite(runner, settings.host, settings.port, reuse_port=shares_port or None)
+            await site.start()
+            if sibling_ids:
+                # Port 0: the others take the one this process got.
+                port = runner.addresses[0][1]
+                siblings = SiblingProcesses(config, sibling_ids, port)
+                siblings.start()
             await nats_api.start()
             preloading.start()
             auth.start()
@@ -87,11 +104,7 @@ async def main(config: KvlaneConfig, stop: asyncio.Event) -> None:
         finally:
             await preloading.stop()
             # Both stop taking requests, then wait for those in flight.
-            await asyncio.gather(nats_api.stop(settings.request_timeout_s), runner.cleanup())
+            await asyncio.gather(nats_api.stop(settings.request_timeout_s), runner.cleanup(),
+                                 *([siblings.stop(settings.request_timeout_s + 5.0)] if siblings is not None else []))
             await auth.close()  # the last requests' limits settled in Redis
-
-
-async def _publish_served(bus: Bus, served: RequestServed) -> None:
-    # An event for the autoscaler's statistics: one lost while NATS reconnects costs nothing more.
-    with contextlib.suppress(Exception):
-        await bus.publish(subjects.REQUEST_SERVED, served, traced=False)
+            await served_events.close()

@@ -5,14 +5,25 @@ and so on, labelled `model_name`), measured where the client sees them: from
 the moment ingress received the request. Per-node engine metrics come from the
 workers' heartbeats (`FleetCollector`), so a dashboard built for vLLM works on
 a kvlane fleet by scraping its ingresses.
+
+With several ingress processes on one port (`ingress.processes`), a scrape
+reaches any one of them: each then writes its request metrics to files in
+PROMETHEUS_MULTIPROC_DIR (prometheus_client's multiprocess mode, chosen when
+that variable is set) and serves the sum over all processes, alive or gone.
+A metrics port of each process's own would leave /metrics on the shared
+port answering for one random process. The fleet's per-node metrics, which
+every process reads from the same heartbeats, come from the process scraped.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
+from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, multiprocess
+from prometheus_client.metrics import MetricWrapperBase
 
 from contracts.messages import StreamEnd
 from services.ingress.fleet_metrics import FleetCollector
@@ -44,8 +55,11 @@ class IngressMetrics:
         """`view`: the live workers, whose heartbeats become the per-node metrics (none without it)."""
         self.registry = CollectorRegistry()
         r = self.registry
+        self._labelled: dict[tuple[MetricWrapperBase, tuple[str, ...]], Any] = {}
         self.requests = Counter("kvlane_ingress_requests", "HTTP requests by endpoint and status", ["endpoint", "status"], registry=r)
-        self.in_flight = Gauge("kvlane_ingress_requests_in_flight", "Requests being served", registry=r)
+        # Summed over the live processes (multiprocess mode; a plain gauge otherwise).
+        self.in_flight = Gauge("kvlane_ingress_requests_in_flight", "Requests being served", registry=r,
+                               multiprocess_mode="livesum")
         # Completions (HTTP and NATS) by the tenant of their API key ("-": none, auth off or no valid key) and outcome.
         self._tenant_requests = Counter(
             "kvlane_ingress_tenant_requests", "Completion requests by API-key tenant and status", ["tenant", "status"], registry=r,
@@ -88,37 +102,57 @@ class IngressMetrics:
             "Broken-off streams resumed on a node, by cause (preempted, handed_back, error, timeout, reconnect).", [*MODEL, "cause"],
             registry=r,
         )
+        # What a scrape serves: these metrics, or in multiprocess mode those of every process.
+        self._exposed = r
+        if shared_dir := os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+            self._exposed = CollectorRegistry()
+            multiprocess.MultiProcessCollector(self._exposed, shared_dir)
         if view is not None:
-            r.register(FleetCollector(view, clock))
+            fleet = FleetCollector(view, clock)
+            r.register(fleet)
+            if self._exposed is not r:
+                self._exposed.register(fleet)
 
-    # Called by the completion path (services/ingress/completions.py) and the dispatcher.
+    def _series(self, metric: MetricWrapperBase, *labels: str) -> Any:
+        """`metric.labels(*labels)`, kept: a handful of lookups per request cost less than as many `labels` calls."""
+        key = (metric, labels)
+        series = self._labelled.get(key)
+        if series is None:
+            series = self._labelled[key] = metric.labels(*labels)
+        return series
+
+    # Called by the HTTP app, the completion path (services/ingress/completions.py) and the dispatcher.
+
+    def http_request(self, endpoint: str, status: int) -> None:
+        self._series(self.requests, endpoint, str(status)).inc()
 
     def first_token(self, model: str, seconds: float) -> None:
-        self._ttft.labels(model).observe(seconds)
+        self._series(self._ttft, model).observe(seconds)
 
     def inter_token(self, model: str, seconds: float) -> None:
-        self._itl.labels(model).observe(seconds)
+        self._series(self._itl, model).observe(seconds)
 
     def finished(self, model: str, end: StreamEnd, e2e_seconds: float) -> None:
-        self._e2e.labels(model).observe(e2e_seconds)
-        self._prompt_tokens.labels(model).inc(end.usage.prompt_tokens)
-        self._cached_tokens.labels(model).inc(end.usage.cached_tokens)
-        self._generation_tokens.labels(model).inc(end.usage.completion_tokens)
-        self._success.labels(model, end.finish_reason).inc()
+        usage = end.usage
+        self._series(self._e2e, model).observe(e2e_seconds)
+        self._series(self._prompt_tokens, model).inc(usage.prompt_tokens)
+        self._series(self._cached_tokens, model).inc(usage.cached_tokens)
+        self._series(self._generation_tokens, model).inc(usage.completion_tokens)
+        self._series(self._success, model, end.finish_reason).inc()
 
     def queued(self, model: str, seconds: float) -> None:
-        self._queue_time.labels(model).observe(seconds)
+        self._series(self._queue_time, model).observe(seconds)
 
     def migrated(self, model: str, cause: str) -> None:
-        self._migrations.labels(model, cause).inc()
+        self._series(self._migrations, model, cause).inc()
 
     def tenant_request(self, tenant: str, status: int, end: StreamEnd | None = None) -> None:
         """A completion request ended with `status` (its HTTP status; 499: the caller left); `end`: its usage, if it finished."""
         label = tenant or "-"
-        self._tenant_requests.labels(label, str(status)).inc()
+        self._series(self._tenant_requests, label, str(status)).inc()
         if end is not None:
-            self._tenant_tokens.labels(label, "prompt").inc(end.usage.prompt_tokens)
-            self._tenant_tokens.labels(label, "completion").inc(end.usage.completion_tokens)
+            self._series(self._tenant_tokens, label, "prompt").inc(end.usage.prompt_tokens)
+            self._series(self._tenant_tokens, label, "completion").inc(end.usage.completion_tokens)
 
     def exposition(self) -> bytes:
-        return generate_latest(self.registry)
+        return generate_latest(self._exposed)

@@ -52,8 +52,9 @@ def prepare(
         tokens_param = "max_tokens"
 
     context = model.max_model_len
-    bad_id = next((t for t in prompt_ids if not 0 <= t < tokenizer.vocab_size), None)
-    if bad_id is not None:
+    # min and max scan in C; the offending id is looked for only when there is one.
+    if prompt_ids and (min(prompt_ids) < 0 or max(prompt_ids) >= tokenizer.vocab_size):
+        bad_id = next(t for t in prompt_ids if not 0 <= t < tokenizer.vocab_size)
         raise ApiError(400, f"token id {bad_id} is outside the vocabulary (0..{tokenizer.vocab_size - 1})",
                        code="invalid_value", param="prompt")
     if not prompt_ids:

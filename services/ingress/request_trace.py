@@ -16,7 +16,7 @@ import asyncio
 
 from opentelemetry import trace
 from opentelemetry.context import Context
-from opentelemetry.trace import SpanKind, Tracer
+from opentelemetry.trace import INVALID_SPAN, NoOpTracer, SpanKind, Tracer
 
 from contracts.messages import StreamEnd
 from services.ingress.errors import ApiError
@@ -52,6 +52,10 @@ class RequestTrace:
         self._model: str | None = None
         self._ttft_s: float | None = None
         self._ended = False
+        if isinstance(tracer, NoOpTracer) and not trace.get_current_span(parent).get_span_context().is_valid:
+            # Tracing off and no caller's trace to continue: nothing to record or pass on, so no span to make.
+            self.span, self.context = INVALID_SPAN, parent if parent is not None else Context()
+            return
         self.span = tracer.start_span(
             genai.span_name(operation, None), context=parent, kind=SpanKind.SERVER,
             attributes={genai.OPERATION_NAME: operation, genai.PROVIDER_NAME: genai.PROVIDER},

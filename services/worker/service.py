@@ -342,14 +342,16 @@ class WorkerService:
             self._abort_reasons.pop(request.request_id, None)
             await self._publish_finished(request, outcome, completion_tokens, cached_tokens, time.monotonic() - started)
 
-    async def _outputs(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
+    def _outputs(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
         """The engine's outputs; with a `kv_ref`, pulled KV first, else (pull failed) a local prefill."""
+        if request.kv_ref is None:
+            # The engine's own iterator: no generator in between to resume for every output.
+            return self._engine.generate(request)
+        return self._outputs_on_pulled_kv(request)
+
+    async def _outputs_on_pulled_kv(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
         ref = request.kv_ref
-        if ref is None:
-            async with contextlib.aclosing(self._engine.generate(request)) as outputs:
-                async for output in outputs:
-                    yield output
-            return
+        assert ref is not None
         released = False
         transfer = KvTransferSpan(self._tracer, ref, self._kv_link)
         try:

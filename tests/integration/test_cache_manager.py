@@ -27,7 +27,7 @@ from contracts.cache import (
     PrefixesRouted,
     RoutedPrefix,
 )
-from contracts.messages import ErrorReply, GenerateRequest, KvEvents, SamplingParams
+from contracts.messages import ErrorReply, GenerateRequest, KvEvents, SamplingParams, WorkerRequest
 from kvlane.launcher import wait_services_ready
 from shared.block_ledger import BlockLedger, lease_key
 from tests.integration.conftest import MODEL, launch
@@ -204,7 +204,7 @@ async def test_two_replicas_prewarm_a_hot_prefix_once_not_once_each(tmp_path: Pa
         first = asyncio.Event()
 
         async def on_inbox(msg) -> None:
-            request_id = msgspec.msgpack.decode(msg.data).get("request_id", "")
+            request_id = msgspec.msgpack.decode(msg.data, type=WorkerRequest).request_id
             if request_id.startswith("prewarm-"):
                 prewarms.append(request_id)
                 first.set()

@@ -7,7 +7,7 @@ import pytest
 
 from services.balancer.backlog import PrefillBacklog
 from services.balancer.policies.jffc import JffcPerRequest
-from services.balancer.router import Placement
+from services.balancer.router import Placement, Queued
 from tests.unit.balancer_fixtures import NOW_WALL, TINY, chain, heartbeat, request, router, snapshot
 
 
@@ -85,3 +85,43 @@ def test_per_request_jffc_counts_the_backlog_as_time_before_its_prefill() -> Non
     swamped = msgspec.structs.replace(chain("a", cached=128), prefill_backlog_s=TINY.b * 4000)
     assert policy.choose(req, snapshot(swamped, chain("b"), request_blocks=128)).worker_id == "b"
 
+
+
+@pytest.mark.parametrize("use_index", [True, False])
+def test_a_request_waits_for_a_slot_rather_than_behind_a_long_prefill_backlog(use_index: bool) -> None:
+    r = router("jffc_per_request", max_per_chain=2)
+    if not use_index:
+        r.chains = None
+    r.builder.clock = lambda: NOW_WALL
+    heartbeats = [heartbeat("a"), heartbeat("b")]
+    for hb in heartbeats:
+        r.builder.observe(hb)
+    # 50k uncached prompt tokens at 20 us each: one second of prefill ahead on its node.
+    long = r.admit(request("long", prompt=50_000, output=16), heartbeats, NOW_WALL)
+    assert isinstance(long, Placement)
+    other = r.admit(request("s1"), heartbeats, NOW_WALL)
+    assert isinstance(other, Placement) and other.chain.worker_id != long.chain.worker_id
+    assert isinstance(r.admit(request("s2"), heartbeats, NOW_WALL), Placement)  # the other node is full now
+    # No departures measured: no prediction of the queue's wait, so the free slot is taken.
+    assert r.backlog_bound_s(request("s3"), NOW_WALL) == float("inf")
+    for i in range(10):
+        r.degradation.departures.note(NOW_WALL - 1 + i / 10)  # ten a second: a slot frees in 0.1 s
+    queued = r.admit(request("s3"), heartbeats, NOW_WALL)
+    assert isinstance(queued, Queued)
+    assert r.dispatch_queued(lambda model: heartbeats) == []  # still behind the backlog
+    # Once the other node frees a slot, the queued request takes it.
+    r.finished("s1", other.chain.worker_id)
+    [(entry, placement)] = r.dispatch_queued(lambda model: heartbeats)
+    assert entry.request_id == "s3" and placement.chain.worker_id == other.chain.worker_id
+
+
+def test_a_policy_that_does_not_cost_its_own_wait_takes_any_free_slot() -> None:
+    r = router("least_loaded", max_per_chain=2)
+    r.builder.clock = lambda: NOW_WALL
+    heartbeats = [heartbeat("a")]
+    r.builder.observe(heartbeats[0])
+    for i in range(10):
+        r.degradation.departures.note(NOW_WALL - 1 + i / 10)
+    assert isinstance(r.admit(request("long", prompt=50_000, output=16), heartbeats, NOW_WALL), Placement)
+    assert r.backlog_bound_s(request("s1"), NOW_WALL) == float("inf")
+    assert isinstance(r.admit(request("s1"), heartbeats, NOW_WALL), Placement)

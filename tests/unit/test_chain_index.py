@@ -225,3 +225,31 @@ def test_every_indexed_policy_takes_the_index(policy: str) -> None:
     placement = router.admit(request("r1"), heartbeats, NOW_WALL)
     assert isinstance(placement, Placement)
 
+
+
+def _indexed_decision(router: Router, req):
+    heartbeats = [heartbeat(w, sent_at=NOW_WALL) for w in WORKERS]
+    for hb in heartbeats:
+        router.observe(hb)
+    index = router.chains
+    assert index is not None and index.sync(heartbeats)
+    return index, index.decision(req, router.index.match(req.block_hashes))
+
+
+def test_least_names_float_columns_only() -> None:
+    _, decision = _indexed_decision(build("least_loaded", 1.0, True, lambda: NOW_WALL), request("r1"))
+    assert decision.least("load", "-speed") == decision.free_rows.tolist() == list(range(len(WORKERS)))  # identical nodes: all tied
+    with pytest.raises(ValueError, match="slots_used"):
+        decision.least("load", "slots_used")
+    with pytest.raises(ValueError):
+        decision.least()
+
+
+def test_a_decision_reads_the_request_columns_only_until_the_next_one() -> None:
+    """Each decision writes its request's cached blocks into the index: an older one must not cost with them."""
+    router = build("jffc_per_request", 1.0, True, lambda: NOW_WALL)
+    index, first = _indexed_decision(router, request("r1"))
+    assert len(first.request_seconds(64, 16, 1.0)) == len(WORKERS)
+    index.decision(request("r2"), {})
+    with pytest.raises(RuntimeError):
+        first.cheapest(64, 16, 1.0)

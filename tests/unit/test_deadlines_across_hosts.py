@@ -23,6 +23,7 @@ from contracts.messages import (
     RouteRequest,
     SamplingParams,
     WorkerRegistration,
+    WorkerRequest,
 )
 from services.ingress import dispatch as dispatch_module
 from services.ingress.dispatch import Dispatcher
@@ -137,13 +138,13 @@ async def test_a_skewed_senders_request_gets_its_time_on_the_receivers_clock(ske
 async def test_the_wire_carries_time_left_and_no_moment() -> None:
     bus = LoopbackBus()
     await run_until_the_deadline(bus)
-    sent = [(subject, msgspec.msgpack.decode(data)) for subject, data in bus.sent]
-    (route,) = [message for subject, message in sent if subject == subjects.ROUTE]
-    (generate,) = [message for subject, message in sent if message.get("type") == GenerateRequest.__struct_config__.tag]
+    (route,) = [msgspec.msgpack.decode(data, type=RouteRequest) for subject, data in bus.sent if subject == subjects.ROUTE]
+    to_workers = [msgspec.msgpack.decode(data, type=WorkerRequest) for subject, data in bus.sent if subject.endswith(".generate")]
+    (generate,) = [message for message in to_workers if isinstance(message, GenerateRequest)]
     for message in (route, generate):
-        assert "deadline" not in message and 0 < message["timeout_s"] <= REQUEST_TIMEOUT_S
+        assert "deadline" not in message.__struct_fields__ and 0 < message.timeout_s <= REQUEST_TIMEOUT_S
     # No field of either holds a moment (Unix epoch seconds, today about 1.7e9).
-    assert not [value for value in floats_in([route, generate]) if value > 1e6]
+    assert not [value for value in floats_in(msgspec.to_builtins([route, generate])) if value > 1e6]
 
 
 def floats_in(value: object) -> list[float]:

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvlane.restarts import GiveUp, Restart, RestartBook, RestartPolicy
+from shared.restarts import GiveUp, Restart, RestartBook, RestartPolicy
 
 POLICY = RestartPolicy(first_delay_s=0.5, max_delay_s=30.0, stable_after_s=60.0, limit=10)
 

@@ -42,10 +42,8 @@ class Jffc:
         return self._rotation.best(free, lambda c: (-c.node.speed, c.load, -c.node.health_weight))
 
     def choose_indexed(self, request: RouteRequest, chains: Decision) -> int | None:
-        if not len(chains.free_rows):
-            return None
-        index = chains.index
-        return self._rotation.among(chains.lowest(-index.speed, index.load, -index.health))
+        tied = chains.least("-speed", "load", "-health")
+        return self._rotation.among(tied) if tied else None
 
 
 class JffcPerRequest:
@@ -66,6 +64,11 @@ class JffcPerRequest:
     """
 
     name = "jffc_per_request"
+    # The router offers it only free chains whose prefill backlog is within
+    # `Degradation.backlog_bound_s`: its own wait is part of its cost, but with
+    # only free chains to compare it would still take a slot behind seconds of
+    # prefill (a node busy with long prompts) over waiting briefly for another.
+    bounds_backlog = True
 
     def __init__(self, imposed_delay_weight: float = 1.0) -> None:
         self._imposed_weight = imposed_delay_weight
@@ -78,45 +81,12 @@ class JffcPerRequest:
         return self._rotation.best(free, lambda c: self.expected_seconds(request, c))
 
     def choose_indexed(self, request: RouteRequest, chains: Decision) -> int | None:
-        if not len(chains.free_rows):
-            return None
-        return self._rotation.among(chains.lowest(self.expected_seconds_indexed(request, chains)))
+        tied = chains.cheapest(request.prompt_tokens, request.max_tokens, self._imposed_weight)
+        return self._rotation.among(tied) if tied else None
 
     def expected_seconds_indexed(self, request: RouteRequest, chains: Decision) -> np.ndarray:
-        """`expected_seconds` of every row at once: the same operations in the same order, on columns.
-
-        Kept equal to it value for value (tests/unit/test_chain_index.py);
-        busy rows get a figure too, which costs less than selecting the free ones first.
-        """
-        index = chains.index
-        prompt, output = request.prompt_tokens, request.max_tokens
-        a, b = index.a, index.b
-        # StepModel.request_seconds at factor 1, with `a + c * batch` kept per row. Rows caching none
-        # of the prompt prefill all of it; the few that cache some are priced one by one.
-        prefill_cost = b * prompt  # b * uncached tokens
-        prefill = a + prefill_cost if prompt > 0 else np.zeros(len(a))
-        for row, uncached in chains.uncached_tokens(prompt).items():
-            prefill_cost[row] = b[row] * uncached
-            prefill[row] = a[row] + prefill_cost[row] if uncached > 0 else 0.0
-        # Without a KV term on any node (d = 0), `x + d * kv` is x: those operations are skipped.
-        kv_term = index.has_kv_term()
-        if kv_term:
-            kv_tokens = (index.kv_tokens + prompt) + output / 2
-            decode = output * (index.step_at_batch + index.d * kv_tokens)
-        else:
-            decode = output * index.step_at_batch
-        seconds = ((index.per_request + prefill) if index.has_overhead() else prefill) + decode
-        backlog_s = chains.backlog_s()
-        if backlog_s is not None:
-            seconds = backlog_s + seconds
-        if self._imposed_weight:
-            # StepModel.imposed_seconds: none on an idle node.
-            per_decode_step = index.c + index.d * (prompt + output / 2) if kv_term else index.c
-            imposed = index.present * (prefill_cost + per_decode_step * output / 2)
-            if self._imposed_weight != 1.0:
-                imposed = self._imposed_weight * imposed
-            seconds = seconds + np.where(index.busy, imposed, 0.0)
-        return seconds / index.health if index.has_weights() else seconds
+        """`expected_seconds` of every row at once (compiled; equal to it value for value, tests/unit/test_chain_index.py)."""
+        return chains.request_seconds(request.prompt_tokens, request.max_tokens, self._imposed_weight)
 
     def expected_seconds(self, request: RouteRequest, chain: ChainState) -> float:
         node = chain.node

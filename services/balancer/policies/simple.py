@@ -62,9 +62,8 @@ class LeastLoaded:
         return self._rotation.best(free, lambda c: (c.load, c.kv_usage))
 
     def choose_indexed(self, request: RouteRequest, chains: Decision) -> int | None:
-        if not len(chains.free_rows):
-            return None
-        return self._rotation.among(chains.lowest(chains.index.load, chains.index.kv_usage))
+        tied = chains.least("load", "kv_usage")
+        return self._rotation.among(tied) if tied else None
 
 
 class PowerOfTwo:

@@ -212,13 +212,24 @@ class SimEngine:
 
     async def _run(self) -> None:
         fail_after = self._settings.fail_after_tokens
+        loop = asyncio.get_running_loop()
+        step_end: float | None = None
+        step_s = 0.0
         while True:
             if not self._scheduler.has_work():
                 self._wake.clear()
                 await self._wake.wait()
+                step_end = None
                 continue
+            # The profile's step time includes the engine's own scheduling work, so a step runs from the previous
+            # one's due end, not from whenever this loop woke up: otherwise the scheduler's CPU and every late
+            # wake-up are added to every step. A stall longer than a step is not made up for by shorter steps.
+            now = loop.time()
+            started = step_end if step_end is not None and now - step_end < step_s else now
             outcome = self._scheduler.step()
-            await asyncio.sleep(outcome.duration_s / self._settings.speed)
+            step_s = outcome.duration_s / self._settings.speed
+            step_end = started + step_s
+            await asyncio.sleep(max(0.0, step_end - loop.time()))
             self._deliver(outcome)
             self._tokens_generated += len(outcome.emitted)
             if fail_after and self._tokens_generated >= fail_after:

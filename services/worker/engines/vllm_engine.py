@@ -32,6 +32,7 @@ import msgspec
 import structlog
 import zmq
 from vllm import SamplingParams as VllmSamplingParams
+from vllm import envs as vllm_envs
 from vllm.config import KVTransferConfig
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from vllm.engine.arg_utils import AsyncEngineArgs
@@ -39,7 +40,7 @@ from vllm.exceptions import VLLMClientError
 from vllm.inputs import TokensPrompt
 from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine.async_llm import AsyncLLM
-from vllm.v1.metrics.loggers import StatLoggerBase
+from vllm.v1.metrics.loggers import PrometheusStatLogger
 
 from contracts.messages import EngineStats, FinishReason, KvRef, SamplingParams
 from services.worker.engines.base import (
@@ -118,16 +119,32 @@ class StepCounters:
 
 
 def _stat_logger_factory(counters: StepCounters):
-    """A vLLM stat-logger factory feeding `counters` (vLLM calls it with the engine config)."""
+    """A vLLM stat logger feeding `counters`, in place of vLLM's Prometheus logger.
 
-    class CountersLogger(StatLoggerBase):
-        def __init__(self, vllm_config, engine_index: int = 0) -> None:
-            pass
+    vLLM adds its own Prometheus logger unless one is given. Its histograms
+    are observed for every running request at every step, and nothing reads
+    them here: the worker serves its own registry only (metrics.py), and
+    ingress exports the fleet's numbers from the heartbeats. Being a
+    `PrometheusStatLogger` (without its metrics) keeps that cost out.
+    """
+
+    class CountersLogger(PrometheusStatLogger):
+        def __init__(self, vllm_config, engine_indexes: list[int] | None = None) -> None:
+            pass  # no metrics of vLLM's are registered
 
         def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0) -> None:
             counters.on_step(scheduler_stats, iteration_stats)
 
+        def record_sleep_state(self, sleep: int = 0, level: int = 0) -> None:
+            pass
+
+        def record_admission_rejection(self, reason: str) -> None:
+            pass
+
         def log_engine_initialized(self) -> None:
+            pass
+
+        def log(self) -> None:
             pass
 
     return CountersLogger
@@ -305,12 +322,18 @@ class VllmEngine:
         # One engine per worker process: its engine core reads these at start.
         os.environ.update(self._env)
         self._kv_events = KvEventSubscriber(self._rehasher)
+        # Read afresh: an engine started before in this process may have cached other values.
+        vllm_envs.disable_envs_cache()
         try:
             args = self.engine_args(self._kv_events.endpoint)
             self._engine = AsyncLLM.from_engine_args(args, stat_loggers=[_stat_logger_factory(self._counters)])
         except Exception as exc:
             # vLLM has logged the details; the worker stops with one line naming the cause.
             raise EngineConfigError(f"vLLM engine failed to start: {_root_cause(exc)}") from exc
+        # What vLLM's engine-core processes do once started: without the cache, every
+        # `vllm.envs` attribute is an environment lookup, and vLLM's output processing
+        # reads some for every request at every step.
+        vllm_envs.enable_envs_cache()
         self._kv_blocks_total = self._engine.vllm_config.cache_config.num_gpu_blocks or 0
         log.info("vllm_engine_started", model=self._served_model_name, role=self._role, kv_blocks=self._kv_blocks_total,
                  block_size=self._resolved.block_size, max_model_len=self._resolved.max_model_len,
