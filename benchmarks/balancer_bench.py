@@ -242,17 +242,24 @@ async def bench_nats(policy: str, sizes: tuple[int, ...], sequential: int, concu
             await asyncio.sleep(IDLE_SAMPLE_S)
             idle_share = (_cpu_seconds(balancer_process) - idle_cpu) / (time.perf_counter() - idle_started)
             busy_cpu, started = _cpu_seconds(balancer_process), time.perf_counter()
+            io_before = balancer_process.io_counters()
             await asyncio.gather(*(limited() for _ in range(concurrent)))
             elapsed = time.perf_counter() - started
             busy_cpu = _cpu_seconds(balancer_process) - busy_cpu
+            io_after = balancer_process.io_counters()
             results[nodes] = r = _summary(latencies, concurrent / elapsed)
             r["balancer_idle_cpu_share"] = round(idle_share, 3)
             r["balancer_cpu_us_per_decision"] = round(busy_cpu / concurrent * 1e6, 1)
             r["balancer_marginal_cpu_us_per_decision"] = round(max(0.0, busy_cpu - idle_share * elapsed) / concurrent * 1e6, 1)
+            # Socket reads and writes (on a loopback socket each write also runs the receiver's side of TCP): how
+            # well the replies and the Redis scripts of concurrent decisions share them.
+            r["balancer_reads_per_decision"] = round((io_after.read_count - io_before.read_count) / concurrent, 2)
+            r["balancer_writes_per_decision"] = round((io_after.write_count - io_before.write_count) / concurrent, 2)
             print(f"  nats {policy:17s} {nodes:4d} nodes  p50 {r['p50_us']:8.0f} us  p99 {r['p99_us']:8.0f} us  "
                   f"{r['decisions_per_s']:6d}/s  balancer CPU {r['balancer_cpu_us_per_decision']:5.0f} us/decision, "
                   f"{r['balancer_marginal_cpu_us_per_decision']:5.0f} beyond its idle {100 * idle_share:4.1f}% of a core "
-                  f"({(1 - idle_share) * 1e6 / max(r['balancer_marginal_cpu_us_per_decision'], 1e-3):6.0f}/s per core)",
+                  f"({(1 - idle_share) * 1e6 / max(r['balancer_marginal_cpu_us_per_decision'], 1e-3):6.0f}/s per core), "
+                  f"{r['balancer_reads_per_decision']:.2f} reads and {r['balancer_writes_per_decision']:.2f} writes per decision",
                   flush=True)
         heartbeats.cancel()
         await nc.close()
@@ -288,11 +295,14 @@ def main() -> None:
     parser.add_argument("--no-snapshot", action="store_true", help="skip the snapshot-per-decision reference in the pure core")
     parser.add_argument("--heartbeat-every", type=int, default=0, help="pure core: a new heartbeat every N decisions (0: none)")
     parser.add_argument("--no-kv", action="store_true", help="through NATS without the cache-manager's KV allocation")
+    parser.add_argument("--decisions", type=int, default=0,
+                        help="through NATS: route requests in the throughput run (default 2000, 300 with --quick); more gives a profiler time")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "balancer_bench.json"))
     args = parser.parse_args()
     policies = [p for p in args.policies.split(",") if p]
     sizes = tuple(int(s) for s in args.sizes.split(","))
     core_decisions, sequential, concurrent = (300, 100, 300) if args.quick else (3000, 400, 2000)
+    concurrent = args.decisions or concurrent
     report: dict = {"sizes": sizes, "core": {}, "core_snapshot": {}, "nats": {}, "concurrency": args.concurrency,
                     "allocate_kv": not args.no_kv, "heartbeat_every": args.heartbeat_every}
     print("pure core (admit + release, no I/O): as the balancer routes (on the chain index where the policy supports it),"

@@ -4,13 +4,14 @@ The sim charges every batched forward pass (shared/step_profile.py)
 
     step = a + b*prefill_tokens + c*decode_seqs + d*kv_tokens
              + per_request*new_requests + per_output_token*emitted_tokens
+             + b2*prefill_tokens**2 + wake_latency*[first step after reaching an idle engine]
 
 where, as its scheduler counts them, ``kv_tokens`` sums the context each
 sequence in the step attends to (a prefill chunk counts its context after
 the chunk; a decode counts its context including the fed-back token),
 ``new_requests`` counts the requests the step admits for the first time and
 ``emitted_tokens`` the tokens it produces. Client-visible latencies are sums
-of steps, so they are linear in the six coefficients:
+of steps, so they are linear in the eight coefficients:
 
 * TTFT of a request = the steps from its arrival to the one that finishes its
   prefill. A lone request prefilled in one step gives
@@ -25,7 +26,7 @@ Rather than approximating the queueing, each measured batch is replayed
 through the sim's own ``SimScheduler`` (with the engine's max_num_seqs,
 token budget and block size): every step contributes a feature vector
 ``x = (1, prefill_tokens, decode_seqs, kv_tokens, new_requests,
-emitted_tokens)``, and every latency the client saw becomes an exact sum of
+emitted_tokens, prefill_tokens**2, wakes)``, and every latency the client saw becomes an exact sum of
 them:
 
     TTFT_r   = (sum of x over the steps until r's first output) . coefficients
@@ -33,15 +34,21 @@ them:
 
 (When vLLM delivers n tokens in one output, that output's equation is
 divided by n: n inter-token gaps of equal share.) All equations are solved
-together for coefficients >= 0, minimising the mean absolute *relative*
-error (see ``fit_rows``). The fit error is that MAPE, reported separately
-for TTFT and ITL, on the measurements the fit was made from.
+together for coefficients >= 0, minimising the absolute error of each
+relative to the median measurement of its cell, TTFT and ITL weighing the
+same (see ``fit_rows``). The fit error is the mean absolute relative error
+(MAPE), reported separately for TTFT and ITL, on the measurements the fit
+was made from.
 
 The replay, like the sim the profile is made for, runs the first request of
 each batch alone (``lone_first_step``, see ``LONE_FIRST_STEP``). The two
 per-request terms differ from ``c`` only in the step that ends a prefill
 (it emits a token for a sequence that ``c`` does not count) and in
 admissions, so on a few shapes the fit may move cost between them freely.
+Every measured batch reaches an idle engine, so ``wake_latency`` is a
+constant on every TTFT here and on no ITL: it takes the serving process's
+share of the TTFT, which ``a`` and ``per_request`` absorbed before (and
+then overcharged every step of a longer burst).
 
     kvlane calibrate                       # the tiny CPU model, built if needed
     kvlane calibrate --model /models/llama --batch-sizes 1,8,64 --prompt-tokens 128,1024
@@ -82,7 +89,7 @@ DEFAULT_PROMPTS = (32, 128, 512)
 DEFAULT_MAX_TOKENS = 32
 # Prompt token ids are drawn above the tokenizer's special tokens.
 LOWEST_TOKEN_ID = 16
-COEFFICIENTS = ("a", "b", "c", "d", "per_request", "per_output_token")
+COEFFICIENTS = ("a", "b", "c", "d", "per_request", "per_output_token", "b2", "wake_latency")
 # A batch sent at once to an idle vLLM engine mostly starts with its first
 # request alone (tiny CPU model, batches of 4-16 requests: 159 of 208 on a
 # quiet machine, 80 of 144 on a busy one): the engine core steps as soon as
@@ -204,7 +211,7 @@ def sim_scheduler(limits: EngineLimits, profile: StepTimeProfile) -> SimSchedule
 
 
 def token_features(prompts: list[list[int]], max_tokens: int, limits: EngineLimits) -> list[np.ndarray]:
-    """Per request, a (max_tokens x 6) array: the summed step features up to each of its output tokens.
+    """Per request, a (max_tokens x len(COEFFICIENTS)) array: the summed step features up to each of its output tokens.
 
     Which steps run what does not depend on the coefficients, so the replay
     uses an all-zero profile and keeps the step shapes.
@@ -219,7 +226,8 @@ def token_features(prompts: list[list[int]], max_tokens: int, limits: EngineLimi
         outcome = scheduler.step()
         if outcome.prefill_tokens or outcome.decode_seqs:  # the profile charges nothing for an empty step
             elapsed = elapsed + (1.0, outcome.prefill_tokens, outcome.decode_seqs, outcome.kv_tokens,
-                                 outcome.new_requests, len(outcome.emitted))
+                                 outcome.new_requests, len(outcome.emitted), outcome.prefill_tokens**2,
+                                 float(outcome.wakes))
         for request_id, _ in outcome.emitted:
             marks[int(request_id)].append(elapsed)
     return [np.array(m) for m in marks]
@@ -227,7 +235,7 @@ def token_features(prompts: list[list[int]], max_tokens: int, limits: EngineLimi
 
 @dataclass
 class Rows:
-    """The fitting equations: features (n x 6) . coefficients ~ measured seconds."""
+    """The fitting equations: features (n x len(COEFFICIENTS)) . coefficients ~ measured seconds."""
 
     ttft_x: list[np.ndarray] = field(default_factory=list)
     ttft_y: list[float] = field(default_factory=list)
@@ -270,7 +278,7 @@ def nonnegative_least_squares(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     """argmin ||x.w - y|| subject to w >= 0, exactly, for a handful of columns.
 
     The optimum is the unconstrained fit on its own support, so trying every
-    support and keeping the best non-negative solution finds it (2^6 - 1
+    support and keeping the best non-negative solution finds it (2^8 - 1
     small solves; no scipy needed).
     """
     scale = np.abs(x).max(axis=0)
@@ -313,24 +321,44 @@ IRLS_ROUNDS = 40
 IRLS_FLOOR = 1e-3
 
 
-def fit_rows(rows: Rows) -> Fit:
-    """Coefficients minimising the MAPE over every measured TTFT and ITL, subject to >= 0.
+def cell_medians(values: list[float], cells: list[tuple[int, int]]) -> np.ndarray:
+    """For each value, the median of the values of its cell."""
+    by_cell: dict[tuple[int, int], list[float]] = {}
+    for value, cell in zip(values, cells, strict=True):
+        by_cell.setdefault(cell, []).append(value)
+    medians = {cell: statistics.median(group) for cell, group in by_cell.items()}
+    return np.array([medians[cell] for cell in cells])
 
-    Relative error: each equation is divided by its measurement (target 1),
-    so 5 ms ITLs count as much as 500 ms TTFTs. Absolute rather than squared
-    error (iteratively reweighted least squares, weights 1/|residual|):
-    on a shared CPU, outputs arrive in bursts (gaps of 1/3 and 3x the step
-    time) and the odd batch stalls for 100 ms; squared error chases those,
-    absolute error fits the typical step, which is what p50s compare.
+
+def fit_rows(rows: Rows) -> Fit:
+    """Coefficients minimising the relative absolute error of every measured TTFT and ITL, subject to >= 0.
+
+    Each equation is divided by the median measurement of its cell (same
+    metric, prompt length and batch size), so 5 ms ITLs count as much as
+    500 ms TTFTs. Absolute rather than squared error (iteratively
+    reweighted least squares, weights 1/|residual|): on a shared CPU,
+    outputs arrive in bursts (gaps of 1/3 and 3x the step time) and the odd
+    batch stalls for 100 ms; squared error chases those, absolute error
+    fits the typical step, which is what p50s compare. The divisor is the
+    cell's median, not the row's own measurement: that would make the best
+    constant for a cell the median weighted by 1/measurement, below the
+    median on skewed latencies (every cell's fitted ITL p50 came out 5-20%
+    under the measured one). TTFT and ITL rows weigh the same in total
+    (a request gives one TTFT and max_tokens - 1 ITLs), so the few TTFTs
+    still pin down ``b``, ``b2``, ``per_request`` and ``wake_latency``.
     """
     x = np.array(rows.ttft_x + rows.itl_x)
     y = np.array(rows.ttft_y + rows.itl_y)
-    relative = x / y[:, None]
+    scale = np.concatenate([cell_medians(rows.ttft_y, rows.ttft_cell), cell_medians(rows.itl_y, rows.itl_cell)])
+    share = np.ones(len(y))
+    if rows.ttft_y and rows.itl_y:
+        share[: len(rows.ttft_y)] = len(rows.itl_y) / len(rows.ttft_y)
+    relative, target = x / scale[:, None], y / scale
     weights = np.ones(len(y))
     for _ in range(IRLS_ROUNDS):
-        root = np.sqrt(weights)
-        coefficients = nonnegative_least_squares(relative * root[:, None], root)
-        weights = 1.0 / np.maximum(np.abs(relative @ coefficients - 1.0), IRLS_FLOOR)
+        root = np.sqrt(share * weights)
+        coefficients = nonnegative_least_squares(relative * root[:, None], target * root)
+        weights = 1.0 / np.maximum(np.abs(relative @ coefficients - target), IRLS_FLOOR)
     return Fit(coefficients, mape(rows.ttft_x, rows.ttft_y, coefficients), mape(rows.itl_x, rows.itl_y, coefficients),
                len(rows.ttft_y), len(rows.itl_y))
 
@@ -490,10 +518,11 @@ def print_report(console: Console, rows: Rows, fit: Fit) -> None:
                       _median_ms(pick(rows.itl_cell, rows.itl_y, cell)),
                       _median_ms(pick(rows.itl_cell, fitted_itl, cell)))
     console.print(table)
-    a, b, c, d, per_request, per_output_token = fit.coefficients
+    a, b, c, d, per_request, per_output_token, b2, wake_latency = fit.coefficients
     console.print(f"a = {a * 1e3:.3f} ms   b = {b * 1e6:.3f} us/prefill token   c = {c * 1e6:.3f} us/decode seq   "
                   f"d = {d * 1e9:.3f} ns/KV token   per request {per_request * 1e6:.1f} us   "
-                  f"per output token {per_output_token * 1e6:.1f} us")
+                  f"per output token {per_output_token * 1e6:.1f} us   b2 = {b2 * 1e9:.3f} ns/prefill token^2   "
+                  f"wake latency {wake_latency * 1e3:.2f} ms")
     console.print(f"fit error (MAPE): TTFT {fit.ttft_mape:.1%} over {fit.ttft_rows} requests, "
                   f"ITL {fit.itl_mape:.1%} over {fit.itl_rows} outputs")
 

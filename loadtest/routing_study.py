@@ -15,6 +15,9 @@ is the lowest swept rate at which round robin's SLO attainment falls below
 
 With `--at-knee`, round robin alone runs the sweep and every other policy
 only at its knee (a third of the runs; capacities are then not measured).
+With `--capacity`, each policy's capacity is instead searched for on its
+own (`search_capacity`): widened from the guess, then bisected to within
+`--resolution`, so that capacity ratios are not limited by a coarse grid.
 
 Everything is in simulated time. Writes `study.json` and `study.md` under
 `--out`.
@@ -28,7 +31,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -84,6 +88,51 @@ FLEETS = [
 ]
 POLICIES = ["naive:round_robin", "round_robin", "least_loaded", "prefix_affinity", "kv_cost", "jffc",
             "jffc_per_request"]
+
+
+@dataclass
+class CapacitySearch:
+    """The highest rate at which a policy keeps ATTAINMENT, found to within `resolution` (relative)."""
+
+    capacity: float  # the highest probed rate that attained; 0.0 when none did
+    ceiling: float | None  # the lowest probed rate above it that did not; None when none failed
+    probes: list[tuple[float, float]] = field(default_factory=list)  # (rate, attainment), in probing order
+
+
+def search_capacity(attainment: Callable[[float], float], guess: float, resolution: float = 0.05,
+                    widen: float = 1.5, max_probes: int = 12) -> CapacitySearch:
+    """Widen from `guess` by `widen` until one rate attains and a higher one does not, then bisect.
+
+    Attainment is treated as falling with the rate; where the simulation is not
+    monotone the result is a rate that attained below one that did not,
+    which is what "capacity" can mean on a finite number of runs.
+    """
+    probes: list[tuple[float, float]] = []
+
+    def probe(rate: float) -> bool:
+        value = attainment(rate)
+        probes.append((rate, value))
+        return value >= ATTAINMENT
+
+    low: float | None = None
+    high: float | None = None
+    rate = guess
+    while len(probes) < max_probes and (low is None or high is None):
+        if probe(rate):
+            low = rate
+            rate = rate * widen
+        else:
+            high = rate
+            rate = rate / widen
+        if low is not None and high is not None:
+            break
+    while low is not None and high is not None and high / low > 1 + resolution and len(probes) < max_probes:
+        middle = (low * high) ** 0.5
+        if probe(middle):
+            low = middle
+        else:
+            high = middle
+    return CapacitySearch(capacity=low or 0.0, ceiling=high, probes=probes)
 
 
 def run_simulate(argv: list[str]) -> dict[str, Any]:
@@ -161,6 +210,43 @@ def markdown(study: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def capacity_pair(base: list[str], policies: list[str], guess: float, resolution: float, where: Path) -> dict[str, Any]:
+    """Each policy's capacity searched on its own, and jffc_per_request's over round robin's and the best other's."""
+
+    def attainment_of(policy: str) -> Callable[[float], float]:
+        def attainment(rate: float) -> float:
+            results = run_simulate([*base, "--policies", policy, "--rate", f"{rate:.6g}",
+                                    "--out", str(where / policy.replace(":", "-") / f"{rate:.6g}")])
+            return next(r["summary"]["slo_attainment"] or 0.0 for r in results["runs"] if "summary" in r)
+        return attainment
+
+    searches = {policy: search_capacity(attainment_of(policy), guess, resolution) for policy in policies}
+    capacity = {policy: search.capacity for policy, search in searches.items()}
+    others = [p for p in policies if p != HEADLINE]
+    best_other = max(others, key=lambda p: capacity[p], default=None)
+    targets: dict[str, Any] = {}
+    if HEADLINE in capacity:
+        targets = {"capacity_vs_round_robin": _ratio(capacity[HEADLINE], capacity.get(BASELINE)),
+                   "capacity_vs_naive_round_robin": _ratio(capacity[HEADLINE], capacity.get(f"naive:{BASELINE}")),
+                   "capacity_vs_best_other": _ratio(capacity[HEADLINE], capacity[best_other]) if best_other else None,
+                   "best_capacity_other": best_other}
+    return {"resolution": resolution, "capacity": capacity,
+            "searches": {policy: asdict(search) for policy, search in searches.items()}, "targets": targets}
+
+
+def capacity_markdown(study: dict[str, Any]) -> str:
+    lines = ["| workload | fleet | capacity per policy (req/s) | vs RR | vs naive RR | vs best other (>= 1.3, mixed) |",
+             "|---|---|---|---|---|---|"]
+    fmt = lambda v: "-" if v is None else f"{v:.2f}x"  # noqa: E731
+    for pair in study["pairs"]:
+        t = pair["targets"]
+        per_policy = ", ".join(f"{p} {c:.3g}" for p, c in sorted(pair["capacity"].items(), key=lambda kv: -kv[1]))
+        lines.append(f"| {pair['workload']} | {pair['fleet']} | {per_policy} | {fmt(t.get('capacity_vs_round_robin'))} | "
+                     f"{fmt(t.get('capacity_vs_naive_round_robin'))} | "
+                     f"{fmt(t.get('capacity_vs_best_other'))} ({t.get('best_capacity_other', '-')}) |")
+    return "\n".join(lines) + "\n"
+
+
 def merge(directories: list[Path], out: Path) -> dict[str, Any]:
     """One study of the pairs that studies under `directories` ran, summarized again from their results."""
     fleets = {fleet.name: fleet for fleet in FLEETS}
@@ -190,6 +276,10 @@ def build_parser() -> argparse.ArgumentParser:
                              "instead of the workload's own guess")
     parser.add_argument("--at-knee", action="store_true",
                         help="sweep round robin alone, then run every other policy only at its knee")
+    parser.add_argument("--capacity", action="store_true",
+                        help="search each policy's capacity on its own (widen, then bisect) instead of a fixed sweep")
+    parser.add_argument("--resolution", type=float, default=0.05,
+                        help="with --capacity: stop when the bracket is narrower than this, relative")
     parser.add_argument("--merge", type=Path, nargs="+", metavar="DIR",
                         help="run nothing: summarize again the studies in these --out directories, into --out")
     return parser
@@ -223,6 +313,14 @@ def main(argv: list[str] | None = None) -> int:
             where = out / f"{workload.name}-{fleet.nodes}{'m' if fleet.mixed else ''}"
             guess = (args.rate_per_node or workload.rate_per_node) * fleet.h100_equivalent
             rates = ",".join(f"{guess * k:.4g}" for k in SWEEP)
+            if args.capacity:
+                pair = {"workload": workload.name, "fleet": fleet.name,
+                        **capacity_pair(base, policies, guess, args.resolution, where / "capacity")}
+                study["pairs"].append(pair)
+                (out / "study.json").write_text(json.dumps(study, indent=1) + "\n")
+                (out / "study.md").write_text(capacity_markdown(study))
+                print(f"{workload.name} on {fleet.name}: {json.dumps(pair['targets'])}", flush=True)
+                continue
             if args.at_knee and BASELINE in policies:
                 results = run_simulate([*base, "--policies", BASELINE, "--rates", rates, "--out", str(where / BASELINE)])
                 knee = knee_rate(results)
@@ -240,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
             (out / "study.json").write_text(json.dumps(study, indent=1) + "\n")
             (out / "study.md").write_text(markdown(study))
             print(f"{workload.name} on {fleet.name}: {json.dumps(pair['targets'])}", flush=True)
-    print(markdown(study))
+    print(capacity_markdown(study) if args.capacity else markdown(study))
     return 0
 
 

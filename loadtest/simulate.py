@@ -34,6 +34,7 @@ from loadtest.client import RequestRecord
 from loadtest.driver import DriveLimits
 from loadtest.metrics import Slo, summarize
 from loadtest.overhead import machine_info
+from loadtest.simulation.calibration import per_request_ms, read_delays, spreads_ms
 from loadtest.simulation.world import Latencies, NodeChange, Simulation, SimulationSpec, result_summary
 from loadtest.workloads import WorkloadSpec
 from shared.kv_links import get_link
@@ -72,6 +73,13 @@ def build_parser() -> argparse.ArgumentParser:
                      help="from the engine step that made a token to the client reading it")
     sim.add_argument("--step-overhead-ms", type=float, default=Latencies.step_overhead_s * 1000,
                      help="what a live sim engine's step takes beyond its profile time (timer, event loop)")
+    sim.add_argument("--spreads", type=Path, metavar="FILE",
+                     help="JSON of measured delay distributions, {ingress|hop|decision|handover|stream: [quantiles in "
+                          "ms at evenly spaced probabilities 0..1], or {\"in_flight_up_to\": [bounds], \"quantiles\": "
+                          "[a list per band of requests in flight]}} (or under \"spreads_ms\", as loadtest.fidelity's "
+                          "calibration.json has them): each request draws its own delay from them instead of the "
+                          "constant; and/or under \"per_request_ms\" {delay: [each measured request's value]}: each "
+                          "request takes one measured request's delays together")
     sim.add_argument("--prefill", help="prefill nodes p0..., PROFILE[@SPEED]:COUNT,... (a disaggregated fleet, with --decode)")
     sim.add_argument("--decode", help="decode nodes d0..., PROFILE[@SPEED]:COUNT,... (with --prefill; --fleet adds aggregated ones)")
     sim.add_argument("--kv-link", help="link the KV travels over from prefill to decode nodes (default: worker.sim.kv_link)")
@@ -144,7 +152,9 @@ def plan(args: argparse.Namespace) -> tuple[list[SimRun], dict[str, Any]]:
     issue_for = min(args.duration or args.max_run_time, args.max_run_time)
     limits = DriveLimits(issue_for_s=issue_for, hard_stop_s=issue_for + args.request_timeout + 5.0,
                          concurrency=args.concurrency)
-    latencies = Latencies(**{f"{name}_s": value / 1000.0 for name, value in latency_options_ms(args).items()})
+    spreads, per_request = read_delays(args.spreads) if args.spreads else ((), ())
+    latencies = Latencies(**{f"{name}_s": value / 1000.0 for name, value in latency_options_ms(args).items()},
+                          spreads=spreads, per_request=per_request)
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     runs = []
     for rate in loads(args):
@@ -211,6 +221,8 @@ def main(argv: list[str] | None = None) -> int:
             "slo": {"ttft_ms": args.ttft_slo_ms, "tpot_ms": args.tpot_slo_ms},
             "request_timeout_s": args.request_timeout,
             "latencies_ms": latency_options_ms(args),
+            "latency_spreads_ms": spreads_ms(runs[0].latencies) if runs else {},
+            "latency_per_request_ms": per_request_ms(runs[0].latencies) if runs else {},
             "node_changes": [asdict(c) for c in runs[0].changes] if runs else [],
             "units": UNITS,
             "argv": list(sys.argv[1:] if argv is None else argv),

@@ -9,8 +9,9 @@ whose parent is the sender's, so one trace spans all services.
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import itertools
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -21,6 +22,7 @@ import structlog
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
+from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.trace import SpanKind
 
@@ -34,6 +36,10 @@ T = TypeVar("T")
 Handler = Callable[[T, Msg], Awaitable[msgspec.Struct | None]]
 
 log = structlog.get_logger("kvlane.bus")
+
+# The status header NATS puts on the reply to a request nobody subscribes to.
+_STATUS_HEADER = "Status"
+_NO_RESPONDERS = "503"
 
 
 class BusError(Exception):
@@ -56,6 +62,13 @@ class Bus:
         self._decoders: dict[Any, msgspec.msgpack.Decoder] = {}
         self._tasks: set[asyncio.Task] = set()
         self._closing = False
+        # Tracing off here: a message that brings no trace context gets no span either.
+        self._tracing = not isinstance(telemetry.tracer, trace.NoOpTracer)
+        # Replies to this connection's requests: one wildcard inbox, a future per request by its token.
+        self._reply_prefix = ""
+        self._reply_inbox_ready: asyncio.Future[str] | None = None
+        self._awaited_replies: dict[str, asyncio.Future[Msg | None]] = {}
+        self._reply_tokens = map(str, itertools.count())
         # Monotonic time of the last reconnect: messages in flight around it
         # may be lost, so streams that go quiet after it should not wait long.
         self.reconnected_at: float | None = None
@@ -119,18 +132,54 @@ class Bus:
         """Send and wait for one typed reply; raise `NoResponders` or `RequestTimeout`.
 
         `context`: the trace the request belongs to (default: the current span's).
+
+        Not `NatsClient.request`: per call it draws random bytes from the OS
+        for the reply token and waits through `asyncio.wait_for` (two more
+        futures and a loop iteration). Here a reply is a counter's token on
+        this connection's one reply inbox, resolved by its future directly.
         """
         headers = self._telemetry.inject(context=context)
+        prefix = self._reply_prefix or await self._reply_inbox()
+        token = next(self._reply_tokens)
+        loop = asyncio.get_running_loop()
+        waiting = self._awaited_replies[token] = loop.create_future()
+        expiry = loop.call_later(timeout, _settle, waiting, None)
         try:
-            reply = await self._nc.request(subject, self._encoder.encode(message), timeout=timeout, headers=headers or None)
-        except nats.errors.NoRespondersError as exc:
-            raise NoResponders(subject) from exc
-        except nats.errors.TimeoutError as exc:
-            raise RequestTimeout(f"{subject}: no reply within {timeout:.1f}s") from exc
+            await self._nc.publish(subject, self._encoder.encode(message), reply=prefix + token, headers=headers or None)
+            reply = await waiting
+        finally:
+            expiry.cancel()
+            del self._awaited_replies[token]
+        if reply is None:
+            raise RequestTimeout(f"{subject}: no reply within {timeout:.1f}s")
+        if reply.headers and reply.headers.get(_STATUS_HEADER) == _NO_RESPONDERS and not reply.data:
+            raise NoResponders(subject)
         try:
             return self._decoder(reply_type).decode(reply.data)
         except msgspec.DecodeError as exc:
             raise BusError(f"{subject}: undecodable reply: {exc}") from exc
+
+    async def _reply_inbox(self) -> str:
+        """This connection's reply inbox prefix, subscribed on first use (concurrent first requests share it)."""
+        if self._reply_inbox_ready is None:
+            self._reply_inbox_ready = asyncio.get_running_loop().create_future()
+            try:
+                prefix = self._nc.new_inbox() + "."
+                # Before the first request goes out: the SUB is queued ahead of its PUB on this connection.
+                await self._nc.subscribe(prefix + "*", cb=self._on_reply)
+            except BaseException as exc:
+                ready, self._reply_inbox_ready = self._reply_inbox_ready, None
+                ready.set_exception(exc)
+                ready.exception()  # retrieved: the next request tries again
+                raise
+            self._reply_prefix = prefix
+            self._reply_inbox_ready.set_result(prefix)
+        return await asyncio.shield(self._reply_inbox_ready)
+
+    async def _on_reply(self, msg: Msg) -> None:
+        waiting = self._awaited_replies.get(msg.subject[len(self._reply_prefix):])
+        if waiting is not None:
+            _settle(waiting, msg)  # a late reply to a request that gave up finds nobody
 
     async def subscribe(
         self,
@@ -159,7 +208,8 @@ class Bus:
                 log.warning("bad_message", subject=msg.subject, error=str(exc), size=len(msg.data))
                 await self._reply(msg, ErrorReply(code="bad_request", message=f"undecodable message: {exc}", status=400))
                 return
-            if traced:
+            if traced and (self._tracing or msg.headers):
+                # With tracing off, a caller's trace context still passes through the handler to what it sends.
                 context = self._telemetry.extract(msg.headers)
                 with self._telemetry.tracer.start_as_current_span(f"handle {subject}", context=context, kind=SpanKind.CONSUMER):
                     await handle(message, msg)
@@ -175,13 +225,10 @@ class Bus:
             if reply is not None:
                 await self._reply(msg, reply)
 
-        async def callback(msg: Msg) -> None:
-            if concurrent:
-                self.spawn(serve(msg))
-            else:
-                await serve(msg)
+        async def spawn_serve(msg: Msg) -> None:
+            self.spawn(serve(msg))
 
-        subscription = await self._nc.subscribe(subject, queue=queue, cb=callback)
+        subscription = await self._nc.subscribe(subject, queue=queue, cb=spawn_serve if concurrent else serve)
         # Once subscribe returns, the server knows the interest: a request
         # sent right after from another connection finds a responder. Twice,
         # because nats-py writes a flush's PING straight to the socket, ahead
@@ -194,7 +241,8 @@ class Bus:
     async def _reply(self, msg: Msg, reply: msgspec.Struct) -> None:
         if msg.reply:
             try:
-                await msg.respond(self._encoder.encode(reply))
+                # Not `msg.respond`: it sends the request's headers back too, which no requester reads.
+                await self._nc.publish(msg.reply, self._encoder.encode(reply))
             except nats.errors.Error as exc:
                 log.warning("reply_failed", subject=msg.subject, error=str(exc))
 
@@ -235,34 +283,75 @@ async def _on_error(exc: Exception) -> None:
     log.warning("nats_error", error=str(exc))
 
 
+def _settle(waiting: asyncio.Future, result: Any) -> None:
+    if not waiting.done():
+        waiting.set_result(result)
+
+
 class ReplyStream:
-    """The frames of one streamed reply, in order, as they arrive."""
+    """The frames of one streamed reply, in order, as they arrive.
+
+    One timer per stream, not one per frame: a wait moves the stream's
+    deadline, and the timer, when it fires early, sleeps on to the latest.
+    """
 
     def __init__(self, request_id: str, subject: str, release: Callable[[str], None]) -> None:
         self.request_id = request_id
         self.subject = subject
-        self._frames: asyncio.Queue[StreamFrame] = asyncio.Queue()
+        self._frames: deque[StreamFrame] = deque()
         self._release = release
+        # The reader's future while it waits: True when a frame came, False when the wait timed out.
+        self._waiter: asyncio.Future[bool] | None = None
+        self._deadline = 0.0  # loop time at which the current wait times out
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = 0.0
 
     def put(self, frame: StreamFrame) -> None:
-        self._frames.put_nowait(frame)
+        self._frames.append(frame)
+        if self._waiter is not None:
+            _settle(self._waiter, True)
 
     async def next(self, timeout: float) -> StreamFrame:
         """The next frame; `RequestTimeout` if none comes within `timeout`.
 
-        Not `asyncio.wait_for`: on Python 3.11 it swallows a cancellation that
-        lands as a frame arrives, and a cancelled caller (a client that hung
-        up) would then go on relaying a request nobody reads.
+        A plain future, not `asyncio.wait_for`: on Python 3.11 that swallows a
+        cancellation that lands as a frame arrives, and a cancelled caller (a
+        client that hung up) would then go on relaying a request nobody reads.
         """
-        with contextlib.suppress(asyncio.QueueEmpty):
-            return self._frames.get_nowait()
+        if self._frames:
+            return self._frames.popleft()
+        loop = asyncio.get_running_loop()
+        self._deadline = deadline = loop.time() + timeout
+        if self._timer is None or self._timer_at > deadline:
+            self._arm(loop, deadline)
+        self._waiter = waiter = loop.create_future()
         try:
-            async with asyncio.timeout(timeout):
-                return await self._frames.get()
-        except TimeoutError as exc:
-            raise RequestTimeout(f"stream {self.request_id}: no frame within {timeout:.1f}s") from exc
+            arrived = await waiter
+        finally:
+            self._waiter = None
+        if not arrived:
+            raise RequestTimeout(f"stream {self.request_id}: no frame within {timeout:.1f}s")
+        return self._frames.popleft()
+
+    def _arm(self, loop: asyncio.AbstractEventLoop, at: float) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer_at = at
+        self._timer = loop.call_at(at, self._on_timer, loop)
+
+    def _on_timer(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._timer = None
+        if self._waiter is None or self._waiter.done():
+            return  # nobody waits: the next wait arms it again
+        if loop.time() >= self._deadline:
+            _settle(self._waiter, False)
+        else:
+            self._arm(loop, self._deadline)
 
     def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         self._release(self.request_id)
 
     def __enter__(self) -> ReplyStream:

@@ -95,6 +95,9 @@ class ClusterView:
         return models
 
 
+HeartbeatListener = Callable[[Heartbeat], None]
+
+
 class ClusterWatcher:
     def __init__(
         self,
@@ -109,6 +112,11 @@ class ClusterWatcher:
         self.view = view
         self._clock = clock
         self._resync = Periodic("cluster-resync", resync_interval_s, self._resync_and_prune)
+        self._heartbeat_listeners: list[HeartbeatListener] = []
+
+    def add_heartbeat_listener(self, listener: HeartbeatListener) -> None:
+        """Call `listener` with each heartbeat heard on NATS, once the view holds it (not with those re-read from Redis)."""
+        self._heartbeat_listeners.append(listener)
 
     async def start(self) -> None:
         await self._bus.subscribe(subjects.HEARTBEAT_ALL, HeartbeatMessage, self._on_heartbeat, traced=False)
@@ -120,9 +128,16 @@ class ClusterWatcher:
         await self._resync.stop()
 
     async def _on_heartbeat(self, message: HeartbeatMessage, msg: Msg) -> None:
+        self.heard(message)
+
+    def heard(self, message: HeartbeatMessage) -> None:
+        """Record a heartbeat (or load report) from NATS in the view, then hand it to the listeners."""
         heartbeat = self.view.assemble(message)
-        if heartbeat is not None:
-            self.view.observe(heartbeat, self._clock())
+        if heartbeat is None:  # a load report whose registration the view learns later
+            return
+        self.view.observe(heartbeat, self._clock())
+        for listener in self._heartbeat_listeners:
+            listener(heartbeat)
 
     async def _on_left(self, event: WorkerLeft, msg: Msg) -> None:
         log.info("worker_left", worker_id=event.worker_id, reason=event.reason)

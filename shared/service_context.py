@@ -27,6 +27,8 @@ class ServiceContext:
     bus: Bus
     state: ClusterState
     view: ClusterView
+    # Feeds `view`; services that act on each heartbeat listen on it.
+    watcher: ClusterWatcher
 
 
 @contextlib.asynccontextmanager
@@ -39,7 +41,7 @@ async def service_context(config: KvlaneConfig, service: str, instance_id: str) 
     watcher = ClusterWatcher(bus, state, view, config.cluster.resync_interval_s)
     try:
         await watcher.start()
-        yield ServiceContext(telemetry, redis_client, bus, state, view)
+        yield ServiceContext(telemetry, redis_client, bus, state, view, watcher)
     finally:
         await watcher.stop()
         await bus.close()

@@ -24,6 +24,23 @@ The serving process hands requests to the engine core one at a time, and
 an idle engine core starts a step on the first: ``lone_first_step`` runs
 the first request of a burst that reaches an idle engine alone.
 
+Two more terms, both 0 unless fitted (``kvlane calibrate``):
+
+* ``b2 * prefill_tokens**2``: the cost of a prompt token grows with the
+  step's size. On the tiny CPU model the TTFT of bursts grew by ~10 us per
+  prompt token between 512 and 1024 tokens, ~18 us between 1024 and 2048
+  and more beyond (likely a big step's activations outgrowing the caches);
+  with a linear ``b`` alone the sim ran high on a burst of 4 x 256 tokens
+  and low on one of 12 x 256 (up to +17% and -22%). Fitted values vary
+  from run to run (0 to 3 ns per squared token: at most 13 ms in a step
+  of 2048 tokens), ``b`` taking up what ``b2`` leaves.
+* ``wake_latency``: added to the first step after requests reach an idle
+  engine. A request's trip through the serving process, to the engine core
+  and its first token's trip back (1.5 ms each way for a lone request, up
+  to 3-5 ms in a burst of 16, tiny CPU model) are latency no step
+  accounts for; on a busy engine they overlap the running step. Fitted:
+  2.3-4.7 ms.
+
 The GPU profiles below are derived, not measured: a roofline with
 efficiency factors, written out as code so each number can be traced to a
 public figure (``/work/shared/design/REFERENCE-NUMBERS.md``). A profile
@@ -58,20 +75,30 @@ class StepTimeProfile(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # An idle engine's first step runs only the first request of a burst that
     # arrives at it; the rest join the next step.
     lone_first_step: bool = False
+    b2: float = 0.0  # seconds per squared prefill token of a step
+    wake_latency: float = 0.0  # seconds, in the first step after requests reach an idle engine
 
     def step_seconds(
-        self, prefill_tokens: int, decode_seqs: int, kv_tokens: int, new_requests: int = 0, emitted_tokens: int = 0
+        self,
+        prefill_tokens: int,
+        decode_seqs: int,
+        kv_tokens: int,
+        new_requests: int = 0,
+        emitted_tokens: int = 0,
+        wakes: bool = False,
     ) -> float:
-        """Simulated duration of a step; 0 for a step that runs no tokens."""
+        """Simulated duration of a step (``wakes``: the first after requests reached an idle engine); 0 if it runs no tokens."""
         if prefill_tokens == 0 and decode_seqs == 0:
             return 0.0
         return (
             self.a
             + self.b * prefill_tokens
+            + self.b2 * prefill_tokens * prefill_tokens
             + self.c * decode_seqs
             + self.d * kv_tokens
             + self.per_request * new_requests
             + self.per_output_token * emitted_tokens
+            + (self.wake_latency if wakes else 0.0)
         )
 
 
@@ -186,6 +213,9 @@ class _ProfileFile(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     per_request: _Seconds = 0.0
     per_output_token: _Seconds = 0.0
     lone_first_step: bool = False
+    # Absent from files written before these terms existed: a linear prefill cost, no wake latency.
+    b2: _Seconds = 0.0
+    wake_latency: _Seconds = 0.0
     # Listed (as optional) so that the strict decode accepts them; the sim ignores them.
     fitted_on: dict[str, Any] | None = None
     fit_error: dict[str, Any] | None = None
@@ -211,6 +241,8 @@ def load_profile_file(path: str | Path) -> StepTimeProfile:
         per_request=spec.per_request,
         per_output_token=spec.per_output_token,
         lone_first_step=spec.lone_first_step,
+        b2=spec.b2,
+        wake_latency=spec.wake_latency,
     )
 
 

@@ -7,9 +7,11 @@ table and central queue, the cache-manager's allocation and preemption
 core (`shared.kv_allocation`), the health prober's verdict state machine,
 and one `SimScheduler` per node. What is modelled instead of run is the
 I/O between them: every message takes `Latencies.hop_s`, every route
-decision `decision_s`; heartbeats, KV-event batches and health probes
-come at the live intervals (`cluster.*`, `health.*`), so routing sees
-signals exactly as stale as it would live.
+decision `decision_s`, or, where `Latencies.spreads` has a measured
+distribution for one, a delay drawn per request (per message) from it with
+the run's seeded generators; heartbeats, KV-event batches and health
+probes come at the live intervals (`cluster.*`, `health.*`), so routing
+sees signals exactly as stale as it would live.
 
 Clients follow `loadtest.driver`: open loop (sessions at their arrival
 times) or closed loop, turns of a session one after another, a
@@ -19,10 +21,11 @@ ends exactly once, as a `RequestRecord` whose times are simulated seconds.
 
 from __future__ import annotations
 
+import bisect
 import random
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import msgspec
@@ -52,6 +55,53 @@ from shared.tokenizer import SimTokenizer
 
 
 @dataclass(frozen=True)
+class Spread:
+    """One delay's empirical distribution: its quantiles at evenly spaced probabilities from 0 to 1 (at least
+    two, ascending). A sample draws a probability and interpolates between the two quantiles around it, so
+    a table of a live run's quantiles reproduces its median, its tail and everything between."""
+
+    quantiles: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        values = self.quantiles
+        if len(values) < 2 or not all(v >= 0 for v in values) or any(b < a for a, b in zip(values, values[1:])):
+            raise ValueError(f"a spread takes at least two ascending non-negative quantiles, not {values!r}")
+
+    def sample(self, rng: random.Random, in_flight: int = 0) -> float:
+        position = rng.random() * (len(self.quantiles) - 1)
+        index = int(position)
+        low = self.quantiles[index]
+        high = self.quantiles[min(index + 1, len(self.quantiles) - 1)]
+        return low + (high - low) * (position - index)
+
+    @property
+    def longest(self) -> float:
+        return self.quantiles[-1]
+
+
+@dataclass(frozen=True)
+class SpreadByLoad:
+    """A delay whose distribution depends on the load: one `Spread` per band of requests in flight (the
+    clients' count, when the request was sent). `bands[i]` holds up to `up_to[i]` requests in flight, the last
+    band everything above; a load beyond what was measured takes the last band, as nothing says how it grows."""
+
+    up_to: tuple[int, ...]
+    bands: tuple[Spread, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.bands) != len(self.up_to) + 1 or any(b <= a for a, b in zip(self.up_to, self.up_to[1:])):
+            raise ValueError(f"a spread by load takes ascending bounds and one band more than bounds, not {self.up_to!r} "
+                             f"with {len(self.bands)} bands")
+
+    def sample(self, rng: random.Random, in_flight: int = 0) -> float:
+        return self.bands[bisect.bisect_left(self.up_to, in_flight)].sample(rng)
+
+    @property
+    def longest(self) -> float:
+        return max(band.longest for band in self.bands)
+
+
+@dataclass(frozen=True)
 class Latencies:
     """The control plane's own delays, one per stretch of a request's way that a live fleet's spans show
     apart (`loadtest.simulation.calibration` measures them on a live fleet). The defaults are what a live
@@ -74,11 +124,68 @@ class Latencies:
     # starts, the sleep wakes on the event loop's millisecond timer, and the worker shares its loop and
     # the host's cores with its requests' streams.
     step_overhead_s: float = 0.0
+    # Delays that vary request by request, as measured (`calibration.fit_spreads`): (name, spread) for
+    # any of ingress, hop, decision, handover and stream. Each request (each message, for hop) then
+    # draws its own from the simulation's seeded generator; the constant above stays its typical value
+    # where one number is needed (when clients start, how long messages still in flight take to land).
+    spreads: tuple[tuple[str, Spread | SpreadByLoad], ...] = ()
+    # Measured requests' own delays, kept together: (name, each measured request's value), the lists one
+    # length. Each simulated request takes one measured request's delays for all of these at once, so a
+    # moment that slowed every stretch of a live request slows every stretch of a simulated one, as
+    # independent draws from each spread would not (their sum spreads less than the live sum does).
+    per_request: tuple[tuple[str, tuple[float, ...]], ...] = ()
 
     def __post_init__(self) -> None:
-        negative = [name for name, value in vars(self).items() if not value >= 0]
+        negative = [name for name, value in self.constants().items() if not value >= 0]
+        negative += [name for name, values in self.per_request if not all(v >= 0 for v in values)]
         if negative:
             raise ValueError(f"latencies must not be negative: {', '.join(negative)}")
+        unknown = [name for name, _ in (*self.spreads, *self.per_request) if name not in SPREAD_DELAYS]
+        if unknown:
+            raise ValueError(f"no delay can vary by these names: {', '.join(unknown)} (known: {', '.join(SPREAD_DELAYS)})")
+        if len({len(values) for _, values in self.per_request}) > 1 or any(not values for _, values in self.per_request):
+            raise ValueError("per-request delays need one value per measured request for each delay")
+
+    def constants(self) -> dict[str, float]:
+        """The constant delays by field name (`ingress_s`, ...)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("spreads", "per_request")}
+
+
+# The delays a `Latencies.spreads` entry can make vary (the step overhead is one figure, from the TPOT).
+SPREAD_DELAYS = ("ingress", "hop", "decision", "handover", "stream")
+
+
+class Delays:
+    """Each control-plane delay as the simulation takes it: the constant, or a draw from its spread."""
+
+    def __init__(self, latencies: Latencies, seed: object, in_flight: Callable[[], int]) -> None:
+        self._constant = {name: getattr(latencies, f"{name}_s") for name in SPREAD_DELAYS}
+        self._spreads = dict(latencies.spreads)
+        # One generator per delay: the n-th request draws the same ingress delay under every policy.
+        self._rngs = {name: random.Random(f"{seed}:delay:{name}") for name in self._spreads}
+        self._in_flight = in_flight
+        self._per_request = dict(latencies.per_request)
+        self._measured = len(latencies.per_request[0][1]) if latencies.per_request else 0
+        self._request_rng = random.Random(f"{seed}:delay:per-request")
+
+    def for_request(self) -> dict[str, float] | None:
+        """One measured request's delays for a new request (None: it draws each delay on its own)."""
+        if not self._measured:
+            return None
+        index = self._request_rng.randrange(self._measured)
+        return {name: values[index] for name, values in self._per_request.items()}
+
+    def __call__(self, name: str, drawn: dict[str, float] | None = None) -> float:
+        """`name`'s delay: the request's own from `drawn` (`for_request`), its spread's draw, or the constant."""
+        if drawn is not None and name in drawn:
+            return drawn[name]
+        spread = self._spreads.get(name)
+        return spread.sample(self._rngs[name], self._in_flight()) if spread is not None else self._constant[name]
+
+    def longest(self, name: str) -> float:
+        spread = self._spreads.get(name)
+        measured = max(self._per_request.get(name, (0.0,)))
+        return max(spread.longest if spread is not None else 0.0, measured, self._constant[name])
 
 
 @dataclass(frozen=True)
@@ -131,7 +238,7 @@ class _Flight:
     """One request from the client's side: its record, what ingress knows, where it runs now."""
 
     __slots__ = ("record", "session", "turn", "history", "prepared", "output", "worker_id", "decode_id", "excluded",
-                 "migrations", "preemptions", "dispatches", "accepted_at", "done")
+                 "migrations", "preemptions", "dispatches", "accepted_at", "done", "stream_s", "delays")
 
     def __init__(self, record: RequestRecord, session: Session, turn: int, history: list[tuple[str, str]],
                  prepared: PreparedRequest) -> None:
@@ -149,6 +256,10 @@ class _Flight:
         self.dispatches = 0
         self.accepted_at = 0.0
         self.done = False
+        # Its tokens' way to the client, drawn at its first token: they arrive in the order they were made.
+        self.stream_s: float | None = None
+        # Its control-plane delays, where they are drawn per request together (`Delays.for_request`).
+        self.delays: dict[str, float] | None = None
 
 
 class Simulation:
@@ -156,6 +267,7 @@ class Simulation:
         self._spec = spec
         self._config = spec.config
         self._lat = spec.latencies
+        self._delay = Delays(spec.latencies, spec.workload.seed, lambda: len(self._flights))
         self._on_record = on_record
         self._events = EventQueue()
         self._tokenizer = SimTokenizer()
@@ -209,8 +321,9 @@ class Simulation:
             self._fail(flight, CANCELLED)
         simulated_s = events.now - start
         # Messages still on their way (the last RequestFinished) land, so the final state is settled.
-        lat = self._lat
-        events.run(until=events.now + 4 * lat.hop_s + lat.decision_s + lat.handover_s + lat.stream_s, after_each=check)
+        longest = self._delay.longest
+        events.run(until=events.now + 4 * longest("hop") + longest("decision") + longest("handover") + longest("stream"),
+                   after_each=check)
         if self.scaler is not None:
             self.scaler.finish()
         return SimulationResult(self._records, self._runs, simulated_s, events.processed,
@@ -268,7 +381,7 @@ class Simulation:
         if not node.alive:
             return
         heartbeat = node.heartbeat()
-        self._events.after(self._lat.hop_s, self.balancer.on_heartbeat, heartbeat)
+        self._events.after(self._delay("hop"), self.balancer.on_heartbeat, heartbeat)
         self._events.after(self._config.cluster.heartbeat_interval_s, self._beat, node)
 
     def _flush_kv(self, node: SimNode) -> None:
@@ -277,7 +390,7 @@ class Simulation:
             return
         batch = node.kv_events()
         if batch is not None:
-            self._events.after(self._lat.hop_s, self.balancer.on_kv_events, batch)
+            self._events.after(self._delay("hop"), self.balancer.on_kv_events, batch)
 
     def _probe(self, node: SimNode) -> None:
         """The health prober's one-token probe: it waits for the step under way, then takes one step."""
@@ -294,12 +407,12 @@ class Simulation:
             health.observe_probe(latency, now, queued=stats.waiting > 0)
         else:
             health.observe_probe(None, now)
-        self._events.after(self._lat.hop_s, self.balancer.on_health, health.verdict(now))
+        self._events.after(self._delay("hop"), self.balancer.on_health, health.verdict(now))
         if node.alive or health.state != "unhealthy":
             self._events.after(settings.probe_interval_s, self._probe, node)
 
     def _on_step(self, node: SimNode, outcome: StepOutcome) -> None:
-        now, hop, stream = self._events.now, self._lat.hop_s, self._lat.stream_s
+        now = self._events.now
         if not node.kv_batch_due:
             # Workers batch their cache changes every kv_events_interval_s; a node that did not step has none.
             node.kv_batch_due = True
@@ -310,7 +423,8 @@ class Simulation:
             for info in outcome.finished_info:
                 flight = flights.get(info.request_id)
                 if flight is not None and flight.worker_id == node.worker_id and flight.decode_id:
-                    self._events.after(hop, self._hand_off, flight, node, flight.decode_id, info.prompt_tokens)
+                    self._events.after(self._delay("hop"), self._hand_off, flight, node, flight.decode_id,
+                                       info.prompt_tokens)
                 else:
                     node.scheduler.release_held(info.request_id)
             return
@@ -320,7 +434,9 @@ class Simulation:
                 continue
             flight.output.append(token)
             record = flight.record
-            seen = now + stream - self._origin
+            if flight.stream_s is None:
+                flight.stream_s = self._delay("stream", flight.delays)
+            seen = now + flight.stream_s - self._origin
             if record.first_token_s is None:
                 record.first_token_s = seen
             record.token_times_s.append(seen)
@@ -329,13 +445,14 @@ class Simulation:
             if flight is None or flight.worker_id != node.worker_id:
                 continue
             record = flight.record
+            stream = flight.stream_s if flight.stream_s is not None else self._delay("stream", flight.delays)
             record.end_s = now + stream - self._origin
             record.status = 200
             record.finish_reason = "length"
             record.completion_tokens = len(flight.output)
             record.cached_tokens = info.cached_prompt_tokens
             self._runs[info.request_id] = WorkerRun(node.worker_id, now - flight.accepted_at, "length")
-            self._events.after(hop, self.balancer.on_finished, info.request_id, node.worker_id)
+            self._events.after(self._delay("hop"), self.balancer.on_finished, info.request_id, node.worker_id)
             self._end(flight, client_delay=stream)
 
     def _generated(self, request_id: str) -> int:
@@ -395,7 +512,8 @@ class Simulation:
         record.prompt_tokens = len(prepared.prompt_token_ids)
         self._flights[record.request_id] = flight
         self._events.after(self._spec.request_timeout_s, self._time_out, flight)
-        self._events.after(self._lat.ingress_s, self._route_unless_done, flight)
+        flight.delays = self._delay.for_request()
+        self._events.after(self._delay("ingress", flight.delays), self._route_unless_done, flight)
 
     def _registration(self) -> WorkerRegistration:
         return next(iter(self.nodes.values())).registration
@@ -414,7 +532,8 @@ class Simulation:
             priority=prepared.priority,
         )
         flight.worker_id = None
-        self._events.after(self._lat.hop_s + self._lat.decision_s, self.balancer.route, route)
+        self._events.after(self._delay("hop", flight.delays) + self._delay("decision", flight.delays), self.balancer.route,
+                           route)
 
     # RouteListener: what the balancer answers.
 
@@ -432,12 +551,13 @@ class Simulation:
             sampling = msgspec.structs.replace(flight.prepared.sampling, max_tokens=allowed)
             flight.prepared = msgspec.structs.replace(flight.prepared, sampling=sampling)
         prefill = placement.prefill.worker_id if placement.prefill is not None else None
-        self._events.after(self._lat.handover_s, self._dispatch, flight, placement.chain.worker_id, prefill)
+        self._events.after(self._delay("handover", flight.delays), self._dispatch, flight, placement.chain.worker_id,
+                           prefill)
 
     def refused(self, request_id: str, reply: ErrorReply) -> None:
         flight = self._flights.get(request_id)
         if flight is not None:
-            self._events.after(self._lat.hop_s, self._fail, flight, f"http_{reply.status}: {reply.code}", reply.status)
+            self._events.after(self._delay("hop"), self._fail, flight, f"http_{reply.status}: {reply.code}", reply.status)
 
     def preempted(self, request_id: str) -> None:
         flight = self._flights.get(request_id)

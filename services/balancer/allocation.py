@@ -118,6 +118,7 @@ class KvAllocator:
         self._clock = clock
         self._unreachable = Unreachable(retry_after_s)
         self._tracer = tracer or trace.NoOpTracer()
+        self._tracing = not isinstance(self._tracer, trace.NoOpTracer)
         self._timeout_s = timeout_s
         self._ledger = ledger
         self._cache_settings = cache_settings or CacheManagerSettings()
@@ -138,21 +139,12 @@ class KvAllocator:
 
         `reserved`: the ledger's answer to `lease_call`, given with the slot: when granted nothing is left to
         ask; when refused (no room on the node) only the cache-manager may still make some."""
+        if not self._tracing:  # a span costs several µs even when nothing records it: one per route decision
+            return (await self._allocate(request, chain, reserved))[0]
         with self._tracer.start_as_current_span("kv.allocate", attributes={
             "kvlane.request_id": request.request_id, "kvlane.worker.id": chain.worker_id,
         }) as span:
-            allocation = None
-            if reserved is not None and self._ledger is not None:
-                call, reservation = reserved
-                if reservation.granted:
-                    allocation = self._from_reservation(self._ledger, request, chain, call.ask, reservation)
-                source = "ledger"
-            elif self._ledger is not None:
-                allocation = await self._from_ledger(self._ledger, request, chain)
-                source = "ledger"
-            if allocation is None:
-                allocation = await self._from_cache_manager(request, chain.worker_id)
-                source = "cache-manager"
+            allocation, source = await self._allocate(request, chain, reserved)
             if not span.is_recording():
                 pass
             elif isinstance(allocation, Unleased):
@@ -161,6 +153,22 @@ class KvAllocator:
                 annotate_allocation(span, allocation, source, chain.node.block_size,
                                     self._ledger.lease_ttl_s if self._ledger is not None else None)
             return allocation
+
+    async def _allocate(self, request: RouteRequest, chain: ChainState, reserved: tuple[LeaseCall, Reservation] | None,
+                        ) -> tuple[Allocation | ErrorReply | Unleased, str]:
+        """The allocation and where it came from (the ledger or the cache-manager)."""
+        allocation = None
+        if reserved is not None and self._ledger is not None:
+            call, reservation = reserved
+            if reservation.granted:
+                allocation = self._from_reservation(self._ledger, request, chain, call.ask, reservation)
+            source = "ledger"
+        elif self._ledger is not None:
+            allocation = await self._from_ledger(self._ledger, request, chain)
+            source = "ledger"
+        if allocation is None:
+            return await self._from_cache_manager(request, chain.worker_id), "cache-manager"
+        return allocation, source
 
     async def close(self) -> None:
         await self._routed.close()

@@ -298,13 +298,17 @@ class Decision:
     def free_rows(self) -> np.ndarray:
         return self.free.nonzero()[0]
 
-    def limit_backlog(self, bound_s: float) -> None:
-        """Leave out the free rows with more than `bound_s` seconds of prefill backlog."""
+    def limit_backlog(self, bound_s: float, prompt_tokens: int) -> None:
+        """Leave out the free rows with more than `bound_s` seconds of prefill backlog beyond what their cache saves.
+
+        As `ChainState.backlog_beyond_cache_s`.
+        """
         index = self.index
         # As `SnapshotBuilder.backlog_s`: a row with no backlog drains from 0 and stays at 0.
         elapsed = np.fmax(self.now - index.backlog_since, 0.0)
         backlog = np.fmax(index.backlog_left - index.drain_per_s * elapsed, 0.0) * index.b
-        self.free = self.free & (backlog <= bound_s)
+        saved = np.fmin(index.request_blocks * index.block_size, prompt_tokens) * index.b
+        self.free = self.free & (backlog - saved <= bound_s)
         self.__dict__.pop("free_rows", None)
 
     def request_seconds(self, prompt_tokens: int, output_tokens: int, imposed_weight: float) -> np.ndarray:

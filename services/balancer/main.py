@@ -69,6 +69,8 @@ async def main(config: KvlaneConfig, stop: asyncio.Event) -> None:
             ctx.bus, ctx.view, router, store, settings, metrics, SlotRates(settings.slots), allocator, balancer_id,
             tracer=ctx.telemetry.tracer,
         )
+        # Heartbeats reach the balancer through the watcher that keeps `ctx.view`: decoded and recorded once.
+        ctx.watcher.add_heartbeat_listener(service.heard)
         metrics_runner = None
         try:
             await service.start()

@@ -86,7 +86,8 @@ class Router:
               backlog_bound: float = math.inf) -> Placement | None:
         """Choose a chain with a free slot and reserve it locally until `expires_at`; None when the policy finds none.
 
-        Chains with more than `backlog_bound` seconds of prefill backlog are left out (`backlog_bound_s`).
+        Chains with more than `backlog_bound` seconds of prefill backlog are left out (`backlog_bound_s`),
+        less the prefill their cached prefix of the prompt saves: elsewhere the request would prefill it.
         """
         cached = self.index.match(request.block_hashes) if request.block_hashes else {}
         # Synced whatever the policy, so that the index stays current if the policy changes.
@@ -102,7 +103,8 @@ class Router:
         if backlog_bound < math.inf:
             # A two-node chain's wait is its prefill node's, already in `remote_prefill_s`.
             snapshot = msgspec.structs.replace(snapshot, chains=tuple(
-                c for c in snapshot.chains if c.remote_prefill_s is not None or c.prefill_backlog_s <= backlog_bound))
+                c for c in snapshot.chains
+                if c.remote_prefill_s is not None or c.backlog_beyond_cache_s(request.prompt_tokens) <= backlog_bound))
         fast_forwards = getattr(self.policy, "fast_forwards", 0)
         chain = self.policy.choose(request, snapshot)
         if chain is None:
@@ -121,7 +123,7 @@ class Router:
         assert self.chains is not None
         decision = self.chains.decision(request, cached)
         if backlog_bound < math.inf:
-            decision.limit_backlog(backlog_bound)
+            decision.limit_backlog(backlog_bound, request.prompt_tokens)
         fast_forwards = getattr(self.policy, "fast_forwards", 0)
         row = self.policy.choose_indexed(request, decision)  # type: ignore[attr-defined]
         if row is None:

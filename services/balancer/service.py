@@ -31,7 +31,6 @@ from contracts.health import HealthVerdict
 from contracts.messages import (
     ErrorReply,
     Heartbeat,
-    HeartbeatMessage,
     KvEvents,
     RequestFinished,
     RouteDecision,
@@ -122,7 +121,6 @@ class BalancerService:
         )
         await bus.subscribe(subjects.REQUEST_FINISHED, RequestFinished, self._on_finished, traced=False)
         await bus.subscribe(subjects.ROUTE_WITHDRAWN, RouteWithdrawn, self._on_withdrawn)
-        await bus.subscribe(subjects.HEARTBEAT_ALL, HeartbeatMessage, self._on_heartbeat, traced=False)
         await bus.subscribe(subjects.KV_EVENTS_ALL, KvEvents, self._on_kv_events, traced=False)
         await bus.subscribe(subjects.HEALTH_ALL, HealthVerdict, self._on_health, traced=False)
         await bus.subscribe(subjects.WORKER_LEFT, WorkerLeft, self._on_worker_left, traced=False)
@@ -211,9 +209,10 @@ class BalancerService:
         if counter is None:
             counter = self._decision_counters[outcome] = self._metrics.decisions.labels(self.router.policy.name, outcome)
         counter.inc()
-        span = trace.get_current_span()  # the request's `route` span
-        if span.is_recording():
-            _annotate_route(span, reply, outcome, self.router.policy.name)
+        if self._tracing:
+            span = trace.get_current_span()  # the request's `route` span
+            if span.is_recording():
+                _annotate_route(span, reply, outcome, self.router.policy.name)
         return reply
 
     async def _confirm(self, placement: Placement, entry: QueuedRequest | None) -> RouteDecision | ErrorReply | None:
@@ -251,10 +250,11 @@ class BalancerService:
                 self.router.undo(placement, chain.node.slots_total, entry)
                 return None
         log.debug("routed", request_id=placement.request_id, worker_id=chain.worker_id, slots_used=used, cached_blocks=chain.cached_blocks)
-        span = trace.get_current_span()  # the request's `route` span, also in the drain task
-        if span.is_recording():
-            span.set_attributes({"kvlane.route.chain_id": chain.chain_id, "kvlane.route.fast_forward": placement.fast_forward,
-                                 "kvlane.route.slots_used": used})
+        if self._tracing:
+            span = trace.get_current_span()  # the request's `route` span, also in the drain task
+            if span.is_recording():
+                span.set_attributes({"kvlane.route.chain_id": chain.chain_id, "kvlane.route.fast_forward": placement.fast_forward,
+                                     "kvlane.route.slots_used": used})
         prefill = placement.prefill
         return RouteDecision(
             placement.request_id, chain.worker_id, chain.node.inbox, self.router.policy.name, chain.cached_blocks,
@@ -323,21 +323,26 @@ class BalancerService:
         self._drain_again = True
         while self._drain_again:
             self._drain_again = False
-            for entry, placement in self.router.dispatch_queued(self._routable):
-                # Its placement and allocation belong to the queued request's trace, not to whatever woke the drain.
-                token = otel_context.attach(self._waiting_traces.get(entry.request_id, otel_context.Context()))
-                try:
-                    confirmed = await self._confirm(placement, entry)
-                finally:
-                    otel_context.detach(token)
-                if confirmed is None:
-                    self._drain_again = True  # that chain is now known full; others may still fit
-                    continue
-                self._metrics.queue_wait.labels("served").observe(self._wall_clock() - entry.enqueued_at)
-                if not self._resolve(entry.request_id, confirmed) and isinstance(confirmed, RouteDecision):
-                    # The client gave up while the slot was being confirmed.
-                    await self._release(entry.request_id)
+            # Confirmed together, not one after another: their reservations share one round trip to the store
+            # (`ScriptBatch`), so a full fleet serves its queue at the store's batch rate, not one request per trip.
+            await asyncio.gather(*(self._serve_queued(entry, placement)
+                                   for entry, placement in self.router.dispatch_queued(self._routable)))
         self._metrics.queue_length.set(len(self.router.queue))
+
+    async def _serve_queued(self, entry: QueuedRequest, placement: Placement) -> None:
+        # Its placement and allocation belong to the queued request's trace, not to whatever woke the drain.
+        token = otel_context.attach(self._waiting_traces.get(entry.request_id, otel_context.Context()))
+        try:
+            confirmed = await self._confirm(placement, entry)
+        finally:
+            otel_context.detach(token)
+        if confirmed is None:
+            self._drain_again = True  # that chain is now known full; others may still fit
+            return
+        self._metrics.queue_wait.labels("served").observe(self._wall_clock() - entry.enqueued_at)
+        if not self._resolve(entry.request_id, confirmed) and isinstance(confirmed, RouteDecision):
+            # The client gave up while the slot was being confirmed.
+            await self._release(entry.request_id)
 
     # --- events ---------------------------------------------------------------------
 
@@ -382,12 +387,9 @@ class BalancerService:
         if released is not None:
             self.router.table.set_global_used(*released)
 
-    async def _on_heartbeat(self, message: HeartbeatMessage, msg: Msg) -> None:
-        heartbeat = self._view.assemble(message)
-        if heartbeat is None:  # a load report whose registration the view learns later
-            return
-        # The cluster watcher records it too, maybe later: the routable nodes listed next must include it.
-        self._view.observe(heartbeat, self._clock())
+    def heard(self, heartbeat: Heartbeat) -> None:
+        """A heartbeat the cluster watcher just recorded in the view (`ClusterWatcher.add_heartbeat_listener`)."""
+        # The routable nodes listed next must include it.
         self._routable_nodes.clear()
         self.router.observe(heartbeat)
         self._schedule_drain()

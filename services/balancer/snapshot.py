@@ -93,6 +93,11 @@ class ChainState(Struct, frozen=True):
         """Prompt tokens the chain must prefill for a request whose leading `cached_blocks` it holds."""
         return max(0, prompt_tokens - self.cached_blocks * self.node.block_size)
 
+    def backlog_beyond_cache_s(self, prompt_tokens: int) -> float:
+        """The prefill backlog less the prefill this chain's cached prefix saves the request (`Router.place`'s bound)."""
+        saved = min(prompt_tokens, self.cached_blocks * self.node.block_size) * self.node.model.b
+        return self.prefill_backlog_s - saved
+
     @property
     def in_flight(self) -> int:
         """Requests on the node now: its reservations, or its last heartbeat's count less those finished since, if more."""

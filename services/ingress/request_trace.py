@@ -66,8 +66,9 @@ class RequestTrace:
     def model(self, model: str) -> None:
         """The body decoded: the span is named after the model asked for."""
         self._model = model
-        self.span.update_name(genai.span_name(self._operation, model))
-        self.span.set_attribute(genai.REQUEST_MODEL, model)
+        if self.span.is_recording():
+            self.span.update_name(genai.span_name(self._operation, model))
+            self.span.set_attribute(genai.REQUEST_MODEL, model)
 
     def caller(self, tenant: str, key_id: str) -> None:
         """Who asks: the tenant of the request's API key and the key's public id (never the key)."""

@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import msgspec
 import structlog
@@ -56,7 +56,7 @@ from contracts.messages import (
     WorkerRequest,
 )
 from contracts.cache import LeaseProgress, RenewLeases
-from services.worker.engines.base import Engine, EngineOutput, EngineRequest, KvPullFailed, RequestRejected
+from services.worker.engines.base import Engine, EngineOutput, EngineRequest, KvPullFailed, PushesOutputs, RequestRejected
 from services.worker.handoff import KvHolds, KvPuller
 from services.worker.metrics import WorkerMetrics
 from services.worker.tracing import FIRST_OUTPUT_EVENT, KvTransferSpan, end_request_span, kv_attributes, request_span
@@ -100,6 +100,7 @@ class WorkerService:
         # What KV crosses from a prefill node to a decode node (span attribute).
         self._kv_link = settings.sim.kv_link if settings.engine == "sim" else "nixl"
         self._engine = engine
+        self._engine_pushes = isinstance(engine, PushesOutputs)
         self._bus = bus
         self._state = state
         self._settings = settings
@@ -292,26 +293,24 @@ class WorkerService:
         span = request_span(self._tracer, "decode", self.registration, request)
         trace_token = otel_context.attach(trace.set_span_in_context(span))
         failure: str | None = None
+        request_id, stream_to, generated = request.request_id, request.stream_to, self._generated
+
+        def on_output(output: EngineOutput) -> None:
+            nonlocal first_token_at, seq, completion_tokens, cached_tokens, outcome
+            if first_token_at is None:
+                first_token_at = time.monotonic()
+                span.add_event(FIRST_OUTPUT_EVENT)
+            completion_tokens += len(output.token_ids)
+            generated[request_id] = completion_tokens
+            cached_tokens = output.cached_tokens
+            send(stream_to, TokenChunk(request_id, seq, output.token_ids, output.text))
+            seq += 1
+            if output.finish_reason is not None:
+                outcome = output.finish_reason
+
         try:
-            # aclosing: however the loop ends, the engine's generator is closed now, which
-            # aborts the request in the engine (not whenever the garbage collector gets to it).
-            async with asyncio.timeout(deadline - time.monotonic()), contextlib.aclosing(self._outputs(engine_request)) as outputs:
-                async for output in outputs:
-                    if first_token_at is None:
-                        first_token_at = time.monotonic()
-                        span.add_event(FIRST_OUTPUT_EVENT)
-                    completion_tokens += len(output.token_ids)
-                    self._generated[request.request_id] = completion_tokens
-                    cached_tokens = output.cached_tokens
-                    send(request.stream_to, TokenChunk(request.request_id, seq, output.token_ids, output.text))
-                    seq += 1
-                    if output.finish_reason is not None:
-                        outcome = output.finish_reason
-                    elif request.request_id in self._abort_reasons and asyncio.current_task().cancelling():
-                        # Cancelled, yet still running: a library swallowed the cancellation.
-                        # Not before the cancel has landed: raising early, its late arrival
-                        # could cut short the RequestFinished published below.
-                        raise asyncio.CancelledError
+            async with asyncio.timeout(deadline - time.monotonic()):
+                await self._stream(engine_request, on_output)
             usage = Usage(len(request.prompt_token_ids), completion_tokens, cached_tokens)
             timings = Timings(first_token_s=None if first_token_at is None else first_token_at - started, finished_s=time.monotonic() - started)
             send(request.stream_to, StreamEnd(request.request_id, seq, outcome, usage, timings, self.registration.worker_id))
@@ -341,6 +340,24 @@ class WorkerService:
             self._generated.pop(request.request_id, None)
             self._abort_reasons.pop(request.request_id, None)
             await self._publish_finished(request, outcome, completion_tokens, cached_tokens, time.monotonic() - started)
+
+    async def _stream(self, request: EngineRequest, on_output: Callable[[EngineOutput], None]) -> None:
+        """Hand every output of `request` to `on_output`; return once the engine ended it."""
+        if request.kv_ref is None and self._engine_pushes:
+            # Straight from the engine's output loop: no task wakes per output.
+            await self._engine.stream(request, on_output)  # type: ignore[attr-defined]
+            return
+        # aclosing: however the loop ends, the engine's generator is closed now, which
+        # aborts the request in the engine (not whenever the garbage collector gets to it).
+        async with contextlib.aclosing(self._outputs(request)) as outputs:
+            async for output in outputs:
+                on_output(output)
+                if (output.finish_reason is None and request.request_id in self._abort_reasons
+                        and asyncio.current_task().cancelling()):
+                    # Cancelled, yet still running: a library swallowed the cancellation.
+                    # Not before the cancel has landed: raising early, its late arrival
+                    # could cut short the RequestFinished published below.
+                    raise asyncio.CancelledError
 
     def _outputs(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
         """The engine's outputs; with a `kv_ref`, pulled KV first, else (pull failed) a local prefill."""

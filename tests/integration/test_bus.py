@@ -73,6 +73,31 @@ async def test_request_reply_and_handler_failure(nats_server) -> None:
     await server.close()
 
 
+async def test_concurrent_requests_each_get_their_own_reply(nats_server) -> None:
+    """Replies share one inbox per connection: requests racing its first subscription, and a reply that comes
+    after its request gave up, reach only the request they answer."""
+    _, port = nats_server
+    server, _ = await connect(port, "server")
+    client, _ = await connect(port, "client")
+    release_late = asyncio.Event()
+
+    async def handle(request: RouteRequest, msg) -> RouteDecision:
+        if request.request_id == "late":
+            await release_late.wait()
+        return RouteDecision(request.request_id, "w0", "inbox", "test")
+
+    await server.subscribe("t.route", RouteRequest, handle, concurrent=True)
+    ids = [f"r{n}" for n in range(200)]
+    replies = await asyncio.gather(*(client.request("t.route", route(i), RouteReply, 5) for i in ids))
+    assert [reply.request_id for reply in replies] == ids
+    with pytest.raises(RequestTimeout):
+        await client.request("t.route", route("late"), RouteReply, 0.2)
+    release_late.set()
+    assert (await client.request("t.route", route("after"), RouteReply, 5)).request_id == "after"
+    await client.close()
+    await server.close()
+
+
 async def test_a_subscription_is_live_once_subscribe_returns(nats_server) -> None:
     """A request sent from another connection right after `subscribe` finds its responder, every time."""
     _, port = nats_server

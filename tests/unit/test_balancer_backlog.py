@@ -5,9 +5,10 @@ from __future__ import annotations
 import msgspec
 import pytest
 
+from contracts.messages import Heartbeat
 from services.balancer.backlog import PrefillBacklog
 from services.balancer.policies.jffc import JffcPerRequest
-from services.balancer.router import Placement, Queued
+from services.balancer.router import Placement, Queued, Router
 from tests.unit.balancer_fixtures import NOW_WALL, TINY, chain, heartbeat, request, router, snapshot
 
 
@@ -87,8 +88,8 @@ def test_per_request_jffc_counts_the_backlog_as_time_before_its_prefill() -> Non
 
 
 
-@pytest.mark.parametrize("use_index", [True, False])
-def test_a_request_waits_for_a_slot_rather_than_behind_a_long_prefill_backlog(use_index: bool) -> None:
+def behind_a_long_prefill(use_index: bool) -> tuple[Router, list[Heartbeat], Placement, Placement]:
+    """Two nodes of two slots: one with a second of prefill ahead and a free slot, the other full."""
     r = router("jffc_per_request", max_per_chain=2)
     if not use_index:
         r.chains = None
@@ -102,6 +103,12 @@ def test_a_request_waits_for_a_slot_rather_than_behind_a_long_prefill_backlog(us
     other = r.admit(request("s1"), heartbeats, NOW_WALL)
     assert isinstance(other, Placement) and other.chain.worker_id != long.chain.worker_id
     assert isinstance(r.admit(request("s2"), heartbeats, NOW_WALL), Placement)  # the other node is full now
+    return r, heartbeats, long, other
+
+
+@pytest.mark.parametrize("use_index", [True, False])
+def test_a_request_waits_for_a_slot_rather_than_behind_a_long_prefill_backlog(use_index: bool) -> None:
+    r, heartbeats, long, other = behind_a_long_prefill(use_index)
     # No departures measured: no prediction of the queue's wait, so the free slot is taken.
     assert r.backlog_bound_s(request("s3"), NOW_WALL) == float("inf")
     for i in range(10):
@@ -113,6 +120,23 @@ def test_a_request_waits_for_a_slot_rather_than_behind_a_long_prefill_backlog(us
     r.finished("s1", other.chain.worker_id)
     [(entry, placement)] = r.dispatch_queued(lambda model: heartbeats)
     assert entry.request_id == "s3" and placement.chain.worker_id == other.chain.worker_id
+
+
+@pytest.mark.parametrize("use_index", [True, False])
+def test_a_cached_prefix_earns_a_backlog_allowance_of_the_prefill_it_saves(use_index: bool) -> None:
+    """Elsewhere the request would prefill its cached prefix: a chain holding it may be that much further behind."""
+    r, heartbeats, long, _ = behind_a_long_prefill(use_index)
+    for i in range(10):
+        r.degradation.departures.note(NOW_WALL - 1 + i / 10)  # the bound is the 0.5 s target
+    # 0.512 s of its prompt cached there (1,600 blocks of 16): 1.0 - 0.512 is within the bound, so it goes now.
+    r.index.apply(long.chain.worker_id, stored=list(range(1000, 2600)))
+    cached = r.admit(request("cached", prompt=26_000, output=16, blocks=1600), heartbeats, NOW_WALL)
+    assert isinstance(cached, Placement) and cached.chain.worker_id == long.chain.worker_id
+    # A prefix worth less than the excess (0.4 s) does not: it waits for a slot elsewhere.
+    r.finished("cached", long.chain.worker_id)
+    r.index.apply(long.chain.worker_id, removed=list(range(2250, 2600)))
+    short_prefix = r.admit(request("short", prompt=26_000, output=16, blocks=1600), heartbeats, NOW_WALL)
+    assert isinstance(short_prefix, Queued)
 
 
 def test_a_policy_that_does_not_cost_its_own_wait_takes_any_free_slot() -> None:

@@ -18,7 +18,7 @@ from services.balancer.service import BalancerService
 from services.balancer.slot_store import LocalSlotStore
 from services.balancer.slot_table import SlotTable
 from services.balancer.status import SlotRates
-from shared.cluster import ClusterView
+from shared.cluster import ClusterView, ClusterWatcher
 from shared.config import QueueSettings
 from tests.unit.balancer_fixtures import NOW_WALL, heartbeat, request, router, settings as balancer_settings
 
@@ -229,6 +229,18 @@ async def test_excluded_workers_are_honoured() -> None:
     for i in range(3):
         reply = await balancer.route(route_request(f"r{i}", exclude=["a"]))
         assert isinstance(reply, RouteDecision) and reply.worker_id == "b"
+
+
+async def test_a_node_the_watcher_hears_is_routed_to_at_once() -> None:
+    """Routable nodes are reused between heartbeats, but never past one the cluster watcher just recorded."""
+    balancer, mono, _ = make_balancer(heartbeat("a"))
+    watcher = ClusterWatcher(None, None, balancer._view, 3600.0, clock=mono)  # type: ignore[arg-type]
+    watcher.add_heartbeat_listener(balancer.heard)
+    refused = await balancer.route(route_request("r1", exclude=["a"]))
+    assert isinstance(refused, ErrorReply) and refused.code == "no_capacity"
+    watcher.heard(heartbeat("b"))
+    reply = await balancer.route(route_request("r2", exclude=["a"]))
+    assert isinstance(reply, RouteDecision) and reply.worker_id == "b"
 
 
 async def test_every_worker_excluded_is_503() -> None:

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from contracts.messages import EngineStats, Heartbeat, WorkerRegistration
-from shared.cluster import ClusterView
+from contracts.messages import EngineStats, Heartbeat, LoadReport, WorkerRegistration
+from shared.cluster import ClusterView, ClusterWatcher
+from shared.heartbeats import HeartbeatSender
 
 TTL = 3.0
 
@@ -150,3 +151,22 @@ def test_stale_worker_returns_when_it_heartbeats_again() -> None:
     assert view.live(10.0) == []
     view.observe(hb("a", sent_at=109.0), seen_at=10.0)
     assert ids(view.live(10.0)) == ["a"]
+
+
+def test_the_watcher_hands_each_heartbeat_it_records_to_its_listeners_once_the_view_holds_it() -> None:
+    view = ClusterView(TTL)
+    watcher = ClusterWatcher(None, None, view, 3600.0, clock=lambda: 10.0)  # type: ignore[arg-type]
+    heard: list[tuple[Heartbeat, list[str]]] = []
+    watcher.add_heartbeat_listener(lambda heartbeat: heard.append((heartbeat, ids(view.routable(10.0, "m")))))
+    sender = HeartbeatSender(full_every=3)
+    stored, message = [], []
+    for beat in range(2):
+        full, wire = sender.beat(hb("a").registration, EngineStats(running=beat), 100.0 + beat, beat, False)
+        stored.append(full)
+        message.append(wire)
+    assert isinstance(message[1], LoadReport)
+    watcher.heard(message[1])  # no registration yet: nothing to record, nobody told
+    assert heard == []
+    for wire in message:
+        watcher.heard(wire)
+    assert heard == [(stored[0], ["a"]), (stored[1], ["a"])]

@@ -35,3 +35,31 @@ async def test_a_reader_cancelled_as_a_frame_arrives_stays_cancelled() -> None:
         reader.cancel()
         with pytest.raises(asyncio.CancelledError):
             await reader
+
+
+async def test_a_longer_wait_outlives_the_timer_of_a_shorter_one() -> None:
+    """The stream keeps one timer: one armed for a short wait that a frame ended must not end a longer wait after it."""
+    loop = asyncio.get_running_loop()
+    stream = ReplyStream("r", "s", lambda request_id: None)
+    loop.call_later(0.01, stream.put, TokenChunk("r", 0, [5], "five"))
+    assert isinstance(await stream.next(0.1), TokenChunk)  # leaves its timer armed for 0.1 s
+    loop.call_later(0.3, stream.put, end())
+    started = loop.time()
+    assert isinstance(await stream.next(2.0), StreamEnd)
+    assert loop.time() - started >= 0.25
+    stream.close()
+
+
+async def test_a_shorter_wait_times_out_on_its_own_deadline() -> None:
+    loop = asyncio.get_running_loop()
+    stream = ReplyStream("r", "s", lambda request_id: None)
+    loop.call_later(0.01, stream.put, TokenChunk("r", 0, [5], "five"))
+    assert isinstance(await stream.next(30.0), TokenChunk)  # leaves its timer armed for 30 s
+    started = loop.time()
+    with pytest.raises(RequestTimeout):
+        await stream.next(0.05)
+    assert loop.time() - started < 5.0
+    released: list[str] = []
+    closing = ReplyStream("r2", "s", released.append)
+    closing.close()
+    assert released == ["r2"]

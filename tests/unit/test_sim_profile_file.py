@@ -50,6 +50,19 @@ def test_per_request_terms_load_and_a_file_without_them_has_none(tmp_path: Path)
     )
 
 
+def test_quadratic_prefill_and_wake_latency_load_and_a_file_without_them_has_none(tmp_path: Path) -> None:
+    older = get_profile("file:" + write(tmp_path, CALIBRATED))  # written before these terms
+    assert (older.b2, older.wake_latency) == (0.0, 0.0)
+    assert older.step_seconds(100, 2, 300, wakes=True) == older.step_seconds(100, 2, 300)
+    profile = get_profile("file:" + write(tmp_path, CALIBRATED | {"b2": 3e-9, "wake_latency": 2.5e-3}))
+    assert (profile.b2, profile.wake_latency) == (3e-9, 2.5e-3)
+    plain = profile.step_seconds(100, 2, 300)
+    assert plain == pytest.approx(0.002 + 1.5e-3 + 3e-5 + 2e-4 + 6e-6)
+    assert profile.step_seconds(100, 2, 300, wakes=True) == pytest.approx(plain + 2.5e-3)
+    # A step without tokens takes no time, woken or not.
+    assert profile.step_seconds(0, 0, 0, wakes=True) == 0.0
+
+
 def test_missing_file_is_a_clear_key_error(tmp_path: Path) -> None:
     missing = tmp_path / "nope.json"
     with pytest.raises(ProfileFileError, match="cannot read") as info:
@@ -66,10 +79,13 @@ def test_missing_file_is_a_clear_key_error(tmp_path: Path) -> None:
         CALIBRATED | {"b": "fast"},  # mistyped
         CALIBRATED | {"c": -1e-4},  # negative: a step could take negative time
         CALIBRATED | {"per_request": -1e-4},
+        CALIBRATED | {"b2": -1e-9},
+        CALIBRATED | {"wake_latency": -1e-3},
         CALIBRATED | {"speed": 2.0},  # unknown key: strict, a typo must not pass silently
         [1, 2, 3],  # not an object
     ],
-    ids=["missing-a", "mistyped-b", "negative-c", "negative-per-request", "unknown-key", "not-an-object"],
+    ids=["missing-a", "mistyped-b", "negative-c", "negative-per-request", "negative-b2", "negative-wake-latency",
+         "unknown-key", "not-an-object"],
 )
 def test_invalid_profile_is_a_clear_key_error(tmp_path: Path, document: object) -> None:
     with pytest.raises(ProfileFileError, match="is not a valid profile"):

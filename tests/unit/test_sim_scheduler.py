@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import msgspec
 import pytest
-from hypothesis import settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
@@ -193,6 +193,58 @@ def test_lone_first_step_runs_the_first_of_a_burst_alone_when_idle() -> None:
     scheduler.add(SimRequest("late1", [10] * 4, max_tokens=1))
     assert scheduler.step().finished == ["late0"]
     assert scheduler.step().finished == ["late1"]
+
+
+def test_wake_latency_charges_the_first_step_after_reaching_idle_and_b2_every_prefill() -> None:
+    profile = msgspec.structs.replace(UNIT_PROFILE, wake_latency=0.75, b2=0.001)
+    scheduler = make_scheduler(profile=profile, num_blocks=200)
+    scheduler.add(SimRequest("r0", [1] * 4, max_tokens=2))
+    scheduler.add(SimRequest("r1", [2] * 6, max_tokens=2))
+    first = scheduler.step()
+    assert first.wakes and first.prefill_tokens == 10
+    assert first.duration_s == pytest.approx(UNIT_PROFILE.step_seconds(10, 0, 10) + 0.001 * 10**2 + 0.75)
+    # A request arriving at a busy engine wakes nothing.
+    scheduler.add(SimRequest("busy", [3] * 3, max_tokens=1))
+    second = scheduler.step()
+    assert not second.wakes
+    assert second.duration_s == pytest.approx(
+        UNIT_PROFILE.step_seconds(second.prefill_tokens, second.decode_seqs, second.kv_tokens)
+        + 0.001 * second.prefill_tokens**2
+    )
+    run_all(scheduler)
+    scheduler.add(SimRequest("late", [4] * 4, max_tokens=1))
+    assert scheduler.step().wakes
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    bursts=st.lists(st.lists(st.integers(1, 40), min_size=1, max_size=6), min_size=1, max_size=4),
+    max_batched_tokens=st.integers(4, 64),
+    lone_first_step=st.booleans(),
+)
+def test_the_new_terms_add_exactly_their_share_to_each_step(
+    bursts: list[list[int]], max_batched_tokens: int, lone_first_step: bool
+) -> None:
+    """Same requests with and without b2 and wake_latency: identical steps, durations apart by those terms alone."""
+    base = msgspec.structs.replace(UNIT_PROFILE, lone_first_step=lone_first_step)
+    extended = msgspec.structs.replace(base, b2=1e-3, wake_latency=0.5)
+
+    def run(profile: StepTimeProfile) -> list[StepOutcome]:
+        scheduler = make_scheduler(profile=profile, num_blocks=1000, max_batched_tokens=max_batched_tokens)
+        outcomes = []
+        for b, lengths in enumerate(bursts):  # each burst reaches an idle engine
+            for i, length in enumerate(lengths):
+                scheduler.add(SimRequest(f"b{b}-{i}", [b * 50 + i] * length, max_tokens=3))
+            outcomes += run_all(scheduler)[1]
+        return outcomes
+
+    plain, with_terms = run(base), run(extended)
+    assert [(o.prefill_tokens, o.decode_seqs, o.emitted) for o in plain] == [
+        (o.prefill_tokens, o.decode_seqs, o.emitted) for o in with_terms
+    ]
+    assert sum(o.wakes for o in with_terms) == len(bursts)
+    for p, w in zip(plain, with_terms, strict=True):
+        assert w.duration_s - p.duration_s == pytest.approx(1e-3 * p.prefill_tokens**2 + 0.5 * w.wakes)
 
 
 def test_chunked_prefill_respects_the_token_budget() -> None:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterable
-from typing import Protocol
+from collections.abc import AsyncIterator, Callable, Iterable
+from typing import Protocol, runtime_checkable
 
 from msgspec import Struct
 
@@ -138,3 +138,23 @@ class Engine(Protocol):
     @property
     def errored(self) -> bool:
         """Whether the engine died (it then fails every request, running or new, and never recovers)."""
+
+
+@runtime_checkable
+class PushesOutputs(Protocol):
+    """An engine that can hand each output to a callback as it produces it.
+
+    Streaming through `Engine.generate` wakes one reader per running request
+    at every engine step; here the engine calls `on_output` itself, at once,
+    and the caller wakes only when the request has ended.
+    """
+
+    async def stream(self, request: EngineRequest, on_output: Callable[[EngineOutput], None]) -> None:
+        """Run `request` (without a `kv_ref`), calling `on_output` for every output; return after the last.
+
+        `on_output` runs inside the engine's own output loop: it must not
+        block, and what it raises ends the request (it is raised here).
+        Raises as `generate` does (`RequestRejected`, engine errors).
+        Cancelling the call aborts the request inside the engine and frees
+        its KV blocks.
+        """

@@ -21,6 +21,7 @@ Named `vllm_engine` so that it never shadows the `vllm` package.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import shutil
@@ -38,6 +39,7 @@ from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStor
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.exceptions import VLLMClientError
 from vllm.inputs import TokensPrompt
+from vllm.outputs import RequestOutput
 from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.metrics.loggers import PrometheusStatLogger
@@ -407,9 +409,9 @@ class VllmEngine:
         # has no call that frees a finished request's held blocks early.
         pass
 
-    async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
+    def _submission(self, request: EngineRequest) -> tuple[TokensPrompt, VllmSamplingParams, KvRef | None]:
+        """What vLLM is given for `request`: its prompt, its sampling and the KV reference to pull (or None)."""
         self.check(request)
-        engine = self._running()
         # A reference is used only where there is a consumer to pull it; any
         # other engine simply prefills the prompt itself.
         kv_ref = request.kv_ref if self._role == "decode" else None
@@ -424,33 +426,92 @@ class VllmEngine:
         )
         if kv_ref is not None:
             sampling.extra_args = {"kv_transfer_params": params_from_kv_ref(kv_ref)}
-        outputs = engine.generate(
-            TokensPrompt(prompt_token_ids=list(request.prompt_token_ids) + resumed),
-            sampling,
-            request.request_id,
+        return TokensPrompt(prompt_token_ids=list(request.prompt_token_ids) + resumed), sampling, kv_ref
+
+    @staticmethod
+    def _engine_output(request: EngineRequest, kv_ref: KvRef | None, output: RequestOutput, produced: bool) -> EngineOutput:
+        completion = output.outputs[0]
+        if kv_ref is not None and not produced and completion.finish_reason == "error":
+            # kv_load_failure_policy "fail": vLLM ends the request
+            # with an error and no token when the pull fails.
+            log.warning("kv_pull_failed", request_id=request.request_id, source=kv_ref.source_worker_id,
+                        engine_id=kv_ref.engine_id, side_channel=f"{kv_ref.host}:{kv_ref.port}")
+            raise KvPullFailed(f"pulling the KV of {request.request_id} from {kv_ref.source_worker_id} failed")
+        return EngineOutput(
+            token_ids=list(completion.token_ids),
+            text=completion.text,
+            finish_reason=_finish_reason(completion.finish_reason) if output.finished else None,
+            cached_tokens=output.num_cached_tokens or 0,
         )
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
+        prompt, sampling, kv_ref = self._submission(request)
+        engine = self._running()
+        outputs = engine.generate(prompt, sampling, request.request_id)
         produced = False
         # aclosing: an early close (client gone, deadline) closes vLLM's
         # generator, whose GeneratorExit handler aborts the request.
         async with contextlib.aclosing(outputs):
             try:
                 async for output in outputs:
-                    completion = output.outputs[0]
-                    if kv_ref is not None and not produced and completion.finish_reason == "error":
-                        # kv_load_failure_policy "fail": vLLM ends the request
-                        # with an error and no token when the pull fails.
-                        log.warning("kv_pull_failed", request_id=request.request_id, source=kv_ref.source_worker_id,
-                                    engine_id=kv_ref.engine_id, side_channel=f"{kv_ref.host}:{kv_ref.port}")
-                        raise KvPullFailed(f"pulling the KV of {request.request_id} from {kv_ref.source_worker_id} failed")
+                    engine_output = self._engine_output(request, kv_ref, output, produced)
                     produced = True
-                    yield EngineOutput(
-                        token_ids=list(completion.token_ids),
-                        text=completion.text,
-                        finish_reason=_finish_reason(completion.finish_reason) if output.finished else None,
-                        cached_tokens=output.num_cached_tokens or 0,
-                    )
+                    yield engine_output
             except (VLLMClientError, ValueError) as exc:
                 raise RequestRejected(str(exc)) from exc
+
+    async def stream(self, request: EngineRequest, on_output: Callable[[EngineOutput], None]) -> None:
+        """`generate`, with every output handed to `on_output` from vLLM's output handler itself.
+
+        `AsyncLLM.add_request` returns the request's output collector, into
+        which vLLM's output handler puts each `RequestOutput` as it
+        processes an engine step; `generate` then wakes a task to take it
+        out. Here the collector's `put` delivers the output on the spot, so
+        that no task per request wakes at each step.
+        """
+        prompt, sampling, kv_ref = self._submission(request)
+        engine = self._running()
+        try:
+            collector = await engine.add_request(request.request_id, prompt, sampling)
+        except (VLLMClientError, ValueError) as exc:
+            raise RequestRejected(str(exc)) from exc
+        ended: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        produced = finished = False
+
+        def deliver(output: RequestOutput | Exception) -> None:
+            nonlocal produced, finished
+            if ended.done():
+                return  # e.g. the final output of the abort below
+            if isinstance(output, Exception):  # the engine died: vLLM fails every request
+                ended.set_exception(output)
+                return
+            finished = output.finished
+            try:
+                engine_output = self._engine_output(request, kv_ref, output, produced)
+                produced = True
+                on_output(engine_output)
+            except Exception as exc:  # raised in the caller, never into vLLM's output handler
+                ended.set_exception(exc)
+                return
+            if finished:
+                ended.set_result(None)
+
+        collector.put = deliver  # type: ignore[method-assign]
+        # Anything the output handler put before the collector was rewired.
+        try:
+            early = collector.get_nowait()
+        except Exception as exc:
+            early = exc
+        if early is not None:
+            deliver(early)
+        try:
+            await ended
+        finally:
+            collector.close()
+            if not finished and not engine.errored:
+                # Cancelled (client gone, deadline, hand-back) or failed here: abort it in
+                # the engine, which frees its KV blocks, as `generate`'s generator does.
+                await engine.abort(collector.request_id, internal=True)
 
     def drain_kv_events(self) -> KvCacheDelta:
         if self._kv_events is None:

@@ -20,7 +20,8 @@ One step:
    a preemption) get KV slots at once; leading blocks found in the prefix
    cache count as computed and cost no prefill tokens. With the profile's
    ``lone_first_step``, the first step after requests reach an idle
-   scheduler admits only the first of them.
+   scheduler admits only the first of them; that step also pays the
+   profile's ``wake_latency``.
 
 A sequence emits its next output token in the step that finishes its
 prefill, then one per decode step. A resumed sequence re-prefills prompt +
@@ -83,6 +84,8 @@ class StepOutcome(msgspec.Struct):
     # Requests admitted for the first time (a re-admission after a preemption
     # is not counted: the engine took the request in once).
     new_requests: int = 0
+    # The first step after requests reached an idle scheduler (charged the profile's wake_latency).
+    wakes: bool = False
 
 
 class SchedulerStats(msgspec.Struct):
@@ -347,10 +350,16 @@ class SimScheduler:
             # others, one at a time, so they join the next step.
             lone = self._profile.lone_first_step and self._woken_by_arrival
             self._admit_waiting(survivors, budget, outcome, max_new=1 if lone else self._max_num_seqs)
+        outcome.wakes = self._woken_by_arrival
         self._woken_by_arrival = False
         self._running = survivors
         outcome.duration_s = self._profile.step_seconds(
-            outcome.prefill_tokens, outcome.decode_seqs, outcome.kv_tokens, outcome.new_requests, len(outcome.emitted)
+            outcome.prefill_tokens,
+            outcome.decode_seqs,
+            outcome.kv_tokens,
+            outcome.new_requests,
+            len(outcome.emitted),
+            outcome.wakes,
         )
         return outcome
 
