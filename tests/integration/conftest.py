@@ -7,11 +7,9 @@ each other's workers and fault tests may kill or restart servers freely.
 from __future__ import annotations
 
 import asyncio
-import inspect
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import msgspec
 import nats
@@ -32,6 +30,7 @@ from shared.config import (
     WorkerSettings,
 )
 from tests.integration.redis_cluster import redis_cluster
+from tests.waiting import until, wait_for  # noqa: F401  (the integration tests import them from here)
 
 FAST_HEARTBEATS = {"heartbeat_interval_s": 0.25, "heartbeat_ttl_s": 1.0, "resync_interval_s": 0.5}
 MODEL = "kvlane-sim"
@@ -112,29 +111,6 @@ def own_fleet(tmp_path: Path) -> Iterator[Fleet]:
     fleet = launch(tmp_path)
     yield fleet
     _stop(fleet)
-
-
-async def until(condition: Callable[[], Any], timeout: float, what: Any = "the condition") -> float:
-    """Seconds until `condition()` (plain or a coroutine function) holds; `what` (text, or a function giving it)
-    names it on failure."""
-    started = time.monotonic()
-    while not await _value(condition()):
-        assert time.monotonic() - started < timeout, f"not within {timeout:.0f}s: {what() if callable(what) else what}"
-        await asyncio.sleep(0.05)
-    return time.monotonic() - started
-
-
-async def _value(result: Any) -> Any:
-    return await result if inspect.isawaitable(result) else result
-
-
-def wait_for(condition: Callable[[], Any], timeout: float, what: str) -> Any:
-    """`condition()`'s first true result, polled from synchronous code, bounded by `timeout`."""
-    deadline = time.monotonic() + timeout
-    while not (result := condition()):
-        assert time.monotonic() < deadline, f"not within {timeout:.0f}s: {what}"
-        time.sleep(0.05)
-    return result
 
 
 async def until_status(fleet: Fleet, holds: Callable[[BalancerStatus], bool], timeout_s: float = 10.0) -> None:

@@ -20,6 +20,7 @@ from services.balancer.slot_table import SlotTable
 from services.balancer.status import SlotRates
 from shared.cluster import ClusterView, ClusterWatcher
 from shared.config import QueueSettings
+from tests.waiting import until
 from tests.unit.balancer_fixtures import NOW_WALL, heartbeat, request, router, settings as balancer_settings
 
 # --- SlotTable ----------------------------------------------------------------------
@@ -303,8 +304,8 @@ async def test_a_queued_request_takes_the_next_slot_that_frees() -> None:
     first = await balancer.route(route_request("r1"))
     assert isinstance(first, RouteDecision) and first.queued_s == 0.0
     waiting = asyncio.create_task(balancer.route(route_request("r2")))
-    await asyncio.sleep(0.01)
-    assert not waiting.done() and len(balancer.router.queue) == 1
+    await until(lambda: len(balancer.router.queue) == 1, 5.0, "r2 queued", every_s=0.001)
+    assert not waiting.done()
     wall.value += 2.5
     await balancer._on_finished(finished("r1"), None)  # type: ignore[arg-type]
     reply = await asyncio.wait_for(waiting, 1.0)
@@ -328,7 +329,7 @@ async def test_a_full_queue_refuses_at_once() -> None:
     balancer.router.queue._max_length = 1
     await balancer.route(route_request("r1"))
     waiting = asyncio.create_task(balancer.route(route_request("r2")))
-    await asyncio.sleep(0.01)
+    await until(lambda: len(balancer.router.queue) == 1, 5.0, "r2 queued", every_s=0.001)
     reply = await balancer.route(route_request("r3"))
     assert isinstance(reply, ErrorReply) and (reply.status, reply.code) == (503, "queue_full")
     await balancer.stop()
@@ -374,7 +375,7 @@ async def test_a_store_outage_falls_back_to_local_counts_and_restores_holds() ->
     first = await balancer.route(route_request("r1"))
     assert isinstance(first, RouteDecision)  # served, counted locally
     waiting = asyncio.create_task(balancer.route(route_request("r2")))
-    await asyncio.sleep(0.01)
+    await until(lambda: len(balancer.router.queue) == 1, 5.0, "r2 queued", every_s=0.001)
     assert not waiting.done()  # the local count still enforces the slot
     store.up = True
     await balancer.tick()

@@ -3,19 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 
 from structlog.testing import capture_logs
 
 from shared.periodic import Periodic
-
-
-async def until(condition: Callable[[], bool], timeout: float = 5.0) -> None:
-    async def poll() -> None:
-        while not condition():
-            await asyncio.sleep(0.005)
-
-    await asyncio.wait_for(poll(), timeout)
+from tests.waiting import until
 
 
 async def test_steps_repeat_at_the_interval_and_stop_at_once() -> None:
@@ -28,7 +20,7 @@ async def test_steps_repeat_at_the_interval_and_stop_at_once() -> None:
     periodic = Periodic("count", 0.02, step)
     started = loop.time()
     periodic.start()
-    await until(lambda: len(calls) >= 3)
+    await until(lambda: len(calls) >= 3, 5.0, every_s=0.005)
     stopping = loop.time()
     await periodic.stop()
     assert loop.time() - stopping < 0.05
@@ -62,7 +54,7 @@ async def test_a_failing_step_is_logged_and_the_next_one_still_runs() -> None:
     with capture_logs() as logs:
         periodic = Periodic("flaky", 0.01, step)
         periodic.start()
-        await until(lambda: calls >= 3)
+        await until(lambda: calls >= 3, 5.0, every_s=0.005)
         await periodic.stop()
     assert [entry["event"] for entry in logs] == ["periodic_step_failed"]
     assert logs[0]["task"] == "flaky"
