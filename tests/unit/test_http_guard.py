@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from services.ingress.http_guard import ClientLimits, HttpGuard, http_error, raw_response
 from shared.config import IngressSettings
-from tests.unit.test_periodic import until
+from tests.waiting import until
 
 SECRET = "sk-guardtest-0123456789abcdef"
 
@@ -187,7 +187,7 @@ async def test_connection_caps(guarded: tuple[HttpGuard, int]) -> None:
     assert guard.limits.open_connections == 4
     for _, writer in held:
         writer.close()
-    await until(lambda: guard.limits.open_connections == 0)
+    await until(lambda: guard.limits.open_connections == 0, 5.0, "connections closed", every_s=0.005)
     assert _status((await _exchange(port, GET))[1]) == 200
 
 
@@ -195,7 +195,7 @@ async def test_stream_cap_per_client(guarded: tuple[HttpGuard, int]) -> None:
     guard, port = guarded
     post = b"POST /slow HTTP/1.1\r\nHost: t\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
     first = asyncio.create_task(_exchange(port, post))
-    await until(lambda: bool(guard.limits.streams))  # the first is in flight
+    await until(lambda: bool(guard.limits.streams), 5.0, "the first stream", every_s=0.005)  # the first is in flight
     _, answer = await _exchange(port, post)
     assert _status(answer) == 429 and b"too_many_streams_per_client" in answer and b"Retry-After: 1" in answer
     _, other = await _exchange(port, post, source="127.0.0.2")  # another client has its own allowance
