@@ -35,7 +35,8 @@ from loadtest.driver import DriveLimits
 from loadtest.metrics import Slo, summarize
 from loadtest.overhead import machine_info
 from loadtest.simulation.calibration import per_request_ms, read_delays, spreads_ms
-from loadtest.simulation.world import Latencies, NodeChange, Simulation, SimulationSpec, result_summary
+from loadtest.simulation.delays import Latencies
+from loadtest.simulation.world import NodeChange, Simulation, SimulationSpec, result_summary
 from loadtest.workloads import WorkloadSpec
 from shared.kv_links import get_link
 from shared.config import ConfigError, KvlaneConfig, load_config

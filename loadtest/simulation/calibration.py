@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from contracts import subjects
-from loadtest.simulation.world import SPREAD_DELAYS, Latencies, Spread, SpreadByLoad
+from loadtest.simulation.delays import SPREAD_DELAYS, Latencies, Spread, SpreadByLoad
 
 STRETCHES = ("client", "prepare", "message", "decision", "handover", "engine", "stream")
 # `tracing.exporter = "console"`: every finished span goes to the service's stdout (its log) as indented JSON.

@@ -23,7 +23,8 @@ from loadtest.simulation.calibration import (
     request_stretches,
     spreads_ms,
 )
-from loadtest.simulation.world import Latencies, Simulation, SimulationSpec, Spread
+from loadtest.simulation.delays import Latencies, Spread
+from loadtest.simulation.world import Simulation, SimulationSpec
 from loadtest.workloads import ArrivalSpec, WorkloadSpec
 from shared.config import KvlaneConfig
 
@@ -219,7 +220,7 @@ def test_fidelity_resimulates_against_a_kept_live_run_and_calibration(tmp_path: 
 
 def test_delays_by_load_are_drawn_from_the_band_of_the_requests_in_flight() -> None:
     from loadtest.simulation.calibration import in_flight_at_send, load_bands
-    from loadtest.simulation.world import SpreadByLoad
+    from loadtest.simulation.delays import SpreadByLoad
 
     records = [{"request_id": "a", "sent_s": 0.0, "end_s": 1.0}, {"request_id": "b", "sent_s": 0.5, "end_s": 2.0},
                {"request_id": "c", "sent_s": 1.0, "end_s": 1.5}, {"request_id": "d", "sent_s": 1.2, "end_s": None}]
@@ -245,7 +246,7 @@ def test_delays_by_load_are_drawn_from_the_band_of_the_requests_in_flight() -> N
 
 
 def test_spreads_by_load_go_through_their_json_unchanged(tmp_path: Path) -> None:
-    from loadtest.simulation.world import SpreadByLoad
+    from loadtest.simulation.delays import SpreadByLoad
 
     latencies = Latencies(spreads=(("hop", SpreadByLoad((3, 7), (Spread((0.0005, 0.001)), Spread((0.001, 0.004)),
                                                                   Spread((0.002, 0.05))))), ("stream", Spread((0.0, 0.002)))))
