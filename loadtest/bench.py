@@ -36,7 +36,7 @@ from loadtest.bench_report import print_report, rate_label, write_json, write_pl
 from loadtest.bench_run import FleetSpec, PlannedRun, PolicyRejected, RunSpec, fleet_config, run_each
 from loadtest.driver import DriveLimits
 from loadtest.metrics import Slo
-from loadtest.overhead import machine_info
+from loadtest.machine import machine_info
 from loadtest.workloads import WORKLOAD_KINDS, ArrivalSpec, WorkloadSpec
 from shared.config import LoggingSettings
 from shared.logging import configure_logging

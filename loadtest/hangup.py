@@ -40,7 +40,7 @@ from contracts import subjects
 from contracts.messages import RequestFinished
 from kvlane.fleet import Fleet, start_fleet, with_overrides
 from kvlane.launcher import Launcher, free_port
-from loadtest.overhead import machine_info
+from loadtest.machine import machine_info
 from shared.config import KvlaneConfig
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "hangup.json"

@@ -61,6 +61,22 @@ def distribution_ms(values_s: Iterable[float]) -> dict[str, float | int | None]:
             "p90": percentile(values, 90), "p99": percentile(values, 99), "max": values[-1]}
 
 
+def latency_summary(latencies_s: Sequence[float]) -> dict[str, float | int | None]:
+    """Count, p50/p90/p99, mean, min and max of latencies, in ms."""
+    values = sorted(x * 1000.0 for x in latencies_s)
+    if not values:
+        return {"count": 0, "p50_ms": None, "p90_ms": None, "p99_ms": None, "mean_ms": None, "min_ms": None, "max_ms": None}
+    return {
+        "count": len(values),
+        "p50_ms": percentile(values, 50),
+        "p90_ms": percentile(values, 90),
+        "p99_ms": percentile(values, 99),
+        "mean_ms": sum(values) / len(values),
+        "min_ms": values[0],
+        "max_ms": values[-1],
+    }
+
+
 def completion_tokens(record: RequestRecord) -> int:
     return record.completion_tokens if record.completion_tokens is not None else len(record.token_times_s)
 

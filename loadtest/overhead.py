@@ -49,7 +49,6 @@ from typing import Any
 import aiohttp
 import psutil
 from rich.console import Console
-from rich.table import Table
 
 from contracts import subjects
 from contracts.messages import (
@@ -63,6 +62,8 @@ from contracts.messages import (
 from kvlane.fleet import Fleet, start_fleet, with_overrides
 from kvlane.launcher import Launcher, LaunchError, Process, free_port, wait_ready
 from loadtest.machine import CpuMeter, machine_info
+from loadtest.metrics import latency_summary, percentile
+from loadtest.overhead_report import http_paths, print_report
 from shared.bus import Bus, BusError, StreamReceiver
 from shared.config import KvlaneConfig, LoggingSettings, TracingSettings
 from shared.logging import configure_logging
@@ -114,31 +115,6 @@ class BenchError(RuntimeError):
 
 
 # --- statistics -------------------------------------------------------------------
-
-
-def percentile(sorted_values: Sequence[float], q: float) -> float:
-    """Linear interpolation between closest ranks (numpy's default method)."""
-    if not sorted_values:
-        raise ValueError("no values")
-    pos = (len(sorted_values) - 1) * q / 100.0
-    low = int(pos)
-    high = min(low + 1, len(sorted_values) - 1)
-    return sorted_values[low] + (sorted_values[high] - sorted_values[low]) * (pos - low)
-
-
-def summarize(latencies_s: Sequence[float]) -> dict[str, float | int | None]:
-    values = sorted(x * 1000.0 for x in latencies_s)
-    if not values:
-        return {"count": 0, "p50_ms": None, "p90_ms": None, "p99_ms": None, "mean_ms": None, "min_ms": None, "max_ms": None}
-    return {
-        "count": len(values),
-        "p50_ms": percentile(values, 50),
-        "p90_ms": percentile(values, 90),
-        "p99_ms": percentile(values, 99),
-        "mean_ms": sum(values) / len(values),
-        "min_ms": values[0],
-        "max_ms": values[-1],
-    }
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -301,7 +277,7 @@ async def closed_loop(call: Call, concurrency: int, duration_s: float, max_reque
         raise BenchError("closed loop did not finish in time") from exc
     elapsed = time.perf_counter() - started
     cpu = CpuMeter.percent(cpu_before, meter.sample(), elapsed)
-    stats = summarize(latencies)
+    stats = latency_summary(latencies)
     return {
         "concurrency": concurrency,
         "duration_s": duration_s,
@@ -410,7 +386,7 @@ def _latency_report(runs: dict[str, dict[str, Any]], http_names: Sequence[str] =
     """Each path's latencies, and A - B for each ingress path A: `overhead` for the first, `<name>_overhead` for others."""
     report: dict[str, Any] = {}
     for name, run in runs.items():
-        report[name] = {**summarize([x for x in run["latencies"] if x is not None]), "errors": run["errors"],
+        report[name] = {**latency_summary([x for x in run["latencies"] if x is not None]), "errors": run["errors"],
                         "error_kinds": run["error_kinds"]}
     for index, name in enumerate(http_names):
         report["overhead" if index == 0 else f"{name}_overhead"] = _overhead(report[name], report["direct"],
@@ -562,78 +538,6 @@ def _wait_all_serving(ingress: IngressUnderTest, timeout_s: float) -> None:
         time.sleep(0.1)
 
 
-# --- report ----------------------------------------------------------------------------------
-
-
-def _ms(value: float | None) -> str:
-    return "-" if value is None else f"{value:.3f}"
-
-
-def _http_paths(results: dict[str, Any]) -> list[str]:
-    """The ingress paths measured: `ingress`, then `ingress-<n>p` for each further count."""
-    return ["ingress", *(f"ingress-{n}p" for n in results["parameters"].get("ingress_processes", [1])[1:])]
-
-
-def _label(results: dict[str, Any], path: str) -> str:
-    counts = results["parameters"].get("ingress_processes", [1])
-    processes = counts[0] if path == "ingress" else int(path.removeprefix("ingress-").removesuffix("p"))
-    return f"{path} ({processes} process{'es' if processes > 1 else ''})" if len(counts) > 1 else "HTTP ingress"
-
-
-def print_report(results: dict[str, Any], console: Console) -> None:
-    params, lat, thr = results["parameters"], results["latency"], results["throughput"]
-    https = _http_paths(results)
-    ratio = lambda v: "-" if v is None else f"{v:.2f}x"  # noqa: E731
-    table = Table(title=f"Sequential {params['max_tokens']}-token requests, {params['requests']} per path (ms)")
-    for column in ("path", "p50", "p90", "p99", "mean", "errors"):
-        table.add_column(column, justify="left" if column == "path" else "right")
-    for path in https:
-        table.add_row(f"A: {_label(results, path)}", *(_ms(lat[path][k]) for k in ("p50_ms", "p90_ms", "p99_ms", "mean_ms")),
-                      str(lat[path]["errors"]))
-    table.add_row("B: worker direct (NATS)", *(_ms(lat["direct"][k]) for k in ("p50_ms", "p90_ms", "p99_ms", "mean_ms")),
-                  str(lat["direct"]["errors"]))
-    for path in https:
-        ovh = lat["overhead" if path == "ingress" else f"{path}_overhead"]
-        which = "" if len(https) == 1 else f" ({path})"
-        table.add_row(f"[bold]overhead A - B{which}[/]", *(_ms(ovh[k]) for k in ("p50_ms", "p90_ms", "p99_ms", "mean_ms")), "")
-        table.add_row(f"[bold]ratio A / B{which}[/]", ratio(ovh["ratio_p50"]), "", ratio(ovh["ratio_p99"]), ratio(ovh["ratio_mean"]), "")
-    console.print(table)
-    for path in https:
-        ovh = lat["overhead" if path == "ingress" else f"{path}_overhead"]
-        console.print(f"paired median of (A - B){'' if len(https) == 1 else f' for {path}'}: {_ms(ovh['paired_median_ms'])} ms")
-
-    table = Table(title=f"Closed loop: {params['concurrency']} clients, {params['duration_s']:g} s per path")
-    for column in ("path", "req/s", "requests", "errors", "p50 ms", "p99 ms", "vs direct"):
-        table.add_column(column, justify="left" if column == "path" else "right")
-    for key in (*https, "direct"):
-        run = thr[key]
-        label = "NATS direct" if key == "direct" else _label(results, key)
-        versus = "" if key == "direct" else ratio(thr[f"{key}_vs_direct"])
-        table.add_row(label, f"{run['requests_per_s']:.0f}", str(run["succeeded"]), str(run["errors"]), _ms(run["p50_ms"]),
-                      _ms(run["p99_ms"]), versus)
-    console.print(table)
-
-    loops = (*https, "direct")
-    names = sorted({name for key in loops for name in thr[key]["cpu_percent"]},
-                   key=lambda n: (n.startswith(("machine-", "other-")), n))
-    capacity = 100 * (results["machine"]["cpus_usable"] or 1)
-    table = Table(title=f"CPU during the closed loops: % of one core (the machine has {capacity}%), CPU ms per request")
-    table.add_column("process")
-    for key in loops:
-        table.add_column(f"{'NATS' if key == 'direct' else key} loop %", justify="right")
-        table.add_column("ms/req", justify="right")
-    for name in names:
-        cells = []
-        for key in loops:
-            pct, per_request = thr[key]["cpu_percent"].get(name), thr[key]["cpu_ms_per_request"].get(name)
-            cells += ["-" if pct is None else f"{pct:.0f}", "" if per_request is None else f"{per_request:.3f}"]
-        table.add_row(name, *cells)
-    console.print(table)
-    machine = results["machine"]
-    console.print(f"machine: {machine['cpus_usable']} usable CPUs of {machine['cpu_count']}, Python {machine['python_version']}, "
-                  f"load average at start {machine['load_average_at_start']}")
-
-
 # --- command line ------------------------------------------------------------------------------
 
 
@@ -685,7 +589,7 @@ def main(argv: list[str] | None = None) -> int:
         console.print(f"[red]{_describe(exc)}[/]")
         return 1
     failed = results["latency"]["ingress"]["errors"] + results["latency"]["direct"]["errors"]
-    failed += sum(results["latency"][path]["errors"] + results["throughput"][path]["errors"] for path in _http_paths(results)[1:])
+    failed += sum(results["latency"][path]["errors"] + results["throughput"][path]["errors"] for path in http_paths(results)[1:])
     failed += results["throughput"]["ingress"]["errors"] + results["throughput"]["direct"]["errors"]
     return 1 if failed else 0
 

@@ -58,7 +58,7 @@ from contracts.messages import ErrorReply, Heartbeat, HeartbeatMessage, RouteDec
 from kvlane.fleet import Fleet, start_fleet
 from kvlane.launcher import Launcher, free_port
 from loadtest.machine import CpuMeter, machine_info
-from loadtest.overhead import summarize
+from loadtest.metrics import latency_summary
 from shared.bus import Bus, BusError
 from shared.config import (
     BalancerSettings,
@@ -237,7 +237,7 @@ async def drive_load(base_url: str, options: ScaleOptions, stop_at: float) -> di
             await asyncio.sleep(rng.expovariate(options.rate))
         if tasks:
             await asyncio.wait(tasks, timeout=35)
-    return {"completions": summarize(latencies), "errors": sum(errors.values()), "error_kinds": dict(errors)}
+    return {"completions": latency_summary(latencies), "errors": sum(errors.values()), "error_kinds": dict(errors)}
 
 
 async def route_probes(bus: Bus, stop_at: float) -> dict[str, Any]:
@@ -263,7 +263,7 @@ async def route_probes(bus: Bus, stop_at: float) -> dict[str, Any]:
                 outcomes[reply.code] += 1
         await bus.publish(subjects.ROUTE_WITHDRAWN, RouteWithdrawn(request_id=request_id))
         await asyncio.sleep(1.0 / PROBES_PER_S)
-    return {"round_trip": summarize(latencies), "outcomes": dict(outcomes)}
+    return {"round_trip": latency_summary(latencies), "outcomes": dict(outcomes)}
 
 
 # --- one size --------------------------------------------------------------------------------------

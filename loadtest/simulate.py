@@ -33,7 +33,7 @@ from loadtest.bench_run import FleetSpec, PlannedRun, policy_sections, run_each
 from loadtest.client import RequestRecord
 from loadtest.driver import DriveLimits
 from loadtest.metrics import Slo, summarize
-from loadtest.overhead import machine_info
+from loadtest.machine import machine_info
 from loadtest.simulation.calibration import per_request_ms, read_delays, spreads_ms
 from loadtest.simulation.delays import Latencies
 from loadtest.simulation.world import NodeChange, Simulation, SimulationSpec, result_summary

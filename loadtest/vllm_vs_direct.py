@@ -44,7 +44,8 @@ import psutil
 
 from kvlane.fleet import start_fleet, with_overrides
 from kvlane.launcher import Launcher, Process, free_port
-from loadtest.overhead import machine_info, summarize
+from loadtest.machine import machine_info
+from loadtest.metrics import latency_summary
 from shared.config import KvlaneConfig
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "vllm_vs_direct.json"
@@ -295,7 +296,7 @@ def report(kvlane: PathRun, direct: PathRun) -> dict[str, Any]:
     def path(run: PathRun) -> dict[str, Any]:
         return {"throughput_tok_s": run.completion_tokens / run.wall_s if run.wall_s else None,
                 "completion_tokens": run.completion_tokens, "wall_s": run.wall_s, "errors": run.errors,
-                "ttft": summarize(run.ttft_s), "itl": summarize(run.itl_s), "cpu_s": run.cpu_s,
+                "ttft": latency_summary(run.ttft_s), "itl": latency_summary(run.itl_s), "cpu_s": run.cpu_s,
                 "cpu_ms_per_token": cpu_ms_per_token(run.cpu_s, run.completion_tokens),
                 "other_server_cpu_s": run.other_cpu_s}
 

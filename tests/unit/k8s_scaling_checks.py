@@ -1,0 +1,152 @@
+"""KEDA carries out the autoscaler's decisions: one autoscaler decides, each ScaledObject scales one worker
+pool's Deployment on that pool's desired replicas, within the autoscaler's bounds, and Prometheus scrapes
+what its query reads. Part of `k8s_checks.problems`.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from contracts.autoscaler import POOLS
+from shared.config import KvlaneConfig
+from tests.unit.k8s_objects import AUTOSCALER_MODULE, WORKER_MODULES, pod_labels, selects
+
+# The gauge services/autoscaler/metrics.py exports, one series per pool: what KEDA scales on.
+DESIRED_REPLICAS_METRIC = "kvlane_autoscaler_desired_replicas"
+
+# --- autoscaling: KEDA acts on the autoscaler's decisions ------------------------------------
+
+# PromQL words that are neither functions nor metric names.
+_PROMQL_KEYWORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "bool", "offset", "and", "or", "unless"}
+
+
+def promql_parts(query: str) -> tuple[list[str], list[str], list[tuple[str, str, str]]]:
+    """(functions and aggregations, metric names, label matchers) of a plain PromQL query."""
+    matchers: list[tuple[str, str, str]] = []
+
+    def take(selector: re.Match[str]) -> str:
+        matchers.extend(re.findall(r'([A-Za-z_]\w*)\s*(=~|!~|!=|=)\s*"((?:[^"\\]|\\.)*)"', selector.group(1)))
+        return " "
+
+    outside = re.sub(r"\{([^}]*)\}", take, query)
+    outside = re.sub(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", " ", outside)
+    outside = re.sub(r"\[[^\]]*\]", " ", outside)
+    functions, names = [], [value for label, op, value in matchers if label == "__name__" and op == "="]
+    for word, paren in re.findall(r"([A-Za-z_:][\w:]*)\s*(\()?", outside):
+        if paren:
+            functions.append(word)
+        elif word not in _PROMQL_KEYWORDS:
+            names.append(word)
+    return functions, names, [m for m in matchers if m[0] != "__name__"]
+
+
+def worker_pool(module: str, config: KvlaneConfig) -> str | None:
+    """The autoscaler's pool a worker container serves: its role (services.worker takes worker.role, aggregated by default)."""
+    if module not in WORKER_MODULES:
+        return None
+    return {"services.prefill_worker": "prefill", "services.decode_worker": "decode"}.get(module, config.worker.role)
+
+
+def scaling_problems(docs: list[dict[str, Any]], workloads: list[dict[str, Any]], loaded: dict[str, tuple[str, KvlaneConfig, dict[str, Any]]]) -> list[str]:
+    """One decider; each ScaledObject scales a worker Deployment to its pool's desired replicas, within the autoscaler's bounds."""
+    found = []
+    by_name = {(w["kind"], w["metadata"]["name"]): w for w in workloads}
+    autoscalers = [(key.split("/")[0], config) for key, (module, config, _) in loaded.items() if module == AUTOSCALER_MODULE]
+    for name, _ in autoscalers:
+        workload = by_name[("Deployment", name)] if ("Deployment", name) in by_name else None
+        strategy = (workload or {}).get("spec", {}).get("strategy", {})
+        surge = strategy.get("rollingUpdate", {}).get("maxSurge", "25%")
+        if workload is None or workload["spec"].get("replicas", 1) != 1 or not (strategy.get("type") == "Recreate" or surge in (0, "0", "0%")):
+            found.append(f"{name}: the autoscaler must be a Deployment of 1 replica with strategy Recreate (or maxSurge 0): two would decide at once")
+    if len(autoscalers) > 1:
+        found.append(f"{len(autoscalers)} autoscalers ({', '.join(n for n, _ in autoscalers)}): one decides")
+    scaled = [doc for doc in docs if doc["kind"] == "ScaledObject"]
+    if not scaled:
+        return found
+    if not autoscalers:
+        return [*found, f"ScaledObjects scale on {DESIRED_REPLICAS_METRIC}, but no {AUTOSCALER_MODULE} runs to export it"]
+    autoscaler_name, autoscaler_config = autoscalers[0]
+    found += scrape_problems(docs, by_name.get(("Deployment", autoscaler_name)))
+    pools = {}
+    for key, (module, config, _) in loaded.items():
+        pool = worker_pool(module, config)
+        if pool is not None:
+            pools.setdefault(key.split("/")[0], set()).add(pool)
+    targets: dict[str, list[str]] = {}
+    for scaled_object in scaled:
+        where = f"ScaledObject/{scaled_object['metadata']['name']}"
+        spec = scaled_object["spec"]
+        ref = spec["scaleTargetRef"]
+        kind, api = ref.get("kind", "Deployment"), ref.get("apiVersion", "apps/v1")
+        target = by_name.get((kind, ref["name"])) if (kind, api) == ("Deployment", "apps/v1") else None
+        if target is None:
+            found.append(f"{where}: scaleTargetRef {api} {kind} {ref['name']} names no Deployment in the manifests")
+            continue
+        targets.setdefault(ref["name"], []).append(where)
+        target_pools = pools.get(ref["name"], set())
+        if len(target_pools) != 1:
+            found.append(f"{where}: Deployment {ref['name']} runs no kvlane worker of one pool ({sorted(target_pools)}), so no autoscaler pool decides it")
+            continue
+        pool = next(iter(target_pools))
+        triggers = spec["triggers"]
+        # Another trigger would be one more metric, and the HPA follows the largest.
+        if len(triggers) != 1 or triggers[0]["type"] != "prometheus":
+            found.append(f"{where}: needs exactly one trigger, of type prometheus (the autoscaler is the only decider), not {[t['type'] for t in triggers]}")
+            continue
+        trigger = triggers[0]
+        metadata = trigger["metadata"]
+        # AverageValue: replicas = ceil(metric / threshold); threshold 1 makes replicas = the decision.
+        if trigger.get("metricType", "AverageValue") != "AverageValue" or _number(metadata.get("threshold")) != 1.0:
+            found.append(f"{where}: metricType {trigger.get('metricType', 'AverageValue')} with threshold {metadata.get('threshold')} "
+                         "does not make replicas = the desired replicas (needs AverageValue and threshold \"1\")")
+        if metadata.get("ignoreNullValues", "true").lower() != "false":
+            found.append(f"{where}: ignoreNullValues must be \"false\": with the autoscaler away, an empty result would read as 0 "
+                         "and scale the pool to its minimum")
+        functions, names, matchers = promql_parts(metadata.get("query", ""))
+        if set(names) != {DESIRED_REPLICAS_METRIC}:
+            found.append(f"{where}: the query must name only the metric {DESIRED_REPLICAS_METRIC}, not {sorted(set(names))}")
+        if functions != ["max"]:
+            found.append(f"{where}: aggregate the series with max(...) alone (a restarted autoscaler's old series would add up with sum), not {functions}")
+        pool_matchers = [(op, value) for label, op, value in matchers if label == "pool"]
+        if len(pool_matchers) != 1 or pool_matchers[0][0] != "=" or pool_matchers[0][1] not in POOLS:
+            found.append(f"{where}: the query must select one pool with pool=\"...\" ({', '.join(POOLS)}), not {pool_matchers}")
+        elif pool_matchers[0][1] != pool:
+            found.append(f"{where}: the query reads pool {pool_matchers[0][1]!r}, but Deployment {ref['name']} runs {pool} workers")
+        for label, op, value in matchers:
+            if label == "namespace" and (op, value) != ("=", scaled_object["metadata"].get("namespace")):
+                found.append(f"{where}: the query selects namespace {op}{value!r}, not its own {scaled_object['metadata'].get('namespace')!r}")
+        bounds = getattr(autoscaler_config.autoscaler, pool)
+        # KEDA's defaults: 0 and 100.
+        low, high = spec.get("minReplicaCount", 0), spec.get("maxReplicaCount", 100)
+        if (low, high) != (bounds.min, bounds.max):
+            found.append(f"{where}: minReplicaCount..maxReplicaCount {low}..{high} differ from [autoscaler.{pool}] min..max "
+                         f"{bounds.min}..{bounds.max} in the autoscaler's configuration")
+        if low < 1:
+            found.append(f"{where}: minReplicaCount {low}: the autoscaler only manages a pool that has workers, so from 0 it would never grow")
+        replicas = target["spec"].get("replicas", 1)
+        if not low <= replicas <= high:
+            found.append(f"{where}: Deployment {ref['name']} starts at {replicas} replicas, outside {low}..{high}")
+    found += [f"Deployment/{name}: scaled by {len(objects)} ScaledObjects ({', '.join(objects)}), not 1" for name, objects in targets.items() if len(objects) > 1]
+    return found
+
+
+def _number(text: str | None) -> float | None:
+    try:
+        return float(text) if text is not None else None
+    except ValueError:
+        return None
+
+
+def scrape_problems(docs: list[dict[str, Any]], autoscaler: dict[str, Any] | None) -> list[str]:
+    """KEDA's query finds the metric only if Prometheus scrapes the autoscaler: a ServiceMonitor's Service must select it on port metrics."""
+    if autoscaler is None:
+        return []
+    services = [doc for doc in docs if doc["kind"] == "Service" and doc["spec"].get("selector")]
+    for monitor in (doc for doc in docs if doc["kind"] == "ServiceMonitor"):
+        for service in services:
+            if selects(monitor["spec"]["selector"], service["metadata"].get("labels", {})) and selects(service["spec"]["selector"], pod_labels(autoscaler)):
+                if {e["port"] for e in monitor["spec"]["endpoints"]} & {p.get("name") for p in service["spec"]["ports"]}:
+                    return []
+    return [f"Deployment/{autoscaler['metadata']['name']}: no ServiceMonitor scrapes the autoscaler (add components/monitoring), "
+            f"so KEDA's query would find no {DESIRED_REPLICAS_METRIC}"]
