@@ -112,19 +112,29 @@ end
 return granted
 """
 
-# KEYS: lease hash, the node's expiry zset, usage hash, lease set; ARGV: request id
-_RELEASE = """
-if redis.call('EXISTS', KEYS[1]) == 0 then
-  redis.call('ZREM', KEYS[2], ARGV[1])
+# One Lua function, so that the balancer's slot release (services/balancer/slot_store.py) frees a finished request's
+# lease in its own script exactly as `RELEASE_SCRIPT` does alone.
+# K: the request's lease hash on the node, the node's expiry zset, usage hash, lease set (`release_keys`)
+# Returns the blocks given back, or -1 when the node holds no such lease. Only the lease hash credits blocks, and
+# releasing or reaping deletes it, so however many callers release a lease (every balancer replica, a reaper
+# that got there first) its blocks come back once.
+RELEASE_FUNCTION = """
+local function release_lease(K, request_id)
+if redis.call('EXISTS', K[1]) == 0 then
+  redis.call('ZREM', K[2], request_id)
   return -1
 end
-local blocks = tonumber(redis.call('HGET', KEYS[1], 'blocks'))
-redis.call('HINCRBY', KEYS[3], 'used_' .. redis.call('HGET', KEYS[1], 'pool'), -blocks)
-redis.call('SREM', KEYS[4], ARGV[1])
-redis.call('DEL', KEYS[1])
-redis.call('ZREM', KEYS[2], ARGV[1])
+local blocks = tonumber(redis.call('HGET', K[1], 'blocks'))
+redis.call('HINCRBY', K[3], 'used_' .. redis.call('HGET', K[1], 'pool'), -blocks)
+redis.call('SREM', K[4], request_id)
+redis.call('DEL', K[1])
+redis.call('ZREM', K[2], request_id)
 return blocks
+end
 """
+
+# KEYS: `release_keys`; ARGV: request id
+RELEASE_SCRIPT = RELEASE_FUNCTION + "return release_lease(KEYS, ARGV[1])\n"
 
 # The expired leases of one node, found by a read just before: one renewed since is kept.
 # KEYS: the node's expiry zset, usage hash, lease set, then each candidate's lease hash
@@ -202,12 +212,17 @@ def expiry_key(worker_id: str) -> str:
     return f"{_PREFIX}:leases:{node_tag(worker_id)}"
 
 
+def release_keys(worker_id: str, request_id: str) -> list[str]:
+    """The KEYS of `RELEASE_FUNCTION` for `request_id`'s lease on `worker_id`: all in that node's slot."""
+    return [lease_key(worker_id, request_id), expiry_key(worker_id), usage_key(worker_id), node_leases_key(worker_id)]
+
+
 class BlockLedger:
     def __init__(self, client: redis.Redis, lease_ttl_s: float) -> None:
         self._redis = client
         self.lease_ttl_s = lease_ttl_s
         self._allocate = client.register_script(_ALLOCATE)
-        self._release = client.register_script(_RELEASE)
+        self._release = client.register_script(RELEASE_SCRIPT)
         self._reap = client.register_script(_REAP)
         self._renew = client.register_script(_RENEW)
         self._preempt = client.register_script(_PREEMPT)
@@ -271,7 +286,7 @@ class BlockLedger:
 
     async def release_many(self, releases: Sequence[tuple[str, str]]) -> list[int | None]:
         """`release` for each (request_id, worker_id), in one round trip."""
-        calls = [self._release_call(request_id, worker_id) for request_id, worker_id in releases]
+        calls = [(release_keys(worker_id, request_id), [request_id]) for request_id, worker_id in releases]
         return [_freed(freed) for freed in await run_batch(self._redis, self._release, calls)]
 
     async def release_on_any(self, request_id: str, worker_ids: Sequence[str]) -> int | None:
@@ -279,11 +294,6 @@ class BlockLedger:
         A request holds a lease on one node at most, but for a moment after a retry elsewhere; each goes."""
         freed = [blocks for blocks in await self.release_many([(request_id, w) for w in worker_ids]) if blocks is not None]
         return sum(freed) if freed else None
-
-    @staticmethod
-    def _release_call(request_id: str, worker_id: str) -> tuple[list, list]:
-        keys = [lease_key(worker_id, request_id), expiry_key(worker_id), usage_key(worker_id), node_leases_key(worker_id)]
-        return keys, [request_id]
 
     async def renew(self, worker_id: str, progress: list[tuple[str, int]]) -> int:
         """Push back the expiry of `worker_id`'s leases in `progress` (request id, tokens generated so far)."""

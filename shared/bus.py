@@ -9,6 +9,7 @@ whose parent is the sender's, so one trace spans all services.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import itertools
 import time
 from collections import deque
@@ -34,6 +35,8 @@ from shared.telemetry import Telemetry
 
 T = TypeVar("T")
 Handler = Callable[[T, Msg], Awaitable[msgspec.Struct | None]]
+# A handler run in the connection's read loop itself (`Bus.subscribe(at_once=True)`): it must not block or await.
+ImmediateHandler = Callable[[T, Msg], None]
 
 log = structlog.get_logger("kvlane.bus")
 
@@ -166,7 +169,7 @@ class Bus:
             try:
                 prefix = self._nc.new_inbox() + "."
                 # Before the first request goes out: the SUB is queued ahead of its PUB on this connection.
-                await self._nc.subscribe(prefix + "*", cb=self._on_reply)
+                await self._nc.subscribe(prefix + "*", future=_AtOnce(self._on_reply))
             except BaseException as exc:
                 ready, self._reply_inbox_ready = self._reply_inbox_ready, None
                 ready.set_exception(exc)
@@ -176,7 +179,7 @@ class Bus:
             self._reply_inbox_ready.set_result(prefix)
         return await asyncio.shield(self._reply_inbox_ready)
 
-    async def _on_reply(self, msg: Msg) -> None:
+    def _on_reply(self, msg: Msg) -> None:
         waiting = self._awaited_replies.get(msg.subject[len(self._reply_prefix):])
         if waiting is not None:
             _settle(waiting, msg)  # a late reply to a request that gave up finds nobody
@@ -185,11 +188,12 @@ class Bus:
         self,
         subject: str,
         message_type: type[T] | Any,
-        handler: Handler[T],
+        handler: Handler[T] | ImmediateHandler[T],
         *,
         queue: str = "",
         concurrent: bool = False,
         traced: bool = True,
+        at_once: bool = False,
     ) -> Subscription:
         """Run `handler` for each message; its return value is the reply.
 
@@ -197,9 +201,27 @@ class Bus:
         line, and a handler that raises answers `internal`: either way the
         subscription keeps serving. `concurrent` runs each message as its
         own task instead of one after another. `traced=False` skips the span
-        (for high-rate frames such as streamed tokens).
+        (for high-rate frames such as streamed tokens). `at_once`: `handler`
+        is a plain function, run in the connection's read loop as each
+        message is parsed, with no span and no reply (for messages that only
+        wake a waiting task, such as streamed frames).
         """
         decoder = self._decoder(message_type)
+        if at_once:
+            if inspect.iscoroutinefunction(handler):
+                raise TypeError(f"an at_once handler must be a plain function, not a coroutine function ({handler!r})")
+            def deliver(msg: Msg) -> None:
+                try:
+                    message = decoder.decode(msg.data)
+                except msgspec.DecodeError as exc:
+                    log.warning("bad_message", subject=msg.subject, error=str(exc), size=len(msg.data))
+                    return
+                handler(message, msg)
+
+            subscription = await self._nc.subscribe(subject, queue=queue, future=_AtOnce(deliver))
+            await self._nc.flush()
+            await self._nc.flush()  # twice: see below
+            return subscription
 
         async def serve(msg: Msg) -> None:
             try:
@@ -225,10 +247,11 @@ class Bus:
             if reply is not None:
                 await self._reply(msg, reply)
 
-        async def spawn_serve(msg: Msg) -> None:
-            self.spawn(serve(msg))
-
-        subscription = await self._nc.subscribe(subject, queue=queue, cb=spawn_serve if concurrent else serve)
+        if concurrent:
+            # Each message becomes its task as it is parsed, not after a wait in the subscription's queue and task.
+            subscription = await self._nc.subscribe(subject, queue=queue, future=_AtOnce(lambda msg: self.spawn(serve(msg))))
+        else:
+            subscription = await self._nc.subscribe(subject, queue=queue, cb=serve)
         # Once subscribe returns, the server knows the interest: a request
         # sent right after from another connection finds a responder. Twice,
         # because nats-py writes a flush's PING straight to the socket, ahead
@@ -248,7 +271,8 @@ class Bus:
 
     def spawn(self, coro: Awaitable[Any]) -> asyncio.Task:
         """Run a task whose reference the bus keeps until it ends."""
-        task = asyncio.ensure_future(coro)
+        # `create_task` for a coroutine (every message of a concurrent subscription): `ensure_future` looks up the loop each time.
+        task = asyncio.get_running_loop().create_task(coro) if asyncio.iscoroutine(coro) else asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return task
@@ -286,6 +310,33 @@ async def _on_error(exc: Exception) -> None:
 def _settle(waiting: asyncio.Future, result: Any) -> None:
     if not waiting.done():
         waiting.set_result(result)
+
+
+class _AtOnce:
+    """What nats-py takes for a request's reply future, handing it every message of a subscription instead.
+
+    A subscription with a callback gets a task of its own from nats-py, and
+    each message waits a loop iteration in its queue before the callback
+    runs; a reply future is set in the read loop as the message is parsed.
+    Replies and streamed frames only wake a waiting task, so they go the
+    second way and the task wakes one iteration sooner. `deliver` runs
+    inside nats-py's read loop: whatever it raises is logged here, never
+    left to break the connection.
+    """
+
+    __slots__ = ("_deliver",)
+
+    def __init__(self, deliver: Callable[[Msg], None]) -> None:
+        self._deliver = deliver
+
+    def cancelled(self) -> bool:
+        return False
+
+    def set_result(self, msg: Msg) -> None:
+        try:
+            self._deliver(msg)
+        except Exception:
+            log.exception("delivery_failed", subject=msg.subject)
 
 
 class ReplyStream:
@@ -376,10 +427,10 @@ class StreamReceiver:
 
     async def start(self) -> None:
         self._subscription = await self._bus.subscribe(
-            subjects.stream_inbox(self._owner_id), StreamMessage, self._dispatch, traced=False
+            subjects.stream_inbox(self._owner_id), StreamMessage, self._dispatch, traced=False, at_once=True
         )
 
-    async def _dispatch(self, message: StreamMessage, msg: Msg) -> None:
+    def _dispatch(self, message: StreamMessage, msg: Msg) -> None:
         for request_id, frame in addressed_frames(msg.subject, message):
             stream = self._open.get(request_id)
             if stream is None:

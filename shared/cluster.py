@@ -41,6 +41,10 @@ class ClusterView:
         self._nodes: dict[str, NodeEntry] = {}
         # Load reports that named a registration this view did not hold (it started late, or missed a change).
         self.unmatched_load_reports = 0
+        # `models()` is asked on every request; its answer holds until a node joins, leaves or changes model or
+        # draining, or the first node it counted on goes stale.
+        self._models: dict[str, WorkerRegistration] | None = None
+        self._models_valid = (float("inf"), -float("inf"))  # the instants between which `_models` holds
 
     def assemble(self, message: HeartbeatMessage) -> Heartbeat | None:
         """The full heartbeat `message` stands for: itself, or a load report joined to its worker's registration.
@@ -66,14 +70,21 @@ class ClusterView:
         if entry is not None and entry.seen_at > seen_at and entry.heartbeat.sent_at == heartbeat.sent_at:
             return
         self._nodes[worker_id] = NodeEntry(heartbeat, seen_at)
+        # A node that was stale, or that changed what `models` reads, changes its answer.
+        if (entry is None or seen_at - entry.seen_at > self._ttl_s or entry.heartbeat.draining != heartbeat.draining
+                or entry.heartbeat.registration != heartbeat.registration):
+            self._models = None
 
     def remove(self, worker_id: str) -> None:
-        self._nodes.pop(worker_id, None)
+        if self._nodes.pop(worker_id, None) is not None:
+            self._models = None
 
     def prune(self, now: float) -> list[str]:
         stale = [wid for wid, entry in self._nodes.items() if now - entry.seen_at > self._ttl_s]
         for worker_id in stale:
             del self._nodes[worker_id]
+        if stale:
+            self._models = None
         return stale
 
     def is_live(self, worker_id: str, now: float) -> bool:
@@ -87,12 +98,16 @@ class ClusterView:
         return [hb for hb in self.live(now) if not hb.draining and hb.registration.model == model]
 
     def models(self, now: float) -> dict[str, WorkerRegistration]:
-        """One registration per served model (any live, non-draining worker's)."""
-        models: dict[str, WorkerRegistration] = {}
-        for hb in self.live(now):
-            if not hb.draining:
-                models.setdefault(hb.registration.model, hb.registration)
-        return models
+        """One registration per served model (any live, non-draining worker's). Do not change what it returns."""
+        if self._models is None or not self._models_valid[0] <= now <= self._models_valid[1]:
+            live = [e for e in self._nodes.values() if now - e.seen_at <= self._ttl_s]
+            self._models = {}
+            for entry in live:
+                if not entry.heartbeat.draining:
+                    self._models.setdefault(entry.heartbeat.registration.model, entry.heartbeat.registration)
+            # A node that goes stale takes its model with it; a heartbeat only moves its node's expiry later.
+            self._models_valid = (now, min((e.seen_at + self._ttl_s for e in live), default=float("inf")))
+        return self._models
 
 
 HeartbeatListener = Callable[[Heartbeat], None]
@@ -119,7 +134,8 @@ class ClusterWatcher:
         self._heartbeat_listeners.append(listener)
 
     async def start(self) -> None:
-        await self._bus.subscribe(subjects.HEARTBEAT_ALL, HeartbeatMessage, self._on_heartbeat, traced=False)
+        # Recording one only updates memory: done as nats-py reads it, without a task and a loop iteration per heartbeat.
+        await self._bus.subscribe(subjects.HEARTBEAT_ALL, HeartbeatMessage, self._on_heartbeat, traced=False, at_once=True)
         await self._bus.subscribe(subjects.WORKER_LEFT, WorkerLeft, self._on_left)
         await self.resync()
         self._resync.start()
@@ -127,7 +143,7 @@ class ClusterWatcher:
     async def stop(self) -> None:
         await self._resync.stop()
 
-    async def _on_heartbeat(self, message: HeartbeatMessage, msg: Msg) -> None:
+    def _on_heartbeat(self, message: HeartbeatMessage, msg: Msg) -> None:
         self.heard(message)
 
     def heard(self, message: HeartbeatMessage) -> None:

@@ -6,6 +6,11 @@ its item and goes on; one loop iteration later the coalescer hands all of
 them to `flush` at once: one message or one Redis pipeline instead of one
 per item. Items put while a flush is under way wait for the next one, so
 under load batches grow instead of round trips queueing up.
+
+Without `linger` the batch leaves one iteration sooner: right after the
+callbacks that were ready together with the first put, for bursts that are
+put within one iteration (an engine step's frames), where the extra
+iteration only delays every item.
 """
 
 from __future__ import annotations
@@ -22,9 +27,10 @@ log = structlog.get_logger("kvlane.coalescer")
 
 
 class Coalescer(Generic[T]):
-    def __init__(self, name: str, flush: Callable[[list[T]], Awaitable[None]]) -> None:
+    def __init__(self, name: str, flush: Callable[[list[T]], Awaitable[None]], *, linger: bool = True) -> None:
         self._name = name
         self._flush = flush
+        self._linger = linger
         self._items: list[T] = []
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -39,8 +45,9 @@ class Coalescer(Generic[T]):
     async def _run(self) -> None:
         while not self._closed:
             await self._wake.wait()
-            # The other callbacks of this burst are ready to run: let them put their items first.
-            await asyncio.sleep(0)
+            if self._linger:
+                # The other callbacks of this burst are ready to run: let them put their items first.
+                await asyncio.sleep(0)
             self._wake.clear()
             await self.flush()
 

@@ -230,10 +230,12 @@ class QueueSettings(_Section):
     # When slots free, serve first the queued requests (of the oldest
     # `cache_aware_window` in each priority class) whose prompt prefix the
     # free nodes cache best, instead of strictly the oldest. A request that
-    # `cache_aware_max_skips` younger ones have overtaken is served ahead of
-    # them all, oldest first, so none starves. (A bound in seconds would not
-    # do: under overload every request waits longer than any such bound,
-    # which would turn the cache off exactly when it saves most.)
+    # enough younger ones have overtaken is served ahead of them all, oldest
+    # first, so none starves: `cache_aware_max_skips`, or the TTFT target's
+    # worth of departures if more (`Router.overtake_bound`). (A bound in
+    # seconds would not do: under overload every request waits longer than
+    # any such bound, which would turn the cache off exactly when it saves
+    # most.)
     cache_aware_dequeue: bool = True
     cache_aware_window: PositiveInt = 64
     cache_aware_max_skips: PositiveInt = 16
@@ -341,6 +343,13 @@ class BalancerSettings(_Section):
     jffc_per_request: JffcPerRequestSettings = msgspec.field(default_factory=JffcPerRequestSettings)
     disaggregation: DisaggregationSettings = msgspec.field(default_factory=DisaggregationSettings)
     degradation: DegradationSettings = msgspec.field(default_factory=DegradationSettings)
+
+    @property
+    def releases_kv_leases(self) -> bool:
+        """Whether the balancers free each finished request's KV lease, in the script that frees its slot: they
+        do where they take leases and keep slots in Redis. Otherwise the cache-managers free it on
+        `RequestFinished`; both services read this one setting, so exactly one of them does."""
+        return self.allocate_kv and self.slots.store == "redis"
 
 
 class CacheManagerSettings(_Section):

@@ -23,7 +23,9 @@ class StreamOutbox:
         self._bus = bus
         # Bounds one message's size (NATS refuses payloads above its max_payload, 1 MiB by default).
         self._max_frames = max_frames
-        self._frames: Coalescer[tuple[str, StreamFrame]] = Coalescer("stream-outbox", self._publish)
+        # No lingering: a step's frames are all put within one iteration (each request's task, woken by the
+        # step, puts its own; vLLM's output handler puts them all in one go), so waiting one more only delays them.
+        self._frames: Coalescer[tuple[str, StreamFrame]] = Coalescer("stream-outbox", self._publish, linger=False)
 
     def put(self, stream_to: str, frame: StreamFrame) -> None:
         """Queue `frame` for the stream subject `stream_to`; it leaves within one loop iteration."""

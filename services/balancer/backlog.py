@@ -7,8 +7,12 @@ heartbeat (up to an interval old) nor its batch size shows it. The
 balancer knows what it sent, so each placement adds the request's uncached
 prompt tokens to the node's backlog, and the backlog drains at the node's
 prefill rate (a fluid estimate). A heartbeat that shows an empty waiting
-queue caps the backlog at what was sent after that heartbeat, so errors in
-the drain rate do not accumulate.
+queue caps the backlog, so errors in the drain rate do not accumulate: at
+what was sent after that heartbeat, plus what the prompts sent before it,
+which had all started by then, cannot have prefilled yet at the node's
+prefill rate. Started is not done: an engine prefills a long prompt in
+chunks over many steps (a 28k-token prompt takes seconds on an A100), and
+capping at the unseen prompts alone forgot it while it still held the node.
 """
 
 from __future__ import annotations
@@ -57,13 +61,30 @@ class PrefillBacklog:
         sent = self._sent.get(worker_id)
         if sent is None:
             return
-        while sent and sent[0][0] < sent_at - _TRANSIT_S:
+        seen_before = sent_at - _TRANSIT_S
+        # The prompts sent well before the heartbeat, as a fluid queue draining at the node's prefill rate:
+        # `started` is what of them it cannot have prefilled by now. A prompt sent when that queue was
+        # empty makes every earlier one surely done (`done`), and so does an empty queue now.
+        started, last, done, count = 0.0, 0.0, 0, 0
+        for at, tokens in sent:
+            if at >= seen_before:
+                break
+            if count:
+                started = max(0.0, started - drain_per_s * (at - last))
+            if started == 0.0:
+                done = count
+            started, last, count = started + tokens, at, count + 1
+        if count:
+            started = max(0.0, started - drain_per_s * (now - last))
+            if started == 0.0:
+                done = count
+        for _ in range(done):
             sent.popleft()
         if waiting == 0:
-            # Everything sent well before the heartbeat had started prefilling by then.
-            unseen = float(sum(tokens for _, tokens in sent))
-            if unseen < self.tokens(worker_id, drain_per_s, now):
-                self._tokens[worker_id] = unseen
+            # Everything sent well before the heartbeat had started prefilling by then; the rest is unseen.
+            cap = started + float(sum(tokens for at, tokens in sent if at >= seen_before))
+            if cap < self.tokens(worker_id, drain_per_s, now):
+                self._tokens[worker_id] = cap
                 self._since[worker_id] = now
 
     def forget(self, worker_ids: Iterable[str]) -> None:

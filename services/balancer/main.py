@@ -57,7 +57,8 @@ async def main(config: KvlaneConfig, stop: asyncio.Event) -> None:
     model = fallback_step_model(settings.speed.fallback_profile)
     balancer_id = f"b-{uuid.uuid4().hex[:8]}"
     async with service_context(config, "balancer", balancer_id) as ctx:
-        store = RedisSlotStore(ctx.redis) if settings.slots.store == "redis" else LocalSlotStore()
+        # With leases, slot and lease of a finished request go in one script (the cache-managers then leave them).
+        store = RedisSlotStore(ctx.redis, settings.releases_kv_leases) if settings.slots.store == "redis" else LocalSlotStore()
         metrics = BalancerMetrics()
         allocator = None
         if settings.allocate_kv:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+import bisect
+import itertools
+from collections.abc import Iterator, Mapping, Sequence
 from typing import get_args
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from services.balancer.allocation import UnleasedReason
 
@@ -20,8 +23,8 @@ class BalancerMetrics:
         self.registry = CollectorRegistry()
         r = self.registry
         self.decisions = Counter("kvlane_balancer_decisions_total", "Route requests by outcome", ["policy", "outcome"], registry=r)
-        self.decision_seconds = Histogram(
-            "kvlane_balancer_decision_seconds", "Time the routing core takes per placement attempt", buckets=_LATENCY_BUCKETS, registry=r
+        self.decision_seconds = LoopHistogram(
+            "kvlane_balancer_decision_seconds", "Time the routing core takes per placement attempt", _LATENCY_BUCKETS, r
         )
         self.queue_length = Gauge("kvlane_balancer_queue_length", "Requests waiting in the central queue", registry=r)
         self.queue_wait = Histogram(
@@ -60,4 +63,34 @@ class _CountsCollector(Collector):
         family = CounterMetricFamily(self._name, self._documentation, labels=[self._label])
         for value, count in sorted(self._counts.items()):
             family.add_metric([value], count)
+        yield family
+
+
+class LoopHistogram(Collector):
+    """A histogram without labels, observed from the event loop's thread only.
+
+    Observed on every placement attempt: `prometheus_client.Histogram.observe` walks the
+    buckets in Python and takes two locks (about 1.4 µs on the development machine); this is
+    one bisection and two additions (about 0.2 µs).
+    A scrape from another thread may read the counts a moment apart from the sum, never a
+    torn count. Exported as the same series (`_bucket{le}`, `_count`, `_sum`).
+    """
+
+    def __init__(self, name: str, documentation: str, buckets: Sequence[float], registry: CollectorRegistry) -> None:
+        self._name, self._documentation = name, documentation
+        self._bounds = sorted(float(b) for b in buckets if b != float("inf"))
+        self._counts = [0] * (len(self._bounds) + 1)  # the last: above every bound
+        self._sum = 0.0
+        registry.register(self)
+
+    def observe(self, amount: float) -> None:
+        # The first bucket whose upper bound is at least `amount`, as prometheus_client counts it.
+        self._counts[bisect.bisect_left(self._bounds, amount)] += 1
+        self._sum += amount
+
+    def collect(self) -> Iterator[HistogramMetricFamily]:
+        cumulative = list(itertools.accumulate(self._counts))
+        family = HistogramMetricFamily(self._name, self._documentation)
+        family.add_metric([], [(floatToGoString(bound), count) for bound, count in zip(self._bounds, cumulative)]
+                          + [("+Inf", cumulative[-1])], self._sum)
         yield family

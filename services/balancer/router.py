@@ -76,6 +76,7 @@ class Router:
         self._queue_settings = queue_settings
         self._disaggregation = disaggregation or DisaggregationSettings()
         self.degradation = Degradation(degradation or DegradationSettings(), queue_settings.retry_after_s)
+        self._ttft_target_s = (degradation or DegradationSettings()).ttft_target_s
         # Queued request id -> younger requests of its class served before it (cache-aware dequeue).
         self._overtaken: dict[str, int] = {}
         self._known_workers: set[str] = set()
@@ -101,10 +102,12 @@ class Router:
         if any(c.node.role == "decode" for c in snapshot.chains):
             snapshot, prefill_for = self._with_prefill_nodes(request, snapshot, heartbeats, cached)
         if backlog_bound < math.inf:
+            # Waiting instead ends in a prefill of the whole prompt, at best on the fastest node (`Decision.limit_backlog`).
             # A two-node chain's wait is its prefill node's, already in `remote_prefill_s`.
+            bound = backlog_bound + request.prompt_tokens * snapshot.fastest_prefill_per_token_s()
             snapshot = msgspec.structs.replace(snapshot, chains=tuple(
                 c for c in snapshot.chains
-                if c.remote_prefill_s is not None or c.backlog_beyond_cache_s(request.prompt_tokens) <= backlog_bound))
+                if c.remote_prefill_s is not None or c.first_token_wait_s(request.prompt_tokens) <= bound))
         fast_forwards = getattr(self.policy, "fast_forwards", 0)
         chain = self.policy.choose(request, snapshot)
         if chain is None:
@@ -239,8 +242,8 @@ class Router:
         """Queued requests in the order freed slots go to them.
 
         Oldest first; or, with `queue.cache_aware_dequeue`, per priority
-        class: the requests overtaken `cache_aware_max_skips` times, oldest
-        first; then the oldest `cache_aware_window` others, those whose prompt
+        class: the requests overtaken `overtake_bound` times, oldest first;
+        then the oldest `cache_aware_window` others, those whose prompt
         prefix a node with a free slot caches best first (ties: oldest); then
         the rest, oldest first. Under load, slots free one at a time, and the
         slot then goes to a request its node can serve from cache.
@@ -262,16 +265,31 @@ class Router:
             cached = self.index.match(request.block_hashes)
             return max((cached.get(w, 0) for w in free), default=0) / len(request.block_hashes)
 
+        bound = self.overtake_bound()
         ordered: list[QueuedRequest] = []
         for _, group in itertools.groupby(entries, key=lambda e: e.request.priority):
             waiting = list(group)
-            due = [e for e in waiting if self._overtaken.get(e.request_id, 0) >= settings.cache_aware_max_skips]
-            rest = [e for e in waiting if self._overtaken.get(e.request_id, 0) < settings.cache_aware_max_skips]
+            due = [e for e in waiting if self._overtaken.get(e.request_id, 0) >= bound]
+            rest = [e for e in waiting if self._overtaken.get(e.request_id, 0) < bound]
             window, tail = rest[: settings.cache_aware_window], rest[settings.cache_aware_window :]
             scores = {e.request_id: cached_share(e) for e in window}
             window.sort(key=lambda e: -scores[e.request_id])  # stable: ties stay oldest first
             ordered += due + window + tail
         return ordered
+
+    def overtake_bound(self) -> float:
+        """How often younger requests may be served before a queued one: `cache_aware_max_skips`, or more under load.
+
+        Each overtake delays the request by about one departure, so up to the
+        TTFT target's worth of departures (`ttft_target_s` times the slots
+        freed per second) keeps its extra wait within that target at any
+        fleet size and rate. A fixed count meant ever less time as the fleet
+        grew (16 overtakes pass in 0.1 s at 160 departures per second), and
+        a long queue then served nearly everything as due, oldest first,
+        without regard to the cache.
+        """
+        departures_per_s = self.degradation.departures.per_s(self.builder.clock())
+        return max(self._queue_settings.cache_aware_max_skips, self._ttft_target_s * departures_per_s)
 
     def _count_overtaken(self, served: QueuedRequest, order: Sequence[QueuedRequest]) -> None:
         """Every older request of `served`'s class still waiting has been overtaken once more."""
@@ -293,9 +311,10 @@ class Router:
             if not any(hb.registration.model == request.model for hb in live()):
                 return ErrorReply(code="model_not_found", message=f"no live worker serves model {request.model!r}", status=404)
             return self.refusal("no_capacity", "every worker for this model is draining")
-        excluded = set(request.exclude_workers)
-        if all(hb.registration.worker_id in excluded for hb in routable):
-            return self.refusal("no_capacity", "no other live worker to retry on")
+        if request.exclude_workers:
+            excluded = set(request.exclude_workers)
+            if all(hb.registration.worker_id in excluded for hb in routable):
+                return self.refusal("no_capacity", "no other live worker to retry on")
         # No node could ever run it: refused now, not queued until its deadline (ingress checks
         # the same per model; a resumed request keeps prompt + max_tokens as first asked).
         needed = request.prompt_tokens + request.max_tokens

@@ -7,13 +7,16 @@ in this process's central queue (the reply is sent when a slot frees, or a
 with the global slot store, so replicas never oversubscribe a chain.
 Every replica hears every `RequestFinished` and releases that request's
 slot (idempotent), so a freed slot is visible to all of them at once, and
-a crashed replica's reservations are still released.
+a crashed replica's reservations are still released. Where the balancers
+take KV leases and keep slots in Redis (`BalancerSettings.releases_kv_leases`)
+the same script frees the request's lease, and the cache-managers leave it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import Callable
 
@@ -23,7 +26,7 @@ from nats.aio.msg import Msg
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import Span, Tracer
-from prometheus_client import Counter
+from prometheus_client import Counter, Gauge
 
 from contracts import subjects
 from contracts.balancer import BalancerStatusReply, BalancerStatusRequest
@@ -101,7 +104,8 @@ class BalancerService:
         self._drain_again = False
         self._ticker = Periodic("balancer-tick", settings.tick_interval_s, self.tick)
         self._fast_forwards_seen = 0
-        self._gauged_chains: set[str] = set()
+        # Each live chain's slot gauges (used, total): a label lookup per chain and tick costs more than the tick's reads.
+        self._gauged_chains: dict[str, tuple[Gauge, Gauge]] = {}
         self._store_degraded = False
         self._route_subscription = None
         # Routes without a KV lease: one log line per reason per interval, each saying how many it stands for.
@@ -111,7 +115,12 @@ class BalancerService:
         self._finished: Coalescer[tuple[str, str, str | None]] = Coalescer("slot-releases", self._release_globally)
         # Per model: (reuse until, its routable nodes); emptied whenever a heartbeat or a departure changes them.
         self._routable_nodes: dict[str, tuple[float, list[Heartbeat]]] = {}
+        # Chains whose global count a reservation's reply gave since the last tick: the tick's read would tell no
+        # more, so it reads only the others (under load, reading every chain was most of the tick).
+        self._counted_chains: set[str] = set()
         self._decision_counters: dict[str, Counter] = {}
+        # Read once: a filtered-out `log.debug` still costs microseconds through structlog's lazy proxy, on every route.
+        self._logs_routes = _logs_debug(log)
 
     async def start(self) -> None:
         bus = self._bus
@@ -119,9 +128,10 @@ class BalancerService:
         self._route_subscription = await bus.subscribe(
             subjects.ROUTE, RouteRequest, self._on_route, queue=subjects.BALANCER_QUEUE_GROUP, concurrent=True
         )
-        await bus.subscribe(subjects.REQUEST_FINISHED, RequestFinished, self._on_finished, traced=False)
+        # These two only update memory (the release batch goes out later): handled as nats-py reads them.
+        await bus.subscribe(subjects.REQUEST_FINISHED, RequestFinished, self._on_finished, traced=False, at_once=True)
         await bus.subscribe(subjects.ROUTE_WITHDRAWN, RouteWithdrawn, self._on_withdrawn)
-        await bus.subscribe(subjects.KV_EVENTS_ALL, KvEvents, self._on_kv_events, traced=False)
+        await bus.subscribe(subjects.KV_EVENTS_ALL, KvEvents, self._on_kv_events, traced=False, at_once=True)
         await bus.subscribe(subjects.HEALTH_ALL, HealthVerdict, self._on_health, traced=False)
         await bus.subscribe(subjects.WORKER_LEFT, WorkerLeft, self._on_worker_left, traced=False)
         await bus.subscribe(
@@ -230,6 +240,8 @@ class BalancerService:
                 log.warning("slot_store_unavailable_using_local_counts", error=str(exc))
             self._store_degraded = True
             taken, used = True, -1
+        if used >= 0:
+            self._counted_chains.add(chain.chain_id)
         if not taken:
             self._metrics.slot_conflicts.inc()
             self.router.undo(placement, used, entry)
@@ -248,8 +260,11 @@ class BalancerService:
                 # No KV room there now: treat the chain as full until the next usage refresh.
                 self._metrics.slot_conflicts.inc()
                 self.router.undo(placement, chain.node.slots_total, entry)
+                self._counted_chains.discard(chain.chain_id)  # that refresh must read it
                 return None
-        log.debug("routed", request_id=placement.request_id, worker_id=chain.worker_id, slots_used=used, cached_blocks=chain.cached_blocks)
+        if self._logs_routes:
+            log.debug("routed", request_id=placement.request_id, worker_id=chain.worker_id, slots_used=used,
+                      cached_blocks=chain.cached_blocks)
         if self._tracing:
             span = trace.get_current_span()  # the request's `route` span, also in the drain task
             if span.is_recording():
@@ -346,12 +361,25 @@ class BalancerService:
 
     # --- events ---------------------------------------------------------------------
 
-    async def _on_finished(self, event: RequestFinished, msg: Msg) -> None:
-        chain_id = self.router.finished(event.request_id, event.worker_id)
-        self._finished.put((event.request_id, event.worker_id, chain_id))
+    def _on_finished(self, event: RequestFinished, msg: Msg) -> None:
+        request_id, worker_id = event.request_id, event.worker_id
+        chain_id = self.router.finished(request_id, worker_id)
+        if chain_id is None and self.router.table.holder(request_id) is not None and self._is_prefill_node(worker_id):
+            # A prefill node ends a request only when it never handed it over: the slot and the KV lease are its
+            # decode node's, which will never run it. (From any other node, this is the late end of an attempt
+            # resumed elsewhere, whose slot and lease the resumed attempt holds.)
+            chain_id = self.router.table.release(request_id)
+            assert chain_id is not None
+            worker_id = worker_of(chain_id)
+        self._finished.put((request_id, worker_id, chain_id))
+
+    def _is_prefill_node(self, worker_id: str) -> bool:
+        return any(hb.registration.worker_id == worker_id and hb.registration.role == "prefill"
+                   for hb in self._view.live(self._clock()))
 
     async def _release_globally(self, finished: list[tuple[str, str, str | None]]) -> None:
-        """Free finished requests' slots in the store, then give them to queued requests."""
+        """Free finished requests' slots (and, with `RedisSlotStore.releases_leases`, their KV leases, in the same
+        scripts) in the store, then give the slots to queued requests."""
         releases = [(request_id, worker_id) for request_id, worker_id, _ in finished]
         try:
             released = await self._store.release_many(releases, [chain_id for *_, chain_id in finished])
@@ -376,7 +404,8 @@ class BalancerService:
         chain_id = self.router.table.release(request_id, worker_id)
         if chain_id is None:
             # Not placed by this replica: the one that placed it hears the same and knows its node; the store
-            # finds a slot only through its node. Missed, it goes at the request's deadline.
+            # finds a slot only through its node. Missed, it goes at the request's deadline, and its lease when it
+            # lapses unrenewed (or the cache-managers free it: they hear withdrawals too).
             return
         try:
             released = (await self._store.release_many([(request_id, worker_of(chain_id))], [chain_id]))[0]
@@ -394,7 +423,7 @@ class BalancerService:
         self.router.observe(heartbeat)
         self._schedule_drain()
 
-    async def _on_kv_events(self, events: KvEvents, msg: Msg) -> None:
+    def _on_kv_events(self, events: KvEvents, msg: Msg) -> None:
         self.router.index.apply(events.worker_id, events.stored, events.removed, events.cleared)
 
     async def _on_health(self, verdict: HealthVerdict, msg: Msg) -> None:
@@ -409,7 +438,8 @@ class BalancerService:
     # --- housekeeping -----------------------------------------------------------------
 
     async def tick(self) -> None:
-        """Expire reservations, drop nodes that left, re-read global usage, retry the queue."""
+        """Expire reservations, drop nodes that left, re-read the global usage of chains no reservation counted since the
+        last tick, retry the queue."""
         now = self._wall_clock()
         table = self.router.table
         live = self._view.live(self._clock())
@@ -420,7 +450,8 @@ class BalancerService:
         try:
             if self._store_degraded:
                 await self._restore_holds()
-            usage = await self._store.usage(sorted(live_chains), now)
+            unknown, self._counted_chains = sorted(live_chains.keys() - self._counted_chains), set()
+            usage = await self._store.usage(unknown, now)
         except _STORE_ERRORS as exc:
             if not self._store_degraded:
                 log.warning("slot_usage_read_failed", error=str(exc))
@@ -435,13 +466,17 @@ class BalancerService:
         self._metrics.fast_forwards.inc(fast_forwards - self._fast_forwards_seen)
         self._fast_forwards_seen = fast_forwards
         self._metrics.queue_length.set(len(self.router.queue))
-        for chain_id in self._gauged_chains - live_chains.keys():
+        for chain_id in self._gauged_chains.keys() - live_chains.keys():
+            del self._gauged_chains[chain_id]
             self._metrics.slots_used.remove(chain_id)
             self._metrics.slots_total.remove(chain_id)
-        self._gauged_chains = set(live_chains)
         for chain_id, heartbeat in live_chains.items():
-            self._metrics.slots_used.labels(chain_id).set(table.used(chain_id))
-            self._metrics.slots_total.labels(chain_id).set(self.router.builder.facts(heartbeat).slots_total)
+            gauges = self._gauged_chains.get(chain_id)
+            if gauges is None:
+                gauges = self._gauged_chains[chain_id] = (self._metrics.slots_used.labels(chain_id),
+                                                          self._metrics.slots_total.labels(chain_id))
+            gauges[0].set(table.used(chain_id))
+            gauges[1].set(self.router.builder.facts(heartbeat).slots_total)
         self._schedule_drain()
 
     async def _restore_holds(self) -> None:
@@ -475,6 +510,12 @@ class BalancerService:
             fast_forwards=getattr(self.router.policy, "fast_forwards", 0),
             model=request.model,
         )
+
+
+def _logs_debug(logger: structlog.typing.BindableLogger) -> bool:
+    """Whether `logger` writes debug lines as logging is configured now (yes when it cannot tell)."""
+    is_enabled_for = getattr(logger.bind(), "is_enabled_for", None)
+    return True if is_enabled_for is None else bool(is_enabled_for(logging.DEBUG))
 
 
 def _annotate_route(span: Span, reply: RouteReply, outcome: str, policy: str) -> None:

@@ -11,7 +11,14 @@ with an empty set.
 
 With a ledger, `reserve_with_lease` takes the slot and the request's KV
 lease (shared/block_ledger.py) in one script: one round trip per route
-decision, and a refusal of either leaves both untouched. The reservations
+decision, and a refusal of either leaves both untouched. Built with
+`releases_leases`, its release frees the request's lease with the slot, in
+the same script: the slot's key may be gone (it expired at the request's
+deadline while the request ran on) or name another chain, and the lease
+still goes. A replica that did not place the request reads its chain with
+a script that frees the lease at once. Every replica releases every
+finished request and the ledger credits a lease's blocks once
+(`block_ledger.RELEASE_FUNCTION`). The reservations
 asked for within one event-loop iteration go to Redis in one pipeline
 (`ScriptBatch`): each script still runs atomically on its own, so nothing
 changes for replica safety, while a burst of route decisions costs one
@@ -46,7 +53,14 @@ from redis.commands.core import AsyncScript
 from redis.exceptions import NoScriptError, ResponseError
 
 from contracts import subjects
-from shared.block_ledger import ALLOCATE_FUNCTION, Reservation, node_tag, reservation_of
+from shared.block_ledger import (
+    ALLOCATE_FUNCTION,
+    RELEASE_FUNCTION,
+    Reservation,
+    node_tag,
+    release_keys,
+    reservation_of,
+)
 from shared.redis_scripts import run_calls
 
 # Functions shared by the slot script and the slot-and-lease script.
@@ -106,15 +120,36 @@ take_slot(KEYS, request_id, chain_id, expires)
 return {1, used + 1, lease[1], lease[2], lease[3]}
 """
 
-# The request's slot on the chain a read just before found in its key; nothing if it moved meanwhile.
-# KEYS: request's key, that chain's sorted set; ARGV: request id, chain id
-_RELEASE = """
+# The request's slot on the chain named (the one this replica placed it on, or a read just before found in its key):
+# nothing if its key names another chain or none. Given the ledger's keys too, the request's KV lease on the node,
+# whatever became of the slot.
+# KEYS: request's key, that chain's sorted set, then optionally the ledger's four (block_ledger.release_keys)
+# ARGV: request id, chain id
+# Returns {chain's count after, or -1 when the slot was not there; the lease's blocks given back, or -1 when none}
+_RELEASE = RELEASE_FUNCTION + """
+local freed = -1
+if #KEYS > 2 then
+  freed = release_lease({KEYS[3], KEYS[4], KEYS[5], KEYS[6]}, ARGV[1])
+end
 if redis.call('GET', KEYS[1]) ~= ARGV[2] then
-  return false
+  return {-1, freed}
 end
 redis.call('DEL', KEYS[1])
 redis.call('ZREM', KEYS[2], ARGV[1])
-return {ARGV[2], redis.call('ZCARD', KEYS[2])}
+return {redis.call('ZCARD', KEYS[2]), freed}
+"""
+
+
+# For a request whose chain is not known here: the chain its key names (empty if none), to release the slot on next,
+# and, given the ledger's keys too, its KV lease on the node freed at once (the lease needs no chain).
+# KEYS: request's key, then optionally the ledger's four (block_ledger.release_keys); ARGV: request id
+# Returns {the chain or '', the lease's blocks given back or -1 when none}
+_READ_AND_RELEASE_LEASE = RELEASE_FUNCTION + """
+local freed = -1
+if #KEYS > 1 then
+  freed = release_lease({KEYS[2], KEYS[3], KEYS[4], KEYS[5]}, ARGV[1])
+end
+return {redis.call('GET', KEYS[1]) or '', freed}
 """
 
 
@@ -134,8 +169,8 @@ class SlotStore(Protocol):
         ...
 
     async def release(self, request_id: str, worker_id: str) -> tuple[str, int] | None:
-        """Free `request_id`'s slot on `worker_id`'s chain; (chain, its count after), or None if it held none
-        there (see `SlotTable.release`). Idempotent."""
+        """Free `request_id`'s slot on `worker_id`'s chain (and, where the store frees leases, its KV lease on
+        `worker_id`); (chain, its count after), or None if it held no slot there (see `SlotTable.release`). Idempotent."""
         ...
 
     async def release_many(self, releases: Sequence[tuple[str, str]],
@@ -287,11 +322,15 @@ class ScriptBatch:
 
 
 class RedisSlotStore:
-    def __init__(self, client: redis.Redis) -> None:
+    def __init__(self, client: redis.Redis, releases_leases: bool = False) -> None:
+        """`releases_leases`: every release frees the request's KV lease on the node as well (the ledger shares
+        this Redis); `BalancerSettings.releases_kv_leases` says whether the balancers or the cache-managers do."""
         self._redis = client
         self._reserve = client.register_script(_RESERVE)
         self._reserve_with_lease = client.register_script(_RESERVE_WITH_LEASE)
         self._release = client.register_script(_RELEASE)
+        self._read_and_release_lease = client.register_script(_READ_AND_RELEASE_LEASE)
+        self.releases_leases = releases_leases
         self._batch = ScriptBatch(client)
 
     async def reserve(self, request_id: str, chain_id: str, slots: int, expires_at: float) -> tuple[bool, int]:
@@ -322,39 +361,41 @@ class RedisSlotStore:
         if not releases:
             return []
         released: list[tuple[str, int] | None] = [None] * len(releases)
+        leases = self.releases_leases
         # Where the chain is known (this replica placed the request) the release goes straight into the next
-        # batch of scripts, with the route decisions'. Its script checks the request's key still names that chain.
+        # batch of scripts, with the route decisions'. Its script checks the request's key still names that chain,
+        # and frees the lease either way.
         known = [i for i, chain_id in enumerate(chains or ()) if chain_id is not None]
-        for i, reply in zip(known, await self._release_on(
-                [(*releases[i], chains[i]) for i in known]), strict=True):  # type: ignore[index]
-            released[i] = _released(reply)
+        if known:
+            replies = await _gathered(self._release_calls([(*releases[i], chains[i], leases) for i in known]))  # type: ignore[index]
+            for i, reply in zip(known, replies, strict=True):
+                released[i] = _released(chains[i], reply)  # type: ignore[index]
         # The others, and a request that moved to another chain of its node meanwhile: a request's key names
-        # its chain, whose set the script must be given: read first, then release.
+        # its chain, whose set the script must be given: read first, then release. A script reads it, in the
+        # batch, so that the lease of a request whose chain was not known goes in the same step: most often the
+        # replica that placed it has freed both already, and nothing more is sent.
         unknown = [i for i in range(len(releases)) if released[i] is None]
         if not unknown:
             return released
-        async with self._redis.pipeline(transaction=False) as pipe:
-            for i in unknown:
-                request_id, worker_id = releases[i]
-                pipe.get(request_slot_key(worker_id, request_id))
-            read = [None if c is None else c.decode() for c in await pipe.execute()]
-        held = [(i, chain_id) for i, chain_id in zip(unknown, read, strict=True) if chain_id is not None]
-        for (i, _), reply in zip(held, await self._release_on([(*releases[i], chain_id) for i, chain_id in held]), strict=True):
-            released[i] = _released(reply)
+        with_lease = set(unknown).difference(known) if leases else set()
+        read = await _gathered([
+            self._batch.call(self._read_and_release_lease,
+                             [request_slot_key(releases[i][1], releases[i][0]),
+                              *(release_keys(releases[i][1], releases[i][0]) if i in with_lease else ())],
+                             [releases[i][0]])
+            for i in unknown])
+        held = [(i, chain_id.decode()) for i, (chain_id, _) in zip(unknown, read, strict=True) if chain_id]
+        replies = await _gathered(self._release_calls([(*releases[i], chain_id, False) for i, chain_id in held]))
+        for (i, chain_id), reply in zip(held, replies, strict=True):
+            released[i] = _released(chain_id, reply)
         return released
 
-    async def _release_on(self, releases: Sequence[tuple[str, str, str]]) -> list[Any]:
-        """The release script's reply for each (request_id, worker_id, chain_id); the first failure raises."""
-        if not releases:
-            return []
-        replies = await asyncio.gather(*(
-            self._batch.call(self._release, [request_slot_key(worker_id, request_id), chain_slots_key(chain_id)],
-                             [request_id, chain_id])
-            for request_id, worker_id, chain_id in releases), return_exceptions=True)
-        for reply in replies:
-            if isinstance(reply, BaseException):
-                raise reply
-        return replies
+    def _release_calls(self, releases: Sequence[tuple[str, str, str, bool]]) -> list[asyncio.Future]:
+        """The release script for each (request_id, worker_id, chain_id, with its lease), in the next batch."""
+        return [self._batch.call(self._release, [request_slot_key(worker_id, request_id), chain_slots_key(chain_id),
+                                                 *(release_keys(worker_id, request_id) if lease else ())],
+                                 [request_id, chain_id])
+                for request_id, worker_id, chain_id, lease in releases]
 
     async def usage(self, chain_ids: Sequence[str], now: float) -> dict[str, int]:
         if not chain_ids:
@@ -366,8 +407,18 @@ class RedisSlotStore:
         return dict(zip(chain_ids, (int(c) for c in counts), strict=True))
 
 
-def _released(reply) -> tuple[str, int] | None:
-    if not reply:
-        return None
-    chain_id, used = reply
-    return (chain_id.decode() if isinstance(chain_id, bytes) else chain_id), int(used)
+async def _gathered(replies: list[asyncio.Future]) -> list[Any]:
+    """Each batched call's reply; the first failure raises (after every call is done)."""
+    if not replies:
+        return []
+    done = await asyncio.gather(*replies, return_exceptions=True)
+    for reply in done:
+        if isinstance(reply, BaseException):
+            raise reply
+    return done
+
+
+def _released(chain_id: str, reply: list) -> tuple[str, int] | None:
+    """(chain, its count after) from the release script's reply; None when the slot was not there."""
+    used = int(reply[0])
+    return None if used < 0 else (chain_id, used)

@@ -93,10 +93,9 @@ class ChainState(Struct, frozen=True):
         """Prompt tokens the chain must prefill for a request whose leading `cached_blocks` it holds."""
         return max(0, prompt_tokens - self.cached_blocks * self.node.block_size)
 
-    def backlog_beyond_cache_s(self, prompt_tokens: int) -> float:
-        """The prefill backlog less the prefill this chain's cached prefix saves the request (`Router.place`'s bound)."""
-        saved = min(prompt_tokens, self.cached_blocks * self.node.block_size) * self.node.model.b
-        return self.prefill_backlog_s - saved
+    def first_token_wait_s(self, prompt_tokens: int) -> float:
+        """The prefill backlog plus the request's own uncached prefill: when its first token comes (`Router.place`'s bound)."""
+        return self.prefill_backlog_s + self.uncached_tokens(prompt_tokens) * self.node.model.b
 
     @property
     def in_flight(self) -> int:
@@ -128,6 +127,15 @@ class ClusterSnapshot(Struct, frozen=True):
 
     def free(self) -> list[ChainState]:
         return [c for c in self.chains if c.free_slots > 0]
+
+    def fastest_prefill_per_token_s(self) -> float:
+        """The least prefill time per prompt token among the chains that prefill on their own node (0.0: none)."""
+        fastest, found = 0.0, False
+        for c in self.chains:
+            b = c.node.model.b
+            if c.remote_prefill_s is None and (not found or b < fastest):
+                fastest, found = b, True
+        return fastest
 
 
 def _drain_per_s(model: StepModel) -> float:

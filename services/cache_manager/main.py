@@ -21,7 +21,8 @@ async def main(config: KvlaneConfig, stop: asyncio.Event) -> None:
         metrics = CacheMetrics()
         ledger = BlockLedger(ctx.redis, settings.lease_ttl_s)
         service = CacheManagerService(settings, ctx.bus, ctx.view, ledger, metrics, manager_id, tracer=ctx.telemetry.tracer,
-                                      prewarm_leader=prewarm_leadership(ctx.redis, settings, manager_id))
+                                      prewarm_leader=prewarm_leadership(ctx.redis, settings, manager_id),
+                                      releases_finished=not config.balancer.releases_kv_leases)
         metrics_runner = None
         try:
             await service.start()

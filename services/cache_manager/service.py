@@ -2,8 +2,11 @@
 
 It answers allocate / release / lookup / status on `kvlane.v1.cache.request`
 (a queue group: replicas share the work and the Redis ledger), renews
-leases from workers' `RenewLeases`, releases on `RequestFinished`, keeps the
-prefix index from workers' `KvEvents`, and pre-warms hot prefixes.
+leases from workers' `RenewLeases`, releases on `RequestFinished` where the
+balancers do not (`BalancerSettings.releases_kv_leases`: with the Redis slot
+store they free a finished request's lease in the script that frees its
+slot), keeps the prefix index from workers' `KvEvents`, and pre-warms hot
+prefixes. Leases of withdrawn routes it releases either way.
 
 Any number of replicas may run. Requests, renewals and releases go to one
 replica each (queue groups) and every change to the ledger is one atomic
@@ -95,7 +98,9 @@ class CacheManagerService:
         clock: Callable[[], float] = time.monotonic,
         tracer: Tracer | None = None,
         prewarm_leader: Leadership | None = None,
+        releases_finished: bool = True,
     ) -> None:
+        """`releases_finished`: free the lease of each `RequestFinished`; False where the balancers do."""
         self._settings = settings
         self._tracer = tracer or trace.NoOpTracer()
         self._bus = bus
@@ -114,6 +119,7 @@ class CacheManagerService:
         self._prewarm_leader = prewarm_leader
         # Leases of finished requests go back a batch at a time: one Redis round trip per burst.
         self._finished: Coalescer[tuple[str, str]] = Coalescer("lease-releases", self._release_finished)
+        self._releases_finished = releases_finished
 
     async def start(self) -> None:
         # Before answering anything: a replica that returns after an outage finds the ledger full of the
@@ -125,8 +131,11 @@ class CacheManagerService:
         # Every replica keeps its own index and hot prefixes (whichever leads pre-warming uses them), so these are
         # broadcast (no queue).
         await self._bus.subscribe(subjects.CACHE_ROUTED, PrefixesRouted, self._on_routed, traced=False)
-        await self._bus.subscribe(subjects.KV_EVENTS_ALL, KvEvents, self._on_kv_events, traced=False)
-        await self._bus.subscribe(subjects.REQUEST_FINISHED, RequestFinished, self._on_finished, queue=queue, traced=False)
+        # These only update memory: handled as nats-py reads them, without a task per message.
+        await self._bus.subscribe(subjects.KV_EVENTS_ALL, KvEvents, self._on_kv_events, traced=False, at_once=True)
+        if self._releases_finished:
+            await self._bus.subscribe(subjects.REQUEST_FINISHED, RequestFinished, self._on_finished, queue=queue, traced=False,
+                                      at_once=True)
         await self._bus.subscribe(subjects.ROUTE_WITHDRAWN, RouteWithdrawn, self._on_withdrawn, queue=queue)
         await self._bus.subscribe(subjects.WORKER_LEFT, WorkerLeft, self._on_worker_left)
         self._maintenance.start()
@@ -306,7 +315,7 @@ class CacheManagerService:
         for prefix in routed.prefixes:
             self._observe_prefix(prefix.model, prefix.block_hashes, prefix.prefix_token_ids)
 
-    async def _on_finished(self, event: RequestFinished, msg: Msg) -> None:
+    def _on_finished(self, event: RequestFinished, msg: Msg) -> None:
         self._finished.put((event.request_id, event.worker_id))
 
     async def _release_finished(self, releases: list[tuple[str, str]]) -> None:
@@ -325,9 +334,11 @@ class CacheManagerService:
             log.warning("lease_release_failed", request_id=request_id, error=str(exc))
 
     async def _on_withdrawn(self, event: RouteWithdrawn, msg: Msg) -> None:
+        # Also where the balancers free leases: only the one that placed the request knows its node, and a lease
+        # the cache-manager granted may land after that balancer's release.
         await self._release_anywhere(event.request_id)
 
-    async def _on_kv_events(self, events: KvEvents, msg: Msg) -> None:
+    def _on_kv_events(self, events: KvEvents, msg: Msg) -> None:
         if events.worker_id not in self._nodes_with_events:
             self._nodes_with_events.add(events.worker_id)
             self.index.remove_node(events.worker_id)  # drop what history approximated

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import msgspec
 import nats
 import pytest
+from redis.asyncio import Redis
 
 from contracts import subjects
 from contracts.balancer import BalancerStatus, BalancerStatusReply, BalancerStatusRequest
@@ -29,8 +30,8 @@ from shared.config import (
     SimSettings,
     WorkerSettings,
 )
+from shared.state import connect_redis
 from tests.integration.redis_cluster import redis_cluster
-from tests.waiting import until, wait_for  # noqa: F401  (the integration tests import them from here)
 
 FAST_HEARTBEATS = {"heartbeat_interval_s": 0.25, "heartbeat_ttl_s": 1.0, "resync_interval_s": 0.5}
 MODEL = "kvlane-sim"
@@ -74,7 +75,7 @@ def launch(
         raise
 
 
-def _stop(fleet: Fleet) -> None:
+def stop_and_check(fleet: Fleet) -> None:
     crashed = [p for p in fleet.services() if not p.alive() and p.popen.returncode not in (0, -9)]
     fleet.stop()
     assert not crashed, "\n".join(f"{p.name} exited {p.popen.returncode}:\n{p.log_tail()}" for p in crashed)
@@ -97,12 +98,27 @@ def redis_backend(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempP
         launcher.stop_all()
 
 
+async def flush(settings: RedisSettings) -> None:
+    client = connect_redis(settings)
+    await client.flushall()
+    await client.aclose()
+
+
+@pytest.fixture
+async def redis_client(redis_backend: RedisSettings) -> AsyncIterator[Redis]:
+    """A client of an emptied Redis (single or cluster)."""
+    await flush(redis_backend)
+    client = connect_redis(redis_backend)
+    yield client
+    await client.aclose()
+
+
 @pytest.fixture(scope="module")
 def shared_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     """Two workers, for tests that do not harm the fleet."""
     fleet = launch(tmp_path_factory.mktemp("fleet"))
     yield fleet
-    _stop(fleet)
+    stop_and_check(fleet)
 
 
 @pytest.fixture
@@ -110,7 +126,7 @@ def own_fleet(tmp_path: Path) -> Iterator[Fleet]:
     """Two workers, for tests that kill or stop something."""
     fleet = launch(tmp_path)
     yield fleet
-    _stop(fleet)
+    stop_and_check(fleet)
 
 
 async def until_status(fleet: Fleet, holds: Callable[[BalancerStatus], bool], timeout_s: float = 10.0) -> None:

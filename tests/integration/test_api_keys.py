@@ -26,7 +26,8 @@ from kvlane.fleet import Fleet, with_overrides
 from kvlane.launcher import Process, free_port, wait_services_ready
 from shared.api_keys import make_record, write_keys_file
 from shared.config import to_env
-from tests.integration.conftest import MODEL, _stop, launch, wait_for
+from tests.integration.conftest import MODEL, launch, stop_and_check
+from tests.waiting import wait_for
 from tests.integration.test_nats_api import run as nats_run
 
 pytestmark = pytest.mark.integration
@@ -69,7 +70,7 @@ def fleet_and_static(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple
     auth = {"required": True, "keys_file": str(keys_file), "cache_ttl_s": CACHE_TTL_S}
     fleet = launch(directory, workers=1, speed=0.5, tune=lambda c: with_overrides(c, ingress={"auth": auth}))
     yield fleet, key
-    _stop(fleet)
+    stop_and_check(fleet)
 
 
 @pytest.fixture

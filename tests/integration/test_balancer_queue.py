@@ -16,7 +16,7 @@ from contracts import subjects
 from contracts.balancer import BalancerStatus, BalancerStatusReply, BalancerStatusRequest
 from kvlane.fleet import Fleet, with_overrides
 from kvlane.launcher import wait_services_ready
-from tests.integration.conftest import MODEL, _stop, launch, until_status
+from tests.integration.conftest import MODEL, launch, stop_and_check, until_status
 
 pytestmark = pytest.mark.integration
 
@@ -33,7 +33,7 @@ def one_slot_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     fleet = launch(tmp_path_factory.mktemp("one-slot"), workers=1, tune=tune, speed=0.1)
     wait_services_ready(fleet.balancers)
     yield fleet
-    _stop(fleet)
+    stop_and_check(fleet)
 
 
 async def complete(session: aiohttp.ClientSession, fleet: Fleet, prompt: str, max_tokens: int) -> tuple[int, dict, float]:

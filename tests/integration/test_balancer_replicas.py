@@ -18,9 +18,11 @@ from kvlane.fleet import with_overrides
 from kvlane.launcher import free_port, wait_services_ready
 from kvlane.status import fetch_statuses, render_status
 from services.balancer.slot_store import RedisSlotStore
+from shared.block_ledger import BlockLedger
 from shared.config import RedisSettings, to_env
 from shared.state import connect_redis
-from tests.integration.conftest import MODEL, _stop, launch
+from tests.integration.conftest import MODEL, flush, launch, stop_and_check
+from tests.waiting import until
 
 pytestmark = pytest.mark.integration
 
@@ -80,12 +82,22 @@ async def test_three_replicas_never_oversubscribe_a_chain(tmp_path: Path, redis_
         assert max(worst_reserved.values()) == SLOTS
         # ... and the replicas shared the work.
         assert sum(decisions(port) for port in ports) > 0
-        # Every slot came back once the requests ended.
-        await asyncio.sleep(0.5)
-        leftover = {}
-        async for key in client.scan_iter(match=f"{subjects.REDIS_PREFIX}:slots:*"):
-            leftover[key.decode()] = await client.zcard(key)
-        assert sum(leftover.values()) == 0, leftover
+        # Every slot came back once the requests ended (the releases follow the replies, a batch at a time).
+        leftover: dict[str, int] = {}
+
+        async def slots_back() -> bool:
+            async for key in client.scan_iter(match=f"{subjects.REDIS_PREFIX}:slots:*"):
+                leftover[key.decode()] = await client.zcard(key)
+            return sum(leftover.values()) == 0
+
+        await until(slots_back, 5, lambda: f"slots still held: {leftover}")
+        # And every KV lease, freed with its slot by the replicas, long before the leases would lapse.
+        ledger = BlockLedger(client, fleet.config.cache_manager.lease_ttl_s)
+
+        async def leases_back() -> bool:
+            return set((await ledger.usage(["w0", "w1"])).values()) == {(0, 0, 0)}
+
+        await until(leases_back, 5, "the leases were given back")
         await client.aclose()
         # `kvlane status` shows every replica, not the one a queue group picks.
         statuses = await fetch_statuses(fleet.config.nats.url)
@@ -95,13 +107,7 @@ async def test_three_replicas_never_oversubscribe_a_chain(tmp_path: Path, redis_
         text = console.export_text()
         assert "3 balancer replica(s)" in text and all(s.balancer_id in text for s in statuses)
     finally:
-        _stop(fleet)
-
-
-async def flush(settings: RedisSettings) -> None:
-    client = connect_redis(settings)
-    await client.flushall()
-    await client.aclose()
+        stop_and_check(fleet)
 
 
 async def test_slot_store_releases_a_batch_in_one_pipeline(redis_backend: RedisSettings) -> None:

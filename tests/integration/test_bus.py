@@ -17,6 +17,7 @@ from shared.bus import Bus, NoResponders, RequestTimeout, StreamReceiver, is_fin
 from shared.config import NatsSettings, TracingSettings
 from shared.stream_outbox import StreamOutbox
 from shared.telemetry import Telemetry
+from tests.waiting import until
 
 pytestmark = pytest.mark.integration
 
@@ -167,6 +168,41 @@ async def test_outbox_batches_one_steps_frames_per_receiver_in_order(nats_server
     assert all(len({f.stream.split("-")[0] for f in b.frames}) == 1 for b in batches)
     await worker.close()
     await receiver_bus.close()
+
+
+async def test_an_at_once_handler_runs_in_the_read_loop_and_cannot_break_it(nats_server) -> None:
+    """Frames reach an `at_once` handler as nats-py parses them; garbage and a failing handler cost their message only."""
+    _, port = nats_server
+    sender, _ = await connect(port, "sender")
+    receiver, _ = await connect(port, "receiver")
+    seen: list[tuple[int, asyncio.Task | None]] = []
+
+    def handle(frame: StreamMessage, msg) -> None:
+        if isinstance(frame, TokenChunk) and frame.seq == 1:
+            raise RuntimeError("handler bug")
+        seen.append((frame.seq, asyncio.current_task()))
+
+    await receiver.subscribe("t.frames", StreamMessage, handle, traced=False, at_once=True)
+    await sender.publish("t.frames", TokenChunk("r", 0, [0], "a"), traced=False)
+    await sender.client.publish("t.frames", b"not msgpack")
+    await sender.publish("t.frames", TokenChunk("r", 1, [1], "b"), traced=False)
+    await sender.publish("t.frames", TokenChunk("r", 2, [2], "c"), traced=False)
+    await until(lambda: len(seen) == 2, 5, lambda: f"frames 0 and 2, seen {seen}")
+    assert [seq for seq, _ in seen] == [0, 2]
+    # No task of the subscription's own: the connection's read loop ran the handler.
+    assert all(task is receiver.client._reading_task for _, task in seen)
+    # Replies go the same way, and the connection still serves them.
+    await sender.subscribe("t.route", RouteRequest, decide)
+    assert isinstance(await receiver.request("t.route", route(), RouteReply, 2), RouteDecision)
+
+    async def waits(frame: StreamMessage, msg) -> None:
+        pass
+
+    # A coroutine function would never be awaited there: refused at once.
+    with pytest.raises(TypeError, match="plain function"):
+        await receiver.subscribe("t.other", StreamMessage, waits, traced=False, at_once=True)
+    await sender.close()
+    await receiver.close()
 
 
 async def test_trace_context_crosses_the_bus(nats_server) -> None:

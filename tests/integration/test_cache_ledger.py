@@ -46,6 +46,8 @@ class LedgerMachine(RuleBasedStateMachine):
         self.run(self.ledger.reap(sorted(self.live_nodes)))
         self.leases: dict[str, tuple[str, int, str]] = {}
         self.slot_store = RedisSlotStore(self.client)
+        # A balancer's store where the balancers free leases: a slot's release frees its request's lease too.
+        self.leasing_store = RedisSlotStore(self.client, releases_leases=True)
         self.slots: dict[str, str] = {}  # request id -> its node, for the slots taken with a lease
         self.counter = 0
 
@@ -122,6 +124,29 @@ class LedgerMachine(RuleBasedStateMachine):
         released = self.run(self.slot_store.release_many([*zip(rids, others), *zip(rids, nodes)]))
         assert released[:len(rids)] == [None] * len(rids)
         assert [chain for chain, _ in released[len(rids):]] == [chain_of(self.slots.pop(rid)) for rid in rids]
+
+    @precondition(lambda self: self.slots)
+    @rule(data=st.data(), placed_here=st.booleans())
+    def release_slots_with_their_leases(self, data, placed_here: bool) -> None:
+        rids = data.draw(st.lists(st.sampled_from(sorted(self.slots)), min_size=1, max_size=3, unique=True))
+        nodes = [self.slots[rid] for rid in rids]
+        # By the replica that placed them (their chains known) or another (read first); then again, freeing nothing.
+        chains = [chain_of(node) for node in nodes] if placed_here else None
+        released = self.run(self.leasing_store.release_many([*zip(rids, nodes)], chains))
+        assert [chain for chain, _ in released] == [chain_of(node) for node in nodes]
+        for rid in rids:
+            self.slots.pop(rid)
+            self.leases.pop(rid, None)  # unless released, preempted or reaped already: then nothing is credited
+        assert self.run(self.leasing_store.release_many([*zip(rids, nodes)], chains)) == [None] * len(rids)
+
+    @precondition(lambda self: set(self.leases) - set(self.slots))
+    @rule(data=st.data())
+    def release_leases_without_slots(self, data) -> None:
+        # Leases the cache-manager granted, or whose slots went first: a balancer's release frees them alone.
+        rids = data.draw(st.lists(st.sampled_from(sorted(set(self.leases) - set(self.slots))), min_size=1, max_size=3,
+                                  unique=True))
+        nodes = [self.leases.pop(rid)[0] for rid in rids]
+        assert self.run(self.leasing_store.release_many([*zip(rids, nodes)])) == [None] * len(rids)
 
     def free(self, node: str) -> dict[str, int]:
         general, short = CAPACITY[node]

@@ -16,7 +16,7 @@ import pytest
 
 from kvlane.fleet import Fleet
 from loadtest.hangup import FinishedWatch, Options, request_body, soak
-from tests.integration.conftest import MODEL, _stop, launch
+from tests.integration.conftest import MODEL, launch, stop_and_check
 
 pytestmark = pytest.mark.integration
 
@@ -71,4 +71,4 @@ def test_a_hand_over_that_timed_out_is_aborted_on_the_slow_worker(tmp_path: Path
         assert status in (404, 503)  # by then the stopped worker's heartbeat had expired, or not yet
         assert [(f.worker_id, f.finish_reason) for f in finished] == [("w0", "abort")]
     finally:
-        _stop(fleet)
+        stop_and_check(fleet)

@@ -23,7 +23,8 @@ from contracts.messages import (
     WorkerReply,
 )
 from kvlane.fleet import Fleet
-from tests.integration.conftest import FAST_HEARTBEATS, MODEL, until, until_status
+from tests.integration.conftest import FAST_HEARTBEATS, MODEL, until_status
+from tests.waiting import until
 from tests.integration.finished_log import watch_finished
 
 pytestmark = pytest.mark.integration

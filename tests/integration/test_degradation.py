@@ -18,7 +18,7 @@ import pytest
 from contracts.balancer import BalancerStatus
 from kvlane.fleet import Fleet, with_overrides
 from kvlane.launcher import wait_services_ready
-from tests.integration.conftest import MODEL, _stop, launch, until_status
+from tests.integration.conftest import MODEL, launch, stop_and_check, until_status
 
 pytestmark = pytest.mark.integration
 
@@ -37,7 +37,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     fleet = launch(tmp_path_factory.mktemp("degradation"), workers=1, tune=tune, speed=0.1)  # ~22 ms per token
     wait_services_ready(fleet.balancers)
     yield fleet
-    _stop(fleet)
+    stop_and_check(fleet)
 
 
 async def complete(session: aiohttp.ClientSession, fleet: Fleet, prompt: str, max_tokens: int, priority: int) -> tuple[int, dict, dict]:

@@ -30,7 +30,7 @@ from schemathesis.core.failures import FailureGroup
 from schemathesis.specs.openapi.checks import response_schema_conformance
 
 from kvlane.fleet import Fleet
-from tests.integration.conftest import MODEL, _stop, launch
+from tests.integration.conftest import MODEL, launch, stop_and_check
 
 pytestmark = pytest.mark.integration
 
@@ -44,7 +44,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     # Fast sim workers: a valid request may ask for thousands of tokens.
     fleet = launch(tmp_path_factory.mktemp("schemathesis"), speed=50.0)
     yield fleet
-    _stop(fleet)
+    stop_and_check(fleet)
 
 
 def with_real_model(case: Any) -> Any:

@@ -65,7 +65,7 @@ from contracts.openai_api import ChatCompletionRequest, CompletionRequest, Error
 from kvlane.fleet import Fleet, with_overrides
 from kvlane.launcher import wait_ready, wait_services_ready
 from shared.runner import READY_EVENT
-from tests.integration.conftest import MODEL, _stop, launch, until_status
+from tests.integration.conftest import MODEL, launch, stop_and_check, until_status
 from tests.msgspec_strategies import json_values, near_misses, wire_values
 
 pytestmark = pytest.mark.integration
@@ -319,7 +319,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
         fleet.stop()
         raise
     yield fleet
-    _stop(fleet)
+    stop_and_check(fleet)
 
 
 def crash_lines(fleet: Fleet) -> list[str]:

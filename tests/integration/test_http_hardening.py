@@ -20,7 +20,8 @@ import pytest
 
 from contracts import subjects
 from kvlane.fleet import Fleet, with_overrides
-from tests.integration.conftest import MODEL, _stop, launch
+from tests.integration.conftest import MODEL, launch, stop_and_check
+from tests.waiting import until
 
 pytestmark = pytest.mark.integration
 
@@ -39,7 +40,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     # Debug level: whatever the ingress logs at all, this test sees.
     fleet = launch(tmp_path_factory.mktemp("hardening"), tune=lambda c: with_overrides(c, ingress=ingress, logging={"level": "debug"}))
     yield fleet
-    _stop(fleet)
+    stop_and_check(fleet)
 
 
 def _port(fleet: Fleet) -> int:
@@ -224,7 +225,11 @@ async def test_streams_per_client_address_are_capped(fleet: Fleet) -> None:
     finally:
         for writer in held:
             writer.close()  # hanging up ends the streams (the handler is cancelled)
-    await asyncio.sleep(0.5)
+
+    async def admitted() -> bool:
+        return status_of((await exchange(fleet, post("/v1/chat/completions", chat())))[1]) != 429
+
+    await until(admitted, 10, "the streams of a client that hung up still count against it")
     await assert_serves(fleet)
 
 

@@ -22,7 +22,8 @@ import pytest
 from contracts import subjects
 from kvlane.fleet import Fleet, with_overrides
 from services.ingress.processes import METRICS_DIR_ENV
-from tests.integration.conftest import MODEL, _stop, launch, until, wait_for
+from tests.integration.conftest import MODEL, launch, stop_and_check
+from tests.waiting import until, wait_for
 
 pytestmark = [
     pytest.mark.integration,
@@ -37,7 +38,7 @@ COMPLETED = re.compile(r'^kvlane_ingress_requests_total\{endpoint="/v1/completio
 def fleet(tmp_path) -> Iterator[Fleet]:
     fleet = launch(tmp_path, workers=1, tune=lambda c: with_overrides(c, ingress={"processes": 2, "ingress_id": INGRESS_ID}))
     yield fleet
-    _stop(fleet)
+    stop_and_check(fleet)
 
 
 def _others(fleet: Fleet) -> list[psutil.Process]:

@@ -21,7 +21,7 @@ from shared.cluster import ClusterView, ClusterWatcher
 from shared.config import TracingSettings
 from shared.state import ClusterState, connect_redis
 from shared.telemetry import Telemetry
-from tests.integration.conftest import MODEL, _stop, launch
+from tests.integration.conftest import MODEL, launch, stop_and_check
 
 pytestmark = pytest.mark.skipif(not servers_available(), reason="nats-server or redis-server not installed")
 
@@ -39,7 +39,7 @@ def four_node_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]
 
     fleet = launch(tmp_path_factory.mktemp("nodes"), workers=1, tune=tune)
     yield fleet
-    _stop(fleet)
+    stop_and_check(fleet)
 
 
 async def _collect(url: str, subject: str, decoder: msgspec.msgpack.Decoder, into: list) -> nats.NATS:

@@ -23,7 +23,7 @@ from kvlane.fleet import Fleet, with_overrides
 from kvlane.launcher import free_port, wait_services_ready
 from loadtest.hangup import FinishedWatch
 from shared.config import to_env
-from tests.integration.conftest import MODEL, _stop, launch
+from tests.integration.conftest import MODEL, launch, stop_and_check
 
 pytestmark = pytest.mark.integration
 
@@ -37,7 +37,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     # A small body limit, so that an oversized payload fits in one NATS message.
     fleet = launch(tmp_path_factory.mktemp("nats-api"), tune=lambda c: with_overrides(c, ingress={"max_body_bytes": MAX_BODY}))
     yield fleet
-    _stop(fleet)
+    stop_and_check(fleet)
 
 
 def run(fleet: Fleet, scenario) -> object:

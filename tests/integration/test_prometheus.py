@@ -27,7 +27,8 @@ import pytest
 from kvlane.fleet import Fleet, with_overrides
 from kvlane.launcher import Launcher, Process, free_port, port_open, servers_available, wait_ready, wait_services_ready
 from shared.config import to_env
-from tests.integration.conftest import MODEL, fleet_config, wait_for
+from tests.integration.conftest import MODEL, fleet_config
+from tests.waiting import wait_for
 
 PROMETHEUS = shutil.which("prometheus")
 

@@ -29,7 +29,8 @@ from shared.config import RedisSettings
 from shared.key_limits import KeyLimiter, limit_keys
 from shared.redis_scripts import run_batch
 from shared.state import ClusterState, connect_redis
-from tests.integration.conftest import MODEL, _stop, launch, until
+from tests.integration.conftest import MODEL, launch, stop_and_check
+from tests.waiting import until
 from tests.integration.redis_cluster import MASTERS, redis_cluster
 
 pytestmark = pytest.mark.integration
@@ -156,7 +157,7 @@ async def test_a_fleet_on_a_cluster_serves_requests_with_kv_leases_and_gives_eve
 
         await until(all_back, 10, lambda: "leases or slots were not given back")
     finally:
-        _stop(fleet)
+        stop_and_check(fleet)
 
 
 async def chain_of(client: RedisCluster, worker_id: str) -> str:

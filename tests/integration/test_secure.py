@@ -42,7 +42,7 @@ from kvlane.status import fetch_statuses
 from shared.config import KvlaneConfig, NatsSettings
 from shared.credentials import nats_options, redis_url_and_options
 from shared.state import ClusterState, connect_redis
-from tests.integration.conftest import MODEL, _stop, fleet_config
+from tests.integration.conftest import MODEL, fleet_config, stop_and_check
 
 pytestmark = pytest.mark.integration
 
@@ -102,7 +102,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
 
     fleet = secure_launch(tmp_path_factory.mktemp("secure"), tune=tune, speed=0.5)
     yield fleet
-    _stop(fleet)
+    stop_and_check(fleet)
 
 
 async def complete(session: aiohttp.ClientSession, fleet: Fleet, prompt: str, max_tokens: int = 12,
@@ -286,7 +286,7 @@ def test_disaggregated_secured_fleet_hands_off_kv(tmp_path: Path) -> None:
         assert asyncio.run(pulls()) >= 1
         assert_nothing_refused(fleet)
     finally:
-        _stop(fleet)
+        stop_and_check(fleet)
 
 
 # --- kvlane up --secure --tls, as a user runs it ---------------------------------------------------------------

@@ -36,7 +36,7 @@ from contracts import subjects
 from contracts.messages import GenerateRequest, TokenChunk
 from kvlane.fleet import Fleet, with_overrides
 from kvlane.launcher import free_port
-from tests.integration.conftest import MODEL, _stop, launch
+from tests.integration.conftest import MODEL, launch, stop_and_check
 from tests.integration.test_disaggregated import LONG, BusWatch, disaggregated, process, worker_of
 
 pytestmark = pytest.mark.integration
@@ -155,7 +155,7 @@ async def start_fleet(tmp_path: Path, **kwargs: object) -> Fleet:
 
 
 async def stop_fleet(fleet: Fleet) -> None:
-    await asyncio.to_thread(_stop, fleet)
+    await asyncio.to_thread(stop_and_check, fleet)
 
 
 async def wait_for(check: Callable[[], object], timeout: float = 20.0, what: str = "spans") -> object:

@@ -24,7 +24,8 @@ import aiohttp
 import pytest
 
 from kvlane.launcher import free_port
-from tests.integration.conftest import MODEL, until
+from tests.integration.conftest import MODEL
+from tests.waiting import until
 from tests.integration.test_faults import expected_text
 from tests.integration.test_kvlane_up import alive, children_of
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from contracts.messages import Heartbeat
+from contracts.messages import Heartbeat, StepTime
 from services.balancer.backlog import PrefillBacklog
 from services.balancer.policies.jffc import JffcPerRequest
 from services.balancer.router import Placement, Queued, Router
@@ -26,19 +26,38 @@ def test_backlog_drains_at_the_prefill_rate() -> None:
     assert backlog.tokens("a", 1000.0, 11.0) == 0.0
 
 
-def test_an_empty_waiting_queue_caps_the_backlog_at_what_was_sent_since() -> None:
+def test_an_empty_waiting_queue_caps_the_backlog_at_what_was_sent_since_and_what_cannot_be_prefilled_yet() -> None:
     backlog = PrefillBacklog()
-    backlog.add("a", 4000, drain_per_s=100.0, now=10.0)  # the drain rate is badly underestimated
+    backlog.add("a", 4000, drain_per_s=100.0, now=10.0)  # the drain rate was badly underestimated then
     backlog.add("a", 300, drain_per_s=100.0, now=12.0)
-    backlog.observe("a", sent_at=11.0, waiting=0, drain_per_s=100.0, now=12.1)
-    assert backlog.tokens("a", 100.0, 12.1) == pytest.approx(300)  # only what the heartbeat could not see
+    # At the node's measured rate, 1000 tokens/s, 1900 of the 4000 started at 10.0 may still be ahead.
+    backlog.observe("a", sent_at=11.0, waiting=0, drain_per_s=1000.0, now=12.1)
+    assert backlog.tokens("a", 1000.0, 12.1) == pytest.approx(1900 + 300)
+    # Once the node could have prefilled them all, only what the heartbeat could not see is left.
+    backlog.observe("a", sent_at=12.1, waiting=0, drain_per_s=1000.0, now=14.0)
+    assert backlog.tokens("a", 1000.0, 14.0) == pytest.approx(300)
+    backlog.observe("a", sent_at=14.5, waiting=0, drain_per_s=1000.0, now=14.5)
+    assert backlog.tokens("a", 1000.0, 14.5) == 0.0
     # A heartbeat with requests waiting says nothing about their prompts: the estimate stands.
-    backlog.add("a", 1000, drain_per_s=100.0, now=12.1)
-    backlog.observe("a", sent_at=12.2, waiting=3, drain_per_s=100.0, now=12.3)
-    assert backlog.tokens("a", 100.0, 12.3) == pytest.approx(1300 - 20)
+    backlog.add("a", 1000, drain_per_s=1000.0, now=14.5)
+    backlog.observe("a", sent_at=14.6, waiting=3, drain_per_s=1000.0, now=14.7)
+    assert backlog.tokens("a", 1000.0, 14.7) == pytest.approx(1000 - 200)
     # The cap never raises the estimate.
-    backlog.observe("a", sent_at=12.2, waiting=0, drain_per_s=100.0, now=30.0)
-    assert backlog.tokens("a", 100.0, 30.0) == 0.0
+    backlog.observe("a", sent_at=14.6, waiting=0, drain_per_s=1000.0, now=30.0)
+    assert backlog.tokens("a", 1000.0, 30.0) == 0.0
+
+
+def test_a_long_prompt_that_has_started_still_holds_the_node_after_a_heartbeat_without_waiting_requests() -> None:
+    """An engine prefills a long prompt in chunks: admitted (waiting 0) is not prefilled."""
+    backlog = PrefillBacklog()
+    backlog.add("a", 28_000, drain_per_s=10_000.0, now=0.0)
+    backlog.observe("a", sent_at=1.0, waiting=0, drain_per_s=10_000.0, now=1.0)
+    assert backlog.tokens("a", 10_000.0, 1.0) == pytest.approx(18_000)
+    backlog.add("a", 500, drain_per_s=10_000.0, now=1.5)
+    backlog.observe("a", sent_at=2.0, waiting=0, drain_per_s=10_000.0, now=2.0)
+    assert backlog.tokens("a", 10_000.0, 2.0) == pytest.approx(8_500)
+    backlog.observe("a", sent_at=3.0, waiting=0, drain_per_s=10_000.0, now=3.0)
+    assert backlog.tokens("a", 10_000.0, 3.0) == 0.0
 
 
 def test_placements_build_a_backlog_that_steers_uncached_prompts_away() -> None:
@@ -137,6 +156,34 @@ def test_a_cached_prefix_earns_a_backlog_allowance_of_the_prefill_it_saves(use_i
     r.index.apply(long.chain.worker_id, removed=list(range(2250, 2600)))
     short_prefix = r.admit(request("short", prompt=26_000, output=16, blocks=1600), heartbeats, NOW_WALL)
     assert isinstance(short_prefix, Queued)
+
+
+@pytest.mark.parametrize("use_index", [True, False])
+def test_a_slow_prefill_node_earns_no_backlog_allowance_for_its_own_slow_prefill(use_index: bool) -> None:
+    """Waiting ends in a prefill on the fastest node at best: a slow node's first token is compared with that."""
+    r = router("jffc_per_request", max_per_chain=2)
+    if not use_index:
+        r.chains = None
+    r.builder.clock = lambda: NOW_WALL
+    fast, slow = heartbeat("fast"), heartbeat("slow")
+    # The slow node prefills five times slower: 100 us a token against 20.
+    slow = msgspec.structs.replace(slow, registration=msgspec.structs.replace(
+        slow.registration, step_time=StepTime(a=TINY.a, b=5 * TINY.b, c=TINY.c)))
+    heartbeats = [fast, slow]
+    for hb in heartbeats:
+        r.builder.observe(hb)
+    # 0.3 s of prefill ahead on the slow node, which keeps a free slot; the fast node is full.
+    assert isinstance(r.admit(request("long", prompt=3000, blocks=0, exclude=["fast"]), heartbeats, NOW_WALL), Placement)
+    for name in ("f1", "f2"):
+        assert isinstance(r.admit(request(name, exclude=["slow"]), heartbeats, NOW_WALL), Placement)
+    for i in range(10):
+        r.degradation.departures.note(NOW_WALL - 1 + i / 10)  # the bound is the 0.5 s target
+    # Its 5,000-token prompt would come out of the slow node after 0.3 + 0.5 s, out of the fast one
+    # after the wait for a slot and 0.1 s: it waits, though the backlog alone is within the bound.
+    assert isinstance(r.admit(request("long-prompt", prompt=5000, blocks=0), heartbeats, NOW_WALL), Queued)
+    # A short prompt's own prefill costs little on either: 0.35 s is within 0.5 + 0.01 s, it goes now.
+    short = r.admit(request("short-prompt", prompt=500, blocks=0), heartbeats, NOW_WALL)
+    assert isinstance(short, Placement) and short.chain.worker_id == "slow"
 
 
 def test_a_policy_that_does_not_cost_its_own_wait_takes_any_free_slot() -> None:

@@ -307,11 +307,11 @@ async def test_a_queued_request_takes_the_next_slot_that_frees() -> None:
     await until(lambda: len(balancer.router.queue) == 1, 5.0, "r2 queued", every_s=0.001)
     assert not waiting.done()
     wall.value += 2.5
-    await balancer._on_finished(finished("r1"), None)  # type: ignore[arg-type]
+    balancer._on_finished(finished("r1"), None)  # type: ignore[arg-type]
     reply = await asyncio.wait_for(waiting, 1.0)
     assert isinstance(reply, RouteDecision) and reply.request_id == "r2"
     assert reply.queued_s == 2.5  # what ingress reports as vllm:request_queue_time_seconds
-    await balancer._on_finished(finished("r2"), None)  # type: ignore[arg-type]
+    balancer._on_finished(finished("r2"), None)  # type: ignore[arg-type]
     assert balancer.router.table.total_used() == 0
 
 
@@ -380,7 +380,7 @@ async def test_a_store_outage_falls_back_to_local_counts_and_restores_holds() ->
     store.up = True
     await balancer.tick()
     assert store.restored == [("r1", first.worker_id and balancer.router.table.holder("r1"))]
-    await balancer._on_finished(finished("r1"), None)  # type: ignore[arg-type]
+    balancer._on_finished(finished("r1"), None)  # type: ignore[arg-type]
     assert isinstance(await asyncio.wait_for(waiting, 1.0), RouteDecision)
 
 

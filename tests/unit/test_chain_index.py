@@ -23,7 +23,7 @@ from services.balancer.policies import make_policy
 from services.balancer.policies.jffc import JffcPerRequest
 from services.balancer.router import Placement, Router
 from services.balancer.slot_table import SlotTable
-from services.balancer.snapshot import SnapshotBuilder, chain_id_of
+from services.balancer.snapshot import ClusterSnapshot, SnapshotBuilder, chain_id_of
 from services.balancer.speed import StepModel
 from services.balancer.trackers import QueueGrowth, SpeedTracker
 from shared.config import BalancerSettings, JffcPerRequestSettings, QueueSettings, SlotSettings
@@ -145,8 +145,20 @@ class IndexMatchesSnapshot(RuleBasedStateMachine):
         decision = index.decision(req, cached)
         policy = self.indexed.policy
         costs = policy.expected_seconds_indexed(req, decision)  # type: ignore[attr-defined]
+        # As `Router.place` bounds the backlog on a snapshot: against the fastest prefill among the chains it may take.
+        takeable = ClusterSnapshot(tuple(decision.state(row) for row in decision.eligible.nonzero()[0].tolist()), 0)
+        elsewhere = req.prompt_tokens * takeable.fastest_prefill_per_token_s()
+        waits = {}
         for row in decision.free_rows.tolist():
-            assert costs[row] == policy.expected_seconds(req, decision.state(row))  # type: ignore[attr-defined]
+            state = decision.state(row)
+            assert costs[row] == policy.expected_seconds(req, state)  # type: ignore[attr-defined]
+            waits[row] = state.first_token_wait_s(req.prompt_tokens)
+        # The backlog bound leaves out exactly the chains the snapshot path's bound does, at the edges too.
+        beyond = sorted(wait - elsewhere for wait in waits.values())
+        for bound in {0.0, *beyond[:: max(1, len(beyond) // 3)], max(beyond, default=0.0)}:
+            limited = index.decision(req, cached)
+            limited.limit_backlog(bound, req.prompt_tokens)
+            assert limited.free_rows.tolist() == [row for row, wait in waits.items() if wait <= bound + elsewhere]
 
     @precondition(lambda self: self.running)
     @rule(index=st.integers(0, 100), dispatch=st.booleans())

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from contracts.messages import EngineStats, Heartbeat, LoadReport, WorkerRegistration
 from shared.cluster import ClusterView, ClusterWatcher
 from shared.heartbeats import HeartbeatSender
@@ -170,3 +173,39 @@ def test_the_watcher_hands_each_heartbeat_it_records_to_its_listeners_once_the_v
     for wire in message:
         watcher.heard(wire)
     assert heard == [(stored[0], ["a"]), (stored[1], ["a"])]
+
+
+def models_of(view: ClusterView, now: float) -> dict[str, str]:
+    """What `models` must answer, from `live` alone: per model, the first live non-draining worker (in view order)."""
+    found: dict[str, str] = {}
+    for heartbeat in view.live(now):
+        if not heartbeat.draining:
+            found.setdefault(heartbeat.registration.model, heartbeat.registration.worker_id)
+    return found
+
+
+_STEPS = st.lists(st.tuples(
+    st.sampled_from(["observe", "observe", "observe", "remove", "prune", "models"]),
+    st.sampled_from(["a", "b", "c", "d"]),
+    st.sampled_from(["m", "other"]),
+    st.booleans(),
+    st.floats(0.0, 2.0),
+), max_size=60)
+
+
+@settings(max_examples=400)
+@given(_STEPS)
+def test_models_answers_as_if_read_from_live_every_time(steps: list[tuple[str, str, str, bool, float]]) -> None:
+    # `models` keeps its answer between changes; it must never differ from reading the live nodes afresh.
+    view = ClusterView(TTL)
+    now = 0.0
+    for action, worker_id, model, draining, elapse in steps:
+        now += elapse
+        if action == "observe":
+            view.observe(hb(worker_id, sent_at=now, model=model, draining=draining), seen_at=now)
+        elif action == "remove":
+            view.remove(worker_id)
+        elif action == "prune":
+            view.prune(now)
+        got = {name: registration.worker_id for name, registration in view.models(now).items()}
+        assert got == models_of(view, now)

@@ -7,6 +7,7 @@ bus that passes every message as msgpack bytes, as NATS would; only the ingress'
 from __future__ import annotations
 
 import asyncio
+import inspect
 import time
 import types
 from collections.abc import Awaitable, Callable
@@ -69,7 +70,8 @@ class LoopbackBus:
         self.sent.append((subject, data))
         for pattern, (decoder, handler) in self._handlers.items():
             if pattern == subject or (pattern.endswith(".*") and subject.rsplit(".", 1)[0] == pattern[:-2]):
-                return await handler(decoder.decode(data), types.SimpleNamespace(subject=subject))
+                handled = handler(decoder.decode(data), types.SimpleNamespace(subject=subject))
+                return await handled if inspect.isawaitable(handled) else handled  # an `at_once` handler returns None
         return None  # nobody listens (heartbeats, finished events)
 
     def spawn(self, coro: Awaitable[Any]) -> asyncio.Task:

@@ -155,8 +155,9 @@ def lua_commands(script: str) -> set[str]:
 
 
 def test_lua_scripts_use_only_commands_their_roles_may_run() -> None:
-    ledger = {s for name in ("_ALLOCATE", "_PREEMPT", "_RELEASE", "_REAP", "_RENEW") for s in lua_commands(getattr(block_ledger, name))}
-    slots = lua_commands(slot_store._RESERVE) | lua_commands(slot_store._RELEASE) | lua_commands(slot_store._RESERVE_WITH_LEASE)
+    ledger = {s for name in ("_ALLOCATE", "_PREEMPT", "RELEASE_SCRIPT", "_REAP", "_RENEW") for s in lua_commands(getattr(block_ledger, name))}
+    slots = {s for name in ("_RESERVE", "_RESERVE_WITH_LEASE", "_RELEASE", "_READ_AND_RELEASE_LEASE")
+             for s in lua_commands(getattr(slot_store, name))}
     assert ledger and slots
     assert ledger <= set(ROLES["cache-manager"].redis_commands)
     assert ledger | slots <= set(ROLES["balancer"].redis_commands)

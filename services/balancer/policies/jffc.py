@@ -64,10 +64,12 @@ class JffcPerRequest:
     """
 
     name = "jffc_per_request"
-    # The router offers it only free chains whose prefill backlog is within
+    # The router offers it only free chains where the request's first token
+    # (the prefill backlog, then its own uncached prompt) comes within
     # `Degradation.backlog_bound_s`: its own wait is part of its cost, but with
     # only free chains to compare it would still take a slot behind seconds of
-    # prefill (a node busy with long prompts) over waiting briefly for another.
+    # prefill (a node busy with long prompts, or a slow one with its whole prompt
+    # to prefill) over waiting briefly for another.
     bounds_backlog = True
 
     def __init__(self, imposed_delay_weight: float = 1.0) -> None:
