@@ -294,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = parser.parse_args(argv)
     options = Options(engine=args.engine, runs=args.runs, max_tokens=args.max_tokens, after_chunks=args.after_chunks,
-                      background=args.background, busy_core=not args.no_busy_core, out=args.out)
+                      background=args.background, busy_core=not args.no_busy_core)
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="kvlane-hangup-"))
     model_dir = None
     if options.engine == "vllm":
@@ -310,11 +310,11 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         fleet.stop()
     summary = {"when": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), **asdict(report)}
-    options.out.parent.mkdir(parents=True, exist_ok=True)
-    options.out.write_text(json.dumps(summary, indent=2))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(summary, indent=2))
     print(f"{options.engine}: {report.aborted} of {options.runs} hang-ups aborted, {report.leaked} leaked, "
           f"{report.ended_first} ended before the hang-up, {report.refused} refused, {report.stalled} stalled; "
-          f"{report.background_completed} background streams completed; JSON in {options.out}")
+          f"{report.background_completed} background streams completed; JSON in {args.out}")
     return 0 if report.leaked == 0 else 1
 
 

@@ -41,10 +41,11 @@ class ClusterView:
         self._nodes: dict[str, NodeEntry] = {}
         # Load reports that named a registration this view did not hold (it started late, or missed a change).
         self.unmatched_load_reports = 0
-        # `models()` is asked on every request; its answer holds until a node joins, leaves or changes model or
-        # draining, or the first node it counted on goes stale.
+        # `models()` is asked on every request; its answer holds until a node it did not count is heard, a node
+        # leaves or changes model or draining, or the first node it counted on goes stale.
         self._models: dict[str, WorkerRegistration] | None = None
         self._models_valid = (float("inf"), -float("inf"))  # the instants between which `_models` holds
+        self._models_counted: frozenset[str] = frozenset()  # the nodes live when it was read
 
     def assemble(self, message: HeartbeatMessage) -> Heartbeat | None:
         """The full heartbeat `message` stands for: itself, or a load report joined to its worker's registration.
@@ -70,9 +71,11 @@ class ClusterView:
         if entry is not None and entry.seen_at > seen_at and entry.heartbeat.sent_at == heartbeat.sent_at:
             return
         self._nodes[worker_id] = NodeEntry(heartbeat, seen_at)
-        # A node that was stale, or that changed what `models` reads, changes its answer.
-        if (entry is None or seen_at - entry.seen_at > self._ttl_s or entry.heartbeat.draining != heartbeat.draining
-                or entry.heartbeat.registration != heartbeat.registration):
+        # A node `models` did not count (new, or stale then: a resync's heartbeat, seen as of when Redis stored it,
+        # can bring one back without moving its last sighting past the TTL), one that changed what `models` reads,
+        # or one now due to go stale sooner than the answer assumed, changes its answer.
+        if (entry is None or worker_id not in self._models_counted or seen_at + self._ttl_s < self._models_valid[1]
+                or entry.heartbeat.draining != heartbeat.draining or entry.heartbeat.registration != heartbeat.registration):
             self._models = None
 
     def remove(self, worker_id: str) -> None:
@@ -105,6 +108,7 @@ class ClusterView:
             for entry in live:
                 if not entry.heartbeat.draining:
                     self._models.setdefault(entry.heartbeat.registration.model, entry.heartbeat.registration)
+            self._models_counted = frozenset(e.heartbeat.registration.worker_id for e in live)
             # A node that goes stale takes its model with it; a heartbeat only moves its node's expiry later.
             self._models_valid = (now, min((e.seen_at + self._ttl_s for e in live), default=float("inf")))
         return self._models

@@ -185,27 +185,41 @@ def models_of(view: ClusterView, now: float) -> dict[str, str]:
 
 
 _STEPS = st.lists(st.tuples(
-    st.sampled_from(["observe", "observe", "observe", "remove", "prune", "models"]),
+    st.sampled_from(["observe", "observe", "observe", "resync", "remove", "prune", "models"]),
     st.sampled_from(["a", "b", "c", "d"]),
     st.sampled_from(["m", "other"]),
     st.booleans(),
     st.floats(0.0, 2.0),
+    st.floats(0.0, TTL),
 ), max_size=60)
 
 
 @settings(max_examples=400)
 @given(_STEPS)
-def test_models_answers_as_if_read_from_live_every_time(steps: list[tuple[str, str, str, bool, float]]) -> None:
+def test_models_answers_as_if_read_from_live_every_time(steps: list[tuple[str, str, str, bool, float, float]]) -> None:
     # `models` keeps its answer between changes; it must never differ from reading the live nodes afresh.
     view = ClusterView(TTL)
     now = 0.0
-    for action, worker_id, model, draining, elapse in steps:
+    for action, worker_id, model, draining, elapse, age in steps:
         now += elapse
         if action == "observe":
             view.observe(hb(worker_id, sent_at=now, model=model, draining=draining), seen_at=now)
+        elif action == "resync":
+            # A heartbeat read back from Redis counts as seen when it was stored, `age` ago:
+            # it can bring back a node that went stale without moving its last sighting past the TTL.
+            view.observe(hb(worker_id, sent_at=now, model=model, draining=draining), seen_at=now - age)
         elif action == "remove":
             view.remove(worker_id)
         elif action == "prune":
             view.prune(now)
         got = {name: registration.worker_id for name, registration in view.models(now).items()}
         assert got == models_of(view, now)
+
+
+def test_a_node_brought_back_by_a_resync_is_served_again() -> None:
+    view = ClusterView(TTL)
+    view.observe(hb("a", sent_at=100.0), seen_at=100.0)
+    assert view.models(103.5) == {}  # stale: its heartbeats are late on a busy host
+    # The resync reads its newest heartbeat from Redis, stored 0.5 s ago: live again.
+    view.observe(hb("a", sent_at=103.0), seen_at=103.0)
+    assert list(view.models(103.5)) == ["m"] == [h.registration.model for h in view.live(103.5)]
