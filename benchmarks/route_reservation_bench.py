@@ -2,8 +2,10 @@
 both in one script (`RedisSlotStore.reserve_with_lease`), on a real redis-server.
 
 Each decision reserves a slot and a lease for a new request on one of 64
-nodes, and its release follows in the batched release pipelines, as the
-balancer and the cache-manager do. The two ways alternate in rounds, so a
+nodes, and its release follows in batches of finished requests: the slot,
+then the lease, for the first way (as when the cache-manager freed leases);
+both in the slot's release script for the second (`RedisSlotStore(...,
+releases_leases=True)`, as the balancers do now). The two ways alternate in rounds, so a
 machine busy with other work slows both alike. Latency from sequential
 decisions, decisions per second and the Redis server's CPU per decision
 from `--concurrency` in flight.
@@ -72,6 +74,7 @@ async def bench(decisions: int, rounds: int, concurrency: int, folder: Path) -> 
     client = redis.Redis(port=port, max_connections=concurrency + 4)
     try:
         slots, ledger = RedisSlotStore(client), BlockLedger(client, lease_ttl_s=60)
+        slots_and_leases = RedisSlotStore(client, releases_leases=True)
         deadline = time.time() + 3600
 
         async def two_trips(request_id: str, worker_id: str) -> None:
@@ -83,16 +86,22 @@ async def bench(decisions: int, rounds: int, concurrency: int, folder: Path) -> 
                                                   ledger.asked_call(request_id, worker_id, ASK, 1.0, 64))
             assert both.slot_taken
 
-        async def release(finished: list[tuple[str, str]]) -> None:
+        async def release_apart(finished: list[tuple[str, str]]) -> None:
             for start in range(0, len(finished), 64):  # as one burst of RequestFinished each
                 batch = finished[start:start + 64]
                 await slots.release_many(batch)
                 await ledger.release_many(batch)
 
+        async def release_together(finished: list[tuple[str, str]]) -> None:
+            for start in range(0, len(finished), 64):
+                batch = finished[start:start + 64]
+                await slots_and_leases.release_many(batch, [f"{worker_id}@1" for _, worker_id in batch])
+
         print(f"{decisions} decisions per way and round ({decisions // 4} sequential), {concurrency} in flight, {NODES} nodes")
         print(f"{'round':>5} {'way':<24} {'p50 us':>8} {'p99 us':>8} {'decisions/s':>12} {'redis CPU us/decision':>22}")
         for round_ in range(1, rounds + 1):
-            for name, decide in (("slot, then lease", two_trips), ("slot + lease, one script", one_script)):
+            for name, decide, release in (("slot, then lease", two_trips, release_apart),
+                                          ("slot + lease, one script", one_script, release_together)):
                 r = await run_way(decide, release, f"{name[:4]}{round_}", decisions, concurrency, redis_pid)
                 print(f"{round_:>5} {name:<24} {r['p50_us']:8.0f} {r['p99_us']:8.0f} {r['per_s']:12.0f} {r['redis_cpu_us']:22.1f}",
                       flush=True)
