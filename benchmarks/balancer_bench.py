@@ -10,16 +10,23 @@ Two measurements:
   `--no-snapshot` skips it).
   `--heartbeat-every N` replaces one node's heartbeat every N decisions.
 * through NATS: a real nats-server, redis-server, balancer and
-  cache-manager process (slots in Redis and a KV allocation per decision,
-  the defaults; `--no-kv` leaves the cache-manager out), N fake-but-real
+  cache-manager process (slots in Redis and a KV lease per decision, the
+  defaults: the balancer takes the lease with the slot in one Redis script
+  and asks the cache-manager only when the ledger has no room on the node;
+  `--no-kv` leaves both out), N fake-but-real
   workers heartbeating on NATS (each second, as real nodes do: a full
   heartbeat every `cluster.full_heartbeat_every`th beat, load reports
   between); route requests over request/reply, each
   followed by its RequestFinished. Latency from sequential requests,
-  decisions per second from `--concurrency` requests in flight, and the
-  balancer process's CPU meanwhile: per decision, and beyond what it uses
-  with the fleet heartbeating and no requests (what one core of its own
-  would sustain, on a machine busy with other work).
+  decisions per second from `--concurrency` requests in flight (kept full
+  by `benchmarks.route_window`, lean so that on a small machine the
+  balancer rather than its client sets the rate; `--client request`: one
+  `nc.request` per decision instead), and the balancer process's CPU
+  meanwhile: per decision, and beyond what it uses with the fleet
+  heartbeating and no requests (what one core of its own would sustain, on
+  a machine busy with other work); then every process's CPU per decision
+  (client, nats-server, redis-server, balancer, cache-manager, the rest of
+  the machine) and its time waiting for a core.
 
     python -m benchmarks.balancer_bench [--quick] [--skip-nats] [--policies jffc,least_loaded] [--sizes 16,256]
 
@@ -31,6 +38,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -40,6 +48,7 @@ import msgspec
 import nats
 import psutil
 
+from benchmarks.route_window import RouteWindow
 from contracts import subjects
 from contracts.balancer import BalancerStatus, BalancerStatusReply, BalancerStatusRequest
 from contracts.messages import EngineStats, Heartbeat, RequestFinished, RouteDecision, RouteReply, RouteRequest, Usage, WorkerRegistration
@@ -55,6 +64,7 @@ MODEL = "bench-model"
 BLOCK_SIZE = 16
 PREFIXES = 8  # distinct shared system prompts
 IDLE_SAMPLE_S = 2.0  # through NATS: how long the balancer's CPU is read with the fleet heartbeating and no requests
+CLIENTS = ("window", "request")  # through NATS: the throughput run's load generator (see bench_nats)
 
 
 def make_heartbeat(index: int, sent_at: float) -> Heartbeat:
@@ -182,13 +192,17 @@ async def _wait_for_nodes(nc, nodes: int) -> None:
 
 
 async def bench_nats(policy: str, sizes: tuple[int, ...], sequential: int, concurrent: int, concurrency: int, log_dir: Path,
-                     allocate_kv: bool = True) -> dict:
+                     allocate_kv: bool = True, client: str = "window") -> dict:
+    """`client`: how the throughput run sends its requests. "window": `RouteWindow`, lean enough that the balancer
+    sets the rate; "request": one `nc.request` per decision under a semaphore, as a plain caller would (on a small
+    machine its own CPU then caps the rate)."""
     launcher = Launcher(log_dir / policy)
     nats_port, redis_port = free_port(), free_port()
     results: dict[int, dict] = {}
     try:
-        launcher.start_nats(nats_port)
-        launcher.start_redis(redis_port)
+        processes = {"client": psutil.Process(os.getpid()),
+                     "nats-server": psutil.Process(launcher.start_nats(nats_port).pid),
+                     "redis-server": psutil.Process(launcher.start_redis(redis_port).pid)}
         config = KvlaneConfig(
             nats=NatsSettings(url=f"nats://127.0.0.1:{nats_port}"),
             redis=RedisSettings(url=f"redis://127.0.0.1:{redis_port}/0"),
@@ -197,6 +211,7 @@ async def bench_nats(policy: str, sizes: tuple[int, ...], sequential: int, concu
             balancer=BalancerSettings(policy=policy, allocate_kv=allocate_kv),  # type: ignore[arg-type]
         )
         balancer = launcher.start_service("balancer", to_env(config))
+        processes["balancer"] = psutil.Process(balancer.pid)
         nc = await nats.connect(config.nats.url)
         encode = msgspec.msgpack.encode
         decoder = msgspec.msgpack.Decoder(RouteReply)
@@ -205,6 +220,7 @@ async def bench_nats(policy: str, sizes: tuple[int, ...], sequential: int, concu
             # Up before the heartbeats below, or it would not know the nodes it is asked to allocate on.
             cache_manager = launcher.start_service("cache_manager", to_env(config))
             await _wait_for(nc, cache_manager, subjects.CACHE_REQUEST, {"type": "status"})
+            processes["cache-manager"] = psutil.Process(cache_manager.pid)
         fleet = FakeFleet(nc, config.cluster.heartbeat_interval_s, config.cluster.full_heartbeat_every)
         heartbeats = asyncio.ensure_future(fleet.run())
         counter = 0
@@ -237,15 +253,29 @@ async def bench_nats(policy: str, sizes: tuple[int, ...], sequential: int, concu
 
             # The balancer's CPU with no requests (the fleet's heartbeats, housekeeping), then under load: what a
             # decision costs it whatever else the machine runs, and the rate one core of its own would sustain.
-            balancer_process = psutil.Process(balancer.pid)
+            balancer_process = processes["balancer"]
             idle_cpu, idle_started = _cpu_seconds(balancer_process), time.perf_counter()
             await asyncio.sleep(IDLE_SAMPLE_S)
             idle_share = (_cpu_seconds(balancer_process) - idle_cpu) / (time.perf_counter() - idle_started)
-            busy_cpu, started = _cpu_seconds(balancer_process), time.perf_counter()
+            if client == "window":
+                requests = [route_request(counter + 1 + i, 600.0) for i in range(concurrent)]
+                counter += concurrent
+                window = RouteWindow(nc, [encode(req) for req in requests], [req.request_id for req in requests], concurrency)
+            cpu_before = {name: _cpu_seconds(process) for name, process in processes.items()}
+            machine_before = _machine_busy_seconds()
+            waited_before = {name: _runqueue_wait_seconds(process) for name, process in processes.items()}
+            busy_cpu, started = cpu_before["balancer"], time.perf_counter()
             io_before = balancer_process.io_counters()
-            await asyncio.gather(*(limited() for _ in range(concurrent)))
+            if client == "window":
+                await window.run(timeout_s=60 + concurrent / 100)
+            else:
+                await asyncio.gather(*(limited() for _ in range(concurrent)))
             elapsed = time.perf_counter() - started
-            busy_cpu = _cpu_seconds(balancer_process) - busy_cpu
+            cpu_used = {name: _cpu_seconds(process) - cpu_before[name] for name, process in processes.items()}
+            waited = {name: _runqueue_wait_seconds(process) - waited_before[name] for name, process in processes.items()}
+            # Everything else the machine ran meanwhile (other work on a shared machine, the kernel's own threads).
+            cpu_used["other"] = max(0.0, _machine_busy_seconds() - machine_before - sum(cpu_used.values()))
+            busy_cpu = cpu_used["balancer"]
             io_after = balancer_process.io_counters()
             results[nodes] = r = _summary(latencies, concurrent / elapsed)
             r["balancer_idle_cpu_share"] = round(idle_share, 3)
@@ -257,6 +287,12 @@ async def bench_nats(policy: str, sizes: tuple[int, ...], sequential: int, concu
             # well the replies and the Redis scripts of concurrent decisions share them.
             r["balancer_reads_per_decision"] = round((io_after.read_count - io_before.read_count) / concurrent, 2)
             r["balancer_writes_per_decision"] = round((io_after.write_count - io_before.write_count) / concurrent, 2)
+            # Where the machine's CPU went meanwhile (the client: this process, the fleet's heartbeats included).
+            r["client"] = client
+            r["cpu_us_per_decision"] = {name: round(used / concurrent * 1e6, 1) for name, used in cpu_used.items()}
+            r["cpu_busy_share"] = {name: round(used / elapsed, 3) for name, used in cpu_used.items()}
+            # Time ready to run but waiting for a core: on a machine with other work, what a handoff costs beyond CPU.
+            r["runqueue_wait_us_per_decision"] = {name: round(w / concurrent * 1e6, 1) for name, w in waited.items()}
             print(f"  nats {policy:17s} {nodes:4d} nodes  p50 {r['p50_us']:8.0f} us  p99 {r['p99_us']:8.0f} us  "
                   f"{r['decisions_per_s']:6d}/s  balancer CPU {r['balancer_cpu_us_per_decision']:5.0f} us/decision, "
                   f"{r['balancer_marginal_cpu_us_per_decision']:5.0f} beyond its idle {100 * idle_share:4.1f}% of a core "
@@ -264,11 +300,33 @@ async def bench_nats(policy: str, sizes: tuple[int, ...], sequential: int, concu
                   f"{100 * r['balancer_busy_cpu_share']:3.0f}% of a core busy), "
                   f"{r['balancer_reads_per_decision']:.2f} reads and {r['balancer_writes_per_decision']:.2f} writes per decision",
                   flush=True)
+            print(f"    {client} client, CPU per decision: "
+                  + ", ".join(f"{name} {us:.0f} us ({100 * r['cpu_busy_share'][name]:.0f}%)" for name, us in r["cpu_us_per_decision"].items())
+                  + "; waiting for a core: " + ", ".join(f"{name} {us:.0f} us" for name, us in r["runqueue_wait_us_per_decision"].items()),
+                  flush=True)
         heartbeats.cancel()
         await nc.close()
     finally:
         launcher.stop_all()
     return results
+
+
+def _machine_busy_seconds() -> float:
+    """CPU seconds all cores together have spent on anything but idling since boot."""
+    times = psutil.cpu_times()._asdict()
+    # Linux counts guest time within user time already; steal is time the hypervisor gave to someone else.
+    return sum(seconds for field, seconds in times.items() if field not in ("idle", "iowait", "steal", "guest", "guest_nice"))
+
+
+def _runqueue_wait_seconds(process: psutil.Process) -> float:
+    """How long the process's threads have been ready to run but waiting for a core (Linux schedstat; 0 elsewhere)."""
+    waited_ns = 0
+    for thread in process.threads():
+        try:
+            waited_ns += int(Path(f"/proc/{process.pid}/task/{thread.id}/schedstat").read_text().split()[1])
+        except (OSError, IndexError, ValueError):
+            pass
+    return waited_ns / 1e9
 
 
 def _cpu_seconds(process: psutil.Process) -> float:
@@ -300,6 +358,8 @@ def main() -> None:
     parser.add_argument("--no-kv", action="store_true", help="through NATS without the cache-manager's KV allocation")
     parser.add_argument("--decisions", type=int, default=0,
                         help="through NATS: route requests in the throughput run (default 2000, 300 with --quick); more gives a profiler time")
+    parser.add_argument("--client", choices=CLIENTS, default=CLIENTS[0],
+                        help="through NATS: the throughput run's load generator (window: lean, the default; request: nc.request per decision)")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "balancer_bench.json"))
     args = parser.parse_args()
     policies = [p for p in args.policies.split(",") if p]
@@ -307,7 +367,7 @@ def main() -> None:
     core_decisions, sequential, concurrent = (300, 100, 300) if args.quick else (3000, 400, 2000)
     concurrent = args.decisions or concurrent
     report: dict = {"sizes": sizes, "core": {}, "core_snapshot": {}, "nats": {}, "concurrency": args.concurrency,
-                    "allocate_kv": not args.no_kv, "heartbeat_every": args.heartbeat_every}
+                    "allocate_kv": not args.no_kv, "heartbeat_every": args.heartbeat_every, "client": args.client}
     print("pure core (admit + release, no I/O): as the balancer routes (on the chain index where the policy supports it),"
           " and on a snapshot per decision")
     for policy in policies:
@@ -326,7 +386,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory(prefix="kvlane-bench-") as log_dir:
             for policy in policies:
                 report["nats"][policy] = asyncio.run(
-                    bench_nats(policy, sizes, sequential, concurrent, args.concurrency, Path(log_dir), not args.no_kv))
+                    bench_nats(policy, sizes, sequential, concurrent, args.concurrency, Path(log_dir), not args.no_kv, args.client))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))

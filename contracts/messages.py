@@ -381,6 +381,10 @@ class EngineStats(Struct, omit_defaults=True):
     kv_held_blocks: NonNegativeInt = 0
     # Seconds the pulls done here spent moving KV, summed since the worker started.
     kv_pull_seconds: Annotated[float, Meta(ge=0.0)] = 0.0
+    # Requests here whose prompt is not fully prefilled yet, waiting ones included: 0 says every prompt
+    # the node had taken in by then is prefilled, which `waiting` alone cannot (a running request may
+    # still be prefilling a long prompt in chunks). None: not reported (a worker from before this field).
+    prefilling: NonNegativeInt | None = None
 
 
 class Heartbeat(Compact, tag="heartbeat", tag_field="type"):

@@ -13,6 +13,12 @@ which had all started by then, cannot have prefilled yet at the node's
 prefill rate. Started is not done: an engine prefills a long prompt in
 chunks over many steps (a 28k-token prompt takes seconds on an A100), and
 capping at the unseen prompts alone forgot it while it still held the node.
+
+Once a prompt has started, though, only the drain rate bounds it, and a
+node whose measured speed is far off keeps a backlog it no longer has. A
+heartbeat that counts no request still prefilling (`EngineStats.prefilling`)
+says every prompt sent well before it is done: the backlog is capped at what
+was sent after. A node that does not report the count keeps the estimate above.
 """
 
 from __future__ import annotations
@@ -56,12 +62,24 @@ class PrefillBacklog:
             self._tokens[worker_id] = max(0.0, self.tokens(worker_id, drain_per_s, now) - tokens)
             self._since[worker_id] = now
 
-    def observe(self, worker_id: str, sent_at: float, waiting: int, drain_per_s: float, now: float) -> None:
-        """A heartbeat sent at `sent_at` showed `waiting` requests queued on the node."""
+    def observe(
+        self, worker_id: str, sent_at: float, waiting: int, drain_per_s: float, now: float, prefilling: int | None = None
+    ) -> None:
+        """A heartbeat sent at `sent_at` showed `waiting` requests queued on the node, and `prefilling`
+        not yet prefilled, the waiting ones included (None: the node does not say)."""
         sent = self._sent.get(worker_id)
         if sent is None:
             return
         seen_before = sent_at - _TRANSIT_S
+        if prefilling == 0:
+            # Every prompt the node had by then is prefilled: what it may still have to do is what it had not seen.
+            while sent and sent[0][0] < seen_before:
+                sent.popleft()
+            cap = float(sum(tokens for _, tokens in sent))
+            if cap < self.tokens(worker_id, drain_per_s, now):
+                self._tokens[worker_id] = cap
+                self._since[worker_id] = now
+            return
         # The prompts sent well before the heartbeat, as a fluid queue draining at the node's prefill rate:
         # `started` is what of them it cannot have prefilled by now. A prompt sent when that queue was
         # empty makes every earlier one surely done (`done`), and so does an empty queue now.

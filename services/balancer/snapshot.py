@@ -210,7 +210,8 @@ class SnapshotBuilder:
         self._finished.pop(worker_id, None)
         self._growth.observe(worker_id, heartbeat.sent_at, heartbeat.stats.waiting)
         drain = _drain_per_s(self._effective_model(heartbeat.registration))
-        self._backlog.observe(worker_id, heartbeat.sent_at, heartbeat.stats.waiting, drain, self.clock())
+        stats = heartbeat.stats
+        self._backlog.observe(worker_id, heartbeat.sent_at, stats.waiting, drain, self.clock(), stats.prefilling)
 
     def note_sent(self, chain: ChainState, request: RouteRequest) -> None:
         """`request`'s prompt is prefilled on `chain`'s node: its uncached part joins that node's backlog."""

@@ -114,6 +114,8 @@ class FleetCollector:
         gauges: list[Metric] = [
             GaugeMetricFamily("vllm:num_requests_running", "Requests in the engine's running batch (per worker).", labels=NODE_LABELS),
             GaugeMetricFamily("vllm:num_requests_waiting", "Requests waiting in the engine's own queue (per worker).", labels=NODE_LABELS),
+            GaugeMetricFamily("kvlane_worker_requests_prefilling",
+                              "Requests whose prompt is not fully prefilled yet, waiting ones included (per worker).", labels=NODE_LABELS),
             GaugeMetricFamily("vllm:kv_cache_usage_perc", "KV-cache usage per worker; 1 means 100 percent.", labels=NODE_LABELS),
             GaugeMetricFamily("kvlane_worker_kv_held_blocks", "KV blocks a prefill node holds for decode nodes to pull.", labels=NODE_LABELS),
             GaugeMetricFamily("kvlane_worker_prefill_tokens_per_second", "Prompt tokens computed per second (per worker).", labels=NODE_LABELS),
@@ -129,9 +131,11 @@ class FleetCollector:
     def _add_node(self, heartbeat: Heartbeat, gauges: list[Metric], counters: list[Metric], now: float) -> None:
         registration, stats = heartbeat.registration, heartbeat.stats
         labels = [registration.model, registration.worker_id]
-        running, waiting, usage, held, prefill_rate, decode_rate, draining, info = gauges
+        running, waiting, prefilling, usage, held, prefill_rate, decode_rate, draining, info = gauges
         running.add_metric(labels, stats.running)
         waiting.add_metric(labels, stats.waiting)
+        if stats.prefilling is not None:  # a worker from before the count has no series
+            prefilling.add_metric(labels, stats.prefilling)
         usage.add_metric(labels, kv_cache_usage(stats))
         held.add_metric(labels, stats.kv_held_blocks)
         prefill_rate.add_metric(labels, stats.prefill_tokens_per_s)

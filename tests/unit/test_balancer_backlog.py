@@ -60,6 +60,49 @@ def test_a_long_prompt_that_has_started_still_holds_the_node_after_a_heartbeat_w
     assert backlog.tokens("a", 10_000.0, 3.0) == 0.0
 
 
+def test_a_heartbeat_with_nothing_prefilling_caps_the_backlog_at_the_prompts_sent_after_it() -> None:
+    """The node's measured speed is ten times too slow: its fluid estimate would hold 26,000 tokens for seconds."""
+    backlog = PrefillBacklog()
+    backlog.add("a", 28_000, drain_per_s=1000.0, now=0.0)
+    backlog.add("a", 700, drain_per_s=1000.0, now=1.9)  # too close to the heartbeat for it to vouch for
+    backlog.observe("a", sent_at=2.0, waiting=0, drain_per_s=1000.0, now=2.0, prefilling=0)
+    assert backlog.tokens("a", 1000.0, 2.0) == pytest.approx(700)
+    # The next one vouches for the 700 too.
+    backlog.observe("a", sent_at=3.0, waiting=0, drain_per_s=1000.0, now=3.0, prefilling=0)
+    assert backlog.tokens("a", 1000.0, 3.0) == 0.0
+    # The cap never raises the estimate.
+    backlog.add("a", 500, drain_per_s=1000.0, now=3.0)
+    backlog.observe("a", sent_at=2.0, waiting=0, drain_per_s=1000.0, now=3.0, prefilling=0)
+    assert backlog.tokens("a", 1000.0, 3.0) == pytest.approx(500)
+
+
+@pytest.mark.parametrize("prefilling", [1, None])
+def test_a_heartbeat_with_a_prompt_still_prefilling_or_none_reported_keeps_the_fluid_estimate(prefilling: int | None) -> None:
+    backlog = PrefillBacklog()
+    backlog.add("a", 28_000, drain_per_s=10_000.0, now=0.0)
+    backlog.add("a", 700, drain_per_s=10_000.0, now=0.9)
+    backlog.observe("a", sent_at=1.0, waiting=0, drain_per_s=10_000.0, now=1.0, prefilling=prefilling)
+    assert backlog.tokens("a", 10_000.0, 1.0) == pytest.approx(18_000 + 700)
+    backlog.observe("a", sent_at=3.0, waiting=0, drain_per_s=10_000.0, now=3.0, prefilling=prefilling)
+    assert backlog.tokens("a", 10_000.0, 3.0) == 0.0
+
+
+@pytest.mark.parametrize(("prefilling", "backlog_s"), [(0, 0.0), (1, TINY.b * 100_000 - 1.0), (None, TINY.b * 100_000 - 1.0)])
+def test_the_snapshot_takes_the_heartbeats_count_of_requests_prefilling(prefilling: int | None, backlog_s: float) -> None:
+    clock = [NOW_WALL]
+    r = router("jffc_per_request")
+    r.builder.clock = lambda: clock[0]
+    quiet = heartbeat("a")
+    r.builder.observe(quiet)
+    assert isinstance(r.place(request("long", prompt=100_000, output=16, blocks=0), [quiet], NOW_WALL + 60), Placement)
+    clock[0] += 1.0
+    beat = heartbeat("a", running=1, sent_at=clock[0])
+    beat = msgspec.structs.replace(beat, stats=msgspec.structs.replace(beat.stats, prefilling=prefilling))
+    r.builder.observe(beat)
+    seen = r.builder.snapshot(request("next"), [beat], r.table.used, {})
+    assert seen.chains[0].prefill_backlog_s == pytest.approx(backlog_s)
+
+
 def test_placements_build_a_backlog_that_steers_uncached_prompts_away() -> None:
     clock = [NOW_WALL]
     r = router("jffc_per_request")

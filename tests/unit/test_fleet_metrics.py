@@ -105,7 +105,7 @@ def test_totals_never_go_down(reports: list[tuple[int, int]]) -> None:
 
 def test_collector_exports_each_live_worker_in_vllm_names() -> None:
     clock, view = Clock(), ClusterView(TTL)
-    view.observe(heartbeat("w0", EngineStats(running=3, waiting=2, kv_blocks_total=200, kv_blocks_used=50,
+    view.observe(heartbeat("w0", EngineStats(running=3, waiting=2, prefilling=4, kv_blocks_total=200, kv_blocks_used=50,
                                              prefix_query_tokens=640, prefix_hit_tokens=320, preemptions=1)), 100.0)
     view.observe(heartbeat("p0", EngineStats(kv_held_blocks=7, kv_pulls=0), role="prefill", model="other"), 100.0)
     view.observe(heartbeat("d0", EngineStats(kv_pulls=4, kv_pull_bytes=4096, kv_pull_seconds=0.5, kv_pull_failures=1),
@@ -113,6 +113,8 @@ def test_collector_exports_each_live_worker_in_vllm_names() -> None:
     samples = scrape(fleet(view, clock))
     assert samples[("vllm:num_requests_running", node("w0"))] == 3
     assert samples[("vllm:num_requests_waiting", node("w0"))] == 2
+    assert samples[("kvlane_worker_requests_prefilling", node("w0"))] == 4
+    assert ("kvlane_worker_requests_prefilling", node("p0", "other")) not in samples  # not reported: no series
     assert samples[("vllm:kv_cache_usage_perc", node("w0"))] == 0.25
     assert samples[("vllm:prefix_cache_queries_total", node("w0"))] == 640
     assert samples[("vllm:prefix_cache_hits_total", node("w0"))] == 320

@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from services.worker.engines.sim import StepStats
 from services.worker.sim import (
     NAMED_PROFILES,
     SimRequest,
@@ -256,6 +257,24 @@ def test_chunked_prefill_respects_the_token_budget() -> None:
     assert [o.kv_tokens for o in chunks] == [4, 8, 10]
     assert [o.emitted for o in chunks[:2]] == [[], []]
     assert len(chunks[2].emitted) == 1
+
+
+def test_a_request_counts_as_prefilling_until_its_prompt_is_computed_and_the_heartbeat_says_so() -> None:
+    scheduler = make_scheduler(max_batched_tokens=4, max_num_seqs=1)
+    scheduler.add(SimRequest("long", list(range(10)), max_tokens=3))
+    scheduler.add(SimRequest("next", [7, 8], max_tokens=1))
+    counts = []
+    for _ in range(3):
+        scheduler.step()
+        stats = scheduler.stats()
+        counts.append((stats.running, stats.waiting, stats.prefilling))
+    # Admitted and still prefilling in chunks for two steps, then decoding while "next" waits.
+    assert counts == [(1, 1, 2), (1, 1, 2), (1, 1, 1)]
+    heartbeat_stats = StepStats(scheduler, now=0.0).take(now=1.0)
+    assert (heartbeat_stats.waiting, heartbeat_stats.prefilling) == (1, 1)
+    run_all(scheduler)
+    assert scheduler.stats().prefilling == 0
+    assert StepStats(scheduler, now=0.0).take(now=1.0).prefilling == 0
 
 
 def test_token_budget_and_max_num_seqs_bound_every_step() -> None:
@@ -520,6 +539,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert pool.num_used + pool.num_free == pool.num_blocks
         assert stats.running <= self.max_num_seqs
         assert stats.running + stats.waiting == len(self.live)
+        assert stats.waiting <= stats.prefilling <= stats.running + stats.waiting
         assert 0 <= stats.prefix_hit_tokens <= stats.prefix_query_tokens
         for request_id in self.live | self.aborted | self.finished:
             # Tokens so far are a prefix of the expected stream: no gaps, no repeats.
@@ -539,7 +559,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert self.finished == set(self.requests) - self.aborted
         stats = self.scheduler.stats()
         assert stats.blocks_used == 0
-        assert (stats.running, stats.waiting) == (0, 0)
+        assert (stats.running, stats.waiting, stats.prefilling) == (0, 0, 0)
 
 
 TestSchedulerMachine = SchedulerMachine.TestCase

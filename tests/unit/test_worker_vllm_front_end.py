@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 from types import SimpleNamespace
 
 import pytest
 
+from contracts.messages import SamplingParams
 from loadtest.vllm_vs_direct import cpu_ms_per_token
+from services.worker.engines.base import EngineRequest
+from shared.config import VllmSettings
 
 
 def test_cpu_per_token_counts_the_front_end_apart_from_the_engine_and_the_client() -> None:
@@ -37,3 +41,79 @@ def test_the_step_counters_take_the_place_of_vllms_prometheus_logger() -> None:
     iteration = SimpleNamespace(prompt_token_stats=SimpleNamespace(computed=128), num_generation_tokens=2, num_preempted_reqs=0)
     manager.record(scheduler, iteration)
     assert (counters.running, counters.waiting, counters.kv_usage) == (2, 1, 0.5)
+
+
+class _StepwiseEngine:
+    """Stands in for AsyncLLM: each request's outputs come when the test puts them."""
+
+    errored = False
+
+    def __init__(self) -> None:
+        self.outputs: dict[str, asyncio.Queue] = {}
+        self.collectors: dict[str, object] = {}
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.outputs)
+
+    async def generate(self, prompt, sampling, request_id):
+        queue = self.outputs[request_id] = asyncio.Queue()
+        try:
+            while True:
+                output = await queue.get()
+                yield output
+                if output.finished:
+                    return
+        finally:
+            del self.outputs[request_id]
+
+    async def add_request(self, request_id, prompt, sampling):
+        collector = SimpleNamespace(request_id=request_id, put=None, get_nowait=lambda: None, close=lambda: None)
+        self.outputs[request_id] = collector  # type: ignore[assignment]
+        self.collectors[request_id] = collector
+        return collector
+
+    async def abort(self, request_id, internal=False) -> None:
+        self.outputs.pop(request_id, None)
+
+
+def _output(finished: bool) -> SimpleNamespace:
+    completion = SimpleNamespace(token_ids=[5], text="x", finish_reason="length" if finished else None)
+    return SimpleNamespace(outputs=[completion], finished=finished, num_cached_tokens=0)
+
+
+@pytest.mark.vllm
+async def test_the_vllm_engine_counts_requests_prefilling_until_their_first_output() -> None:
+    vllm_engine = pytest.importorskip("services.worker.engines.vllm_engine")
+    resolved = SimpleNamespace(max_model_len=4096, block_size=16, shape=SimpleNamespace(vocab_size=None))
+    engine = vllm_engine.VllmEngine(VllmSettings(), resolved, "m")  # type: ignore[arg-type]
+    fake = engine._engine = _StepwiseEngine()  # type: ignore[assignment]
+    assert engine.stats().prefilling == 0
+
+    def request(request_id: str) -> EngineRequest:
+        return EngineRequest(request_id, [1, 2, 3], SamplingParams(max_tokens=2))
+
+    generated = engine.generate(request("g"))
+    first = asyncio.ensure_future(anext(generated))
+    streamed: list = []
+    stream = asyncio.ensure_future(engine.stream(request("s"), streamed.append))
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)
+    assert engine.stats().prefilling == 2
+    fake.outputs["g"].put_nowait(_output(finished=False))
+    await first
+    assert engine.stats().prefilling == 1
+    fake.collectors["s"].put(_output(finished=False))
+    assert engine.stats().prefilling == 0 and streamed
+    # A request that ends before any output (aborted, refused) is not left counted.
+    aborted = engine.generate(request("a"))
+    pending = asyncio.ensure_future(anext(aborted))
+    await asyncio.sleep(0)
+    assert engine.stats().prefilling == 1
+    pending.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await pending
+    await aborted.aclose()
+    fake.collectors["s"].put(_output(finished=True))
+    await stream
+    await generated.aclose()
+    assert engine.stats().prefilling == 0

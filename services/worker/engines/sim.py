@@ -76,6 +76,7 @@ class StepStats:
         stats = EngineStats(
             running=s.running,
             waiting=s.waiting,
+            prefilling=s.prefilling,
             kv_blocks_total=s.blocks_total,
             kv_blocks_used=s.blocks_used,
             prefix_query_tokens=s.prefix_query_tokens,

@@ -289,6 +289,9 @@ class VllmEngine:
         self._gpu = GpuProbe()
         self._engine: AsyncLLM | None = None
         self._kv_blocks_total = 0
+        # Requests submitted that have had no output yet: their prompt is still queued or prefilling
+        # (or, on a decode node, its KV still being pulled). vLLM's scheduler counts only the waiting ones.
+        self._awaiting_first_output: set[str] = set()
 
     def engine_args(self, kv_events_endpoint: str) -> AsyncEngineArgs:
         settings = self._settings
@@ -379,12 +382,17 @@ class VllmEngine:
                                     extra_args={"kv_transfer_params": producer_request_params()})
         final = None
         outputs = engine.generate(TokensPrompt(prompt_token_ids=prompt), params, request.request_id)
-        async with contextlib.aclosing(outputs):  # cancelled: aborts, and vLLM frees the blocks
-            try:
-                async for output in outputs:
-                    final = output
-            except (VLLMClientError, ValueError) as exc:
-                raise RequestRejected(str(exc)) from exc
+        # Its one output comes one step after its prompt is prefilled.
+        self._awaiting_first_output.add(request.request_id)
+        try:
+            async with contextlib.aclosing(outputs):  # cancelled: aborts, and vLLM frees the blocks
+                try:
+                    async for output in outputs:
+                        final = output
+                except (VLLMClientError, ValueError) as exc:
+                    raise RequestRejected(str(exc)) from exc
+        finally:
+            self._awaiting_first_output.discard(request.request_id)
         reason = final.outputs[0].finish_reason if final is not None and final.outputs else None
         if final is None or reason not in ("stop", "length") or not final.kv_transfer_params:
             raise RuntimeError(f"vLLM prefill of {request.request_id} ended with {reason!r} and no KV to hand over")
@@ -449,16 +457,23 @@ class VllmEngine:
         engine = self._running()
         outputs = engine.generate(prompt, sampling, request.request_id)
         produced = False
+        awaiting = self._awaiting_first_output
+        awaiting.add(request.request_id)
         # aclosing: an early close (client gone, deadline) closes vLLM's
         # generator, whose GeneratorExit handler aborts the request.
-        async with contextlib.aclosing(outputs):
-            try:
-                async for output in outputs:
-                    engine_output = self._engine_output(request, kv_ref, output, produced)
-                    produced = True
-                    yield engine_output
-            except (VLLMClientError, ValueError) as exc:
-                raise RequestRejected(str(exc)) from exc
+        try:
+            async with contextlib.aclosing(outputs):
+                try:
+                    async for output in outputs:
+                        if not produced:
+                            awaiting.discard(request.request_id)
+                        engine_output = self._engine_output(request, kv_ref, output, produced)
+                        produced = True
+                        yield engine_output
+                except (VLLMClientError, ValueError) as exc:
+                    raise RequestRejected(str(exc)) from exc
+        finally:
+            awaiting.discard(request.request_id)
 
     async def stream(self, request: EngineRequest, on_output: Callable[[EngineOutput], None]) -> None:
         """`generate`, with every output handed to `on_output` from vLLM's output handler itself.
@@ -477,6 +492,8 @@ class VllmEngine:
             raise RequestRejected(str(exc)) from exc
         ended: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         produced = finished = False
+        awaiting = self._awaiting_first_output
+        awaiting.add(request.request_id)
 
         def deliver(output: RequestOutput | Exception) -> None:
             nonlocal produced, finished
@@ -486,6 +503,8 @@ class VllmEngine:
                 ended.set_exception(output)
                 return
             finished = output.finished
+            if not produced:
+                awaiting.discard(request.request_id)
             try:
                 engine_output = self._engine_output(request, kv_ref, output, produced)
                 produced = True
@@ -507,6 +526,7 @@ class VllmEngine:
         try:
             await ended
         finally:
+            awaiting.discard(request.request_id)
             collector.close()
             if not finished and not engine.errored:
                 # Cancelled (client gone, deadline, hand-back) or failed here: abort it in
@@ -530,6 +550,7 @@ class VllmEngine:
         return EngineStats(
             running=0 if idle else counters.running,
             waiting=0 if idle else counters.waiting,
+            prefilling=0 if idle else len(self._awaiting_first_output),
             kv_blocks_total=self._kv_blocks_total,
             kv_blocks_used=round(counters.kv_usage * self._kv_blocks_total),
             prefix_query_tokens=counters.prefix_queries,

@@ -99,6 +99,8 @@ class SchedulerStats(msgspec.Struct):
     preemptions: int
     steps: int
     blocks_held: int = 0
+    # Requests whose prompt is not fully computed: the waiting ones, and running ones still prefilling in chunks.
+    prefilling: int = 0
 
 
 class _Sequence:
@@ -286,6 +288,7 @@ class SimScheduler:
         return SchedulerStats(
             running=len(self._running),
             waiting=len(self._waiting),
+            prefilling=len(self._waiting) + sum(1 for seq in self._running if seq.num_computed < seq.prefill_end),
             blocks_total=pool.num_blocks,
             blocks_used=pool.num_used,
             blocks_held=self.held_blocks,
