@@ -222,16 +222,19 @@ def capacity_pair(base: list[str], policies: list[str], guess: float, resolution
 
     searches = {policy: search_capacity(attainment_of(policy), guess, resolution) for policy in policies}
     capacity = {policy: search.capacity for policy, search in searches.items()}
-    others = [p for p in policies if p != HEADLINE]
-    best_other = max(others, key=lambda p: capacity[p], default=None)
-    targets: dict[str, Any] = {}
-    if HEADLINE in capacity:
-        targets = {"capacity_vs_round_robin": _ratio(capacity[HEADLINE], capacity.get(BASELINE)),
-                   "capacity_vs_naive_round_robin": _ratio(capacity[HEADLINE], capacity.get(f"naive:{BASELINE}")),
-                   "capacity_vs_best_other": _ratio(capacity[HEADLINE], capacity[best_other]) if best_other else None,
-                   "best_capacity_other": best_other}
     return {"resolution": resolution, "capacity": capacity,
-            "searches": {policy: asdict(search) for policy, search in searches.items()}, "targets": targets}
+            "searches": {policy: asdict(search) for policy, search in searches.items()}, "targets": capacity_targets(capacity)}
+
+
+def capacity_targets(capacity: dict[str, float]) -> dict[str, Any]:
+    """jffc_per_request's capacity over round robin's, a plain round robin's and the best other policy's (empty without it)."""
+    if HEADLINE not in capacity:
+        return {}
+    best_other = max((p for p in capacity if p != HEADLINE), key=lambda p: capacity[p], default=None)
+    return {"capacity_vs_round_robin": _ratio(capacity[HEADLINE], capacity.get(BASELINE)),
+            "capacity_vs_naive_round_robin": _ratio(capacity[HEADLINE], capacity.get(f"naive:{BASELINE}")),
+            "capacity_vs_best_other": _ratio(capacity[HEADLINE], capacity[best_other]) if best_other else None,
+            "best_capacity_other": best_other}
 
 
 def capacity_markdown(study: dict[str, Any]) -> str:
@@ -247,20 +250,33 @@ def capacity_markdown(study: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def merge(directories: list[Path], out: Path) -> dict[str, Any]:
-    """One study of the pairs that studies under `directories` ran, summarized again from their results."""
+def merge(directories: list[Path], out: Path) -> tuple[dict[str, Any], str]:
+    """One study of the pairs that studies under `directories` ran, summarized again from their results, and its
+    markdown. Capacity studies (`--capacity`, one policy or several each) merge into one pair per workload and fleet."""
     fleets = {fleet.name: fleet for fleet in FLEETS}
-    pairs = []
+    pairs: list[dict[str, Any]] = []
+    searched: dict[tuple[str, str], dict[str, Any]] = {}
     for directory in directories:
         for pair in json.loads((directory / "study.json").read_text())["pairs"]:
+            if "searches" in pair:
+                merged = searched.setdefault((pair["workload"], pair["fleet"]), {
+                    "workload": pair["workload"], "fleet": pair["fleet"], "resolution": pair["resolution"],
+                    "capacity": {}, "searches": {}})
+                merged["capacity"].update(pair["capacity"])
+                merged["searches"].update(pair["searches"])
+                continue
             results = json.loads(Path(pair["results"]).read_text())
             pairs.append({"workload": pair["workload"], "fleet": pair["fleet"], "results": pair["results"],
                           **summarize_pair(results, fleets[pair["fleet"]].mixed)})
-    study = {"merged_from": [str(d) for d in directories], "num_blocks": NUM_BLOCKS, "pairs": pairs}
+    if searched and pairs:
+        raise ValueError("capacity studies and rate sweeps summarize differently: merge them apart")
+    capacity_pairs = [{**pair, "targets": capacity_targets(pair["capacity"])} for pair in searched.values()]
+    study = {"merged_from": [str(d) for d in directories], "num_blocks": NUM_BLOCKS, "pairs": pairs or capacity_pairs}
+    text = capacity_markdown(study) if capacity_pairs else markdown(study)
     out.mkdir(parents=True, exist_ok=True)
     (out / "study.json").write_text(json.dumps(study, indent=1) + "\n")
-    (out / "study.md").write_text(markdown(study))
-    return study
+    (out / "study.md").write_text(text)
+    return study, text
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -288,7 +304,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.merge:
-        print(markdown(merge(args.merge, args.out)))
+        print(merge(args.merge, args.out)[1])
         return 0
     fleet_keys = {"16": FLEETS[0], "16m": FLEETS[1], "64m": FLEETS[2], "256m": FLEETS[3]}
     fleets = [fleet_keys[k] for k in args.fleets.split(",")] if args.fleets else FLEETS

@@ -1,8 +1,13 @@
 """The routing study's capacity search: a bracket around the rate where attainment falls below 90%."""
 
+import json
+from pathlib import Path
+
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from loadtest import routing_study
 from loadtest.routing_study import search_capacity
 
 
@@ -29,3 +34,26 @@ def test_a_policy_that_never_attains_has_no_capacity():
     search = search_capacity(lambda rate: 0.2, guess=10.0, max_probes=6)
     assert search.capacity == 0.0
     assert search.ceiling == 10.0 / 1.5**5
+
+
+def _capacity_study(directory: Path, capacity: dict[str, float]) -> Path:
+    searches = {p: {"capacity": c, "ceiling": c * 1.05, "probes": [[c, 0.95]]} for p, c in capacity.items()}
+    pair = {"workload": "long-context", "fleet": "8 H100 + 8 A100", "resolution": 0.05, "capacity": capacity,
+            "searches": searches, "targets": routing_study.capacity_targets(capacity)}
+    directory.mkdir()
+    (directory / "study.json").write_text(json.dumps({"policies": list(capacity), "pairs": [pair]}))
+    return directory
+
+
+def test_capacity_studies_of_separate_policies_merge_into_one_comparison(tmp_path: Path) -> None:
+    headline = _capacity_study(tmp_path / "a", {"jffc_per_request": 215.0})
+    others = _capacity_study(tmp_path / "b", {"jffc": 163.0, "round_robin": 82.0, "naive:round_robin": 80.0})
+    study, text = routing_study.merge([headline, others], tmp_path / "merged")
+    (pair,) = study["pairs"]
+    assert pair["capacity"] == {"jffc_per_request": 215.0, "jffc": 163.0, "round_robin": 82.0, "naive:round_robin": 80.0}
+    assert pair["targets"]["best_capacity_other"] == "jffc"
+    assert pair["targets"]["capacity_vs_best_other"] == pytest.approx(215 / 163)
+    assert pair["targets"]["capacity_vs_round_robin"] == pytest.approx(215 / 82)
+    assert "1.32x (jffc)" in text and (tmp_path / "merged" / "study.md").read_text() == text
+    # Alone, the headline policy has nothing to be compared with.
+    assert routing_study.merge([headline], tmp_path / "alone")[0]["pairs"][0]["targets"]["best_capacity_other"] is None
