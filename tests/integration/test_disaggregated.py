@@ -30,6 +30,7 @@ from contracts.messages import (
     EngineStats,
     GenerateRequest,
     Handoff,
+    Heartbeat,
     PrefillRequest,
     StreamMessage,
     TokenChunk,
@@ -40,6 +41,7 @@ from shared.bus import addressed_frames
 from shared.state import ClusterState
 from tests.integration.conftest import MODEL, launch
 from tests.integration.test_faults import expected_text
+from tests.waiting import until
 
 pytestmark = pytest.mark.integration
 
@@ -57,19 +59,30 @@ def disaggregated(cluster: dict | None = None, **worker: object) -> Callable:
     return tune
 
 
-async def stats_of(fleet: Fleet, worker_id: str) -> EngineStats:
+async def heartbeat_of(fleet: Fleet, worker_id: str) -> Heartbeat:
     client = redis.Redis.from_url(fleet.config.redis.url)
     try:
         live = await ClusterState(client, 10.0).live_heartbeats()
     finally:
         await client.aclose()
-    return next(h.heartbeat.stats for h in live if h.heartbeat.registration.worker_id == worker_id)
+    return next(h.heartbeat for h in live if h.heartbeat.registration.worker_id == worker_id)
+
+
+async def stats_of(fleet: Fleet, worker_id: str) -> EngineStats:
+    return (await heartbeat_of(fleet, worker_id)).stats
 
 
 async def fresh_stats(fleet: Fleet, worker_id: str) -> EngineStats:
-    # Two heartbeat intervals: the next heartbeat reflects what just happened.
-    await asyncio.sleep(2 * fleet.config.cluster.heartbeat_interval_s + 0.1)
-    return await stats_of(fleet, worker_id)
+    """The stats of a heartbeat sent a full interval after this call: they reflect what had happened by the call."""
+    after = time.time() + fleet.config.cluster.heartbeat_interval_s
+    fresh: list[Heartbeat] = []
+
+    async def sent_after() -> bool:
+        fresh[:] = [await heartbeat_of(fleet, worker_id)]
+        return fresh[0].sent_at >= after
+
+    await until(sent_after, 10, f"no heartbeat from {worker_id} sent after {after:.2f}")
+    return fresh[0].stats
 
 
 async def complete(fleet: Fleet, prompt: str, seed: int, max_tokens: int = 12) -> str:
