@@ -75,10 +75,7 @@ class PrefillBacklog:
             # Every prompt the node had by then is prefilled: what it may still have to do is what it had not seen.
             while sent and sent[0][0] < seen_before:
                 sent.popleft()
-            cap = float(sum(tokens for _, tokens in sent))
-            if cap < self.tokens(worker_id, drain_per_s, now):
-                self._tokens[worker_id] = cap
-                self._since[worker_id] = now
+            self._cap(worker_id, float(sum(tokens for _, tokens in sent)), drain_per_s, now)
             return
         # The prompts sent well before the heartbeat, as a fluid queue draining at the node's prefill rate:
         # `started` is what of them it cannot have prefilled by now. A prompt sent when that queue was
@@ -100,10 +97,13 @@ class PrefillBacklog:
             sent.popleft()
         if waiting == 0:
             # Everything sent well before the heartbeat had started prefilling by then; the rest is unseen.
-            cap = started + float(sum(tokens for at, tokens in sent if at >= seen_before))
-            if cap < self.tokens(worker_id, drain_per_s, now):
-                self._tokens[worker_id] = cap
-                self._since[worker_id] = now
+            self._cap(worker_id, started + float(sum(tokens for at, tokens in sent if at >= seen_before)), drain_per_s, now)
+
+    def _cap(self, worker_id: str, cap: float, drain_per_s: float, now: float) -> None:
+        """Lower the node's backlog to `cap` tokens at `now`; never raise it."""
+        if cap < self.tokens(worker_id, drain_per_s, now):
+            self._tokens[worker_id] = cap
+            self._since[worker_id] = now
 
     def forget(self, worker_ids: Iterable[str]) -> None:
         for worker_id in worker_ids:

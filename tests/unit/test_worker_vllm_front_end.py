@@ -11,6 +11,7 @@ from contracts.messages import SamplingParams
 from loadtest.vllm_vs_direct import cpu_ms_per_token
 from services.worker.engines.base import EngineRequest
 from shared.config import VllmSettings
+from tests.waiting import until
 
 
 def test_cpu_per_token_counts_the_front_end_apart_from_the_engine_and_the_client() -> None:
@@ -96,9 +97,7 @@ async def test_the_vllm_engine_counts_requests_prefilling_until_their_first_outp
     first = asyncio.ensure_future(anext(generated))
     streamed: list = []
     stream = asyncio.ensure_future(engine.stream(request("s"), streamed.append))
-    await asyncio.sleep(0)
-    await asyncio.sleep(0)
-    assert engine.stats().prefilling == 2
+    await until(lambda: engine.stats().prefilling == 2, 5, "both submissions counted")
     fake.outputs["g"].put_nowait(_output(finished=False))
     await first
     assert engine.stats().prefilling == 1
@@ -107,8 +106,7 @@ async def test_the_vllm_engine_counts_requests_prefilling_until_their_first_outp
     # A request that ends before any output (aborted, refused) is not left counted.
     aborted = engine.generate(request("a"))
     pending = asyncio.ensure_future(anext(aborted))
-    await asyncio.sleep(0)
-    assert engine.stats().prefilling == 1
+    await until(lambda: engine.stats().prefilling == 1, 5, "the submission counted")
     pending.cancel()
     with pytest.raises(asyncio.CancelledError):
         await pending
