@@ -13,6 +13,7 @@ from pathlib import Path
 
 import msgspec
 import nats
+import openai
 import pytest
 from redis.asyncio import Redis
 
@@ -30,8 +31,10 @@ from shared.config import (
     SimSettings,
     WorkerSettings,
 )
+from shared.block_ledger import BlockLedger
 from shared.state import connect_redis
 from tests.integration.redis_cluster import redis_cluster
+from tests.waiting import until
 
 FAST_HEARTBEATS = {"heartbeat_interval_s": 0.25, "heartbeat_ttl_s": 1.0, "resync_interval_s": 0.5}
 MODEL = "kvlane-sim"
@@ -143,3 +146,20 @@ async def until_status(fleet: Fleet, holds: Callable[[BalancerStatus], bool], ti
             await asyncio.sleep(0.02)
     finally:
         await nc.close()
+
+
+async def run_leased(fleet: Fleet, ledger: BlockLedger, workers: list[str], requests: int, prompt: str) -> None:
+    """`requests` requests of 30 tokens at once: a KV lease is seen in `ledger` while they run, and each is served whole."""
+    api = openai.AsyncOpenAI(base_url=f"{fleet.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+    async def one(i: int) -> int:
+        reply = await api.completions.create(model=MODEL, prompt=f"{prompt} {i}", max_tokens=30)
+        return reply.usage.completion_tokens
+
+    running = asyncio.gather(*(one(i) for i in range(requests)))
+
+    async def leased() -> bool:
+        return any(count for _, _, count in (await ledger.usage(workers)).values())
+
+    await until(leased, 30, "no KV lease taken")
+    assert await running == [30] * requests

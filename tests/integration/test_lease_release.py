@@ -8,13 +8,12 @@ import time
 from pathlib import Path
 
 import msgspec
-import openai
 import pytest
 import redis.asyncio as redis
 
 from services.balancer.slot_store import RedisSlotStore, chain_slots_key, request_slot_key
 from shared.block_ledger import BlockLedger, expiry_key, lease_key
-from tests.integration.conftest import MODEL, launch, stop_and_check
+from tests.integration.conftest import launch, run_leased, stop_and_check
 from tests.waiting import until
 
 pytestmark = pytest.mark.integration
@@ -166,19 +165,7 @@ async def test_every_lease_comes_back_whichever_service_frees_it(tmp_path: Path,
         assert fleet.config.balancer.releases_kv_leases == (tune is None)
         redis_client = redis.Redis.from_url(fleet.config.redis.url)
         ledger = BlockLedger(redis_client, lease_ttl_s=60)
-        api = openai.AsyncOpenAI(base_url=f"{fleet.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
-
-        async def one(i: int) -> int:
-            reply = await api.completions.create(model=MODEL, prompt=f"leased request {i}", max_tokens=30)
-            return reply.usage.completion_tokens
-
-        running = asyncio.gather(*(one(i) for i in range(8)))
-
-        async def leased() -> bool:
-            return any(count for _, _, count in (await ledger.usage(list(NODES))).values())
-
-        await until(leased, 30, "no KV lease taken")
-        assert await running == [30] * 8
+        await run_leased(fleet, ledger, list(NODES), 8, "leased request")
 
         async def all_back() -> bool:
             return set((await ledger.usage(list(NODES))).values()) == {(0, 0, 0)}

@@ -7,7 +7,6 @@ import asyncio
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
-import openai
 import pytest
 import redis.asyncio as redis
 from redis.asyncio.cluster import RedisCluster
@@ -29,7 +28,7 @@ from shared.config import RedisSettings
 from shared.key_limits import KeyLimiter, limit_keys
 from shared.redis_scripts import run_batch
 from shared.state import ClusterState, connect_redis
-from tests.integration.conftest import MODEL, launch, stop_and_check
+from tests.integration.conftest import launch, run_leased, stop_and_check
 from tests.waiting import until
 from tests.integration.redis_cluster import MASTERS, redis_cluster
 
@@ -136,20 +135,8 @@ async def test_a_fleet_on_a_cluster_serves_requests_with_kv_leases_and_gives_eve
 
         await until(heartbeats_stored, 10, "the workers' heartbeats are not in the cluster")
         ledger = BlockLedger(client, lease_ttl_s=60)
-        api = openai.AsyncOpenAI(base_url=f"{fleet.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
-
-        async def one(i: int) -> int:
-            reply = await api.completions.create(model=MODEL, prompt=f"cluster request {i}", max_tokens=30)
-            return reply.usage.completion_tokens
-
-        running = asyncio.gather(*(one(i) for i in range(6)))
-
-        async def leased() -> bool:
-            return any(count for _, _, count in (await ledger.usage(workers)).values())
-
         # While they run, their leases are in the ledger, on their nodes' masters.
-        await until(leased, 30, "no KV lease taken on the cluster")
-        assert await running == [30] * 6
+        await run_leased(fleet, ledger, workers, 6, "cluster request")
 
         async def all_back() -> bool:
             slots = await RedisSlotStore(client).usage([await chain_of(client, w) for w in workers], 0.0)
