@@ -10,6 +10,11 @@ from contracts.messages import Compact, ErrorReply, NonNegativeInt
 class BalancerStatusRequest(Struct, tag="balancer_status_request", tag_field="type"):
     # Chains of this model only; "" = every model.
     model: str = ""
+    # A prompt's chained block hashes (as in `RouteRequest`): each chain's
+    # `cached_blocks` then says how many of them, from the first, its node
+    # holds by this balancer's prefix index. Which node would serve this
+    # prompt from cache, as the routing policies see it.
+    block_hashes: list[int] = []
 
 
 class ChainStatus(Struct):
@@ -29,6 +34,8 @@ class ChainStatus(Struct):
     rate_per_slot: float
     # A prefill node is listed too, but only aggregated and decode nodes hold slots.
     role: str = "aggregated"
+    # Of the request's `block_hashes`, the leading blocks this node holds (0 when none were given).
+    cached_blocks: NonNegativeInt = 0
 
 
 class QueueClass(Struct):

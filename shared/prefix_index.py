@@ -74,17 +74,19 @@ class PrefixIndex:
         del self._per_node[node]
         self._forget_memos(node)
 
-    def match(self, block_hashes: Sequence[int]) -> dict[str, int]:
+    def match(self, block_hashes: Sequence[int], touch_blocks: bool = True) -> dict[str, int]:
         """Per node, the number of leading `block_hashes` it holds (nodes with 0 omitted).
 
         Touches (for the LRU bound) each leading block up to the one where
-        the last node drops out, in prompt order.
+        the last node drops out, in prompt order, unless `touch_blocks` is
+        False: a look that routes nothing (an operator's query) leaves the
+        eviction order as routing made it.
         """
         if not block_hashes:
             return {}
         # Bound methods in locals: this loop runs once per prompt block on every routing decision.
         holders_of = self._holders.get
-        touch = self._holders.move_to_end
+        touch = self._holders.move_to_end if touch_blocks else _untouched
         first_hash = block_hashes[0]
         alive = holders_of(first_hash)  # the nodes holding every block so far
         if not alive:
@@ -182,3 +184,7 @@ class PrefixIndex:
         self._only.pop(node, None)
         self._with_node.pop(node, None)
         self._without_node.pop(node, None)
+
+
+def _untouched(block_hash: int) -> None:
+    """`match`'s touch when the LRU order is to stay as it is."""

@@ -509,6 +509,7 @@ class BalancerService:
             now=self._wall_clock(),
             fast_forwards=getattr(self.router.policy, "fast_forwards", 0),
             model=request.model,
+            block_hashes=request.block_hashes,
         )
 
 

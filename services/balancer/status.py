@@ -48,7 +48,9 @@ def build_status(
     now: float,
     fast_forwards: int,
     model: str = "",
+    block_hashes: list[int] | None = None,
 ) -> BalancerStatus:
+    cached = router.index.match(block_hashes, touch_blocks=False) if block_hashes else {}
     chains: list[ChainStatus] = []
     facts_by_chain: dict[str, NodeFacts] = {}
     for heartbeat in heartbeats:
@@ -73,6 +75,7 @@ def build_status(
                 health_weight=facts.health_weight,
                 queue_growth_per_s=facts.queue_growth_per_s,
                 rate_per_slot=rates.rate(facts, facts.slots_total),
+                cached_blocks=cached.get(facts.worker_id, 0),
             )
         )
     chains.sort(key=lambda c: c.worker_id)

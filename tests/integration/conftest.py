@@ -132,13 +132,15 @@ def own_fleet(tmp_path: Path) -> Iterator[Fleet]:
     stop_and_check(fleet)
 
 
-async def until_status(fleet: Fleet, holds: Callable[[BalancerStatus], bool], timeout_s: float = 10.0) -> None:
-    """Until a balancer's status satisfies `holds` (polled, bounded by `timeout_s`)."""
+async def until_status(fleet: Fleet, holds: Callable[[BalancerStatus], bool], timeout_s: float = 10.0,
+                       query: BalancerStatusRequest | None = None) -> None:
+    """Until a balancer's status (in answer to `query`) satisfies `holds` (polled, bounded by `timeout_s`)."""
+    request = msgspec.msgpack.encode(query or BalancerStatusRequest())
     nc = await nats.connect(fleet.config.nats.url)
     try:
         deadline = time.monotonic() + timeout_s
         while True:
-            msg = await nc.request(subjects.BALANCER_STATUS, msgspec.msgpack.encode(BalancerStatusRequest()), timeout=5)
+            msg = await nc.request(subjects.BALANCER_STATUS, request, timeout=5)
             status = msgspec.msgpack.decode(msg.data, type=BalancerStatusReply)
             if isinstance(status, BalancerStatus) and holds(status):
                 return

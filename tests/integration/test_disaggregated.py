@@ -26,6 +26,7 @@ import pytest
 import redis.asyncio as redis
 
 from contracts import subjects
+from contracts.balancer import BalancerStatus, BalancerStatusRequest
 from contracts.messages import (
     EngineStats,
     GenerateRequest,
@@ -37,9 +38,11 @@ from contracts.messages import (
     WorkerRequest,
 )
 from kvlane.fleet import Fleet, with_overrides
+from shared.block_hash import chained_block_hashes
 from shared.bus import addressed_frames
 from shared.state import ClusterState
-from tests.integration.conftest import MODEL, launch
+from shared.tokenizer import SimTokenizer
+from tests.integration.conftest import MODEL, launch, until_status
 from tests.integration.test_faults import expected_text
 from tests.waiting import until
 
@@ -182,7 +185,15 @@ async def test_a_cached_long_prompt_stays_on_the_decode_node(pd_fleet: Fleet) ->
     """Conditional disaggregation counts the uncached part: a repeat of a prompt the decode node holds runs locally."""
     prompt = f"{LONG} repeated"
     await complete(pd_fleet, prompt, seed=7)  # remote: the decode node now holds the prompt's blocks
-    await asyncio.sleep(0.5)  # the KV events reach the balancer's prefix index
+    block_size = (await heartbeat_of(pd_fleet, "d0")).registration.block_size
+    hashes = chained_block_hashes(SimTokenizer().encode(prompt), block_size)
+    assert len(hashes) >= 2
+
+    def d0_holds_the_prompt(status: BalancerStatus) -> bool:
+        return any(c.worker_id == "d0" and c.cached_blocks == len(hashes) for c in status.chains)
+
+    # Until the KV events reach the balancer's prefix index.
+    await until_status(pd_fleet, d0_holds_the_prompt, query=BalancerStatusRequest(block_hashes=hashes))
     async with BusWatch(pd_fleet) as watch:
         assert await complete(pd_fleet, prompt, seed=7) == expected_text(prompt, 7, 12)
     assert not [m for m in watch.seen if isinstance(m, PrefillRequest)]

@@ -99,6 +99,14 @@ def test_a_match_touches_blocks_only_up_to_where_the_last_node_drops_out() -> No
     assert [index.match([h]) for h in (1, 2, 3, 4)] == [{"a": 1}, {}, {"b": 1}, {}]
 
 
+def test_a_match_that_routes_nothing_leaves_the_eviction_order_alone() -> None:
+    index = PrefixIndex(max_blocks=2)
+    index.apply("a", stored=[1, 2])
+    assert index.match([1], touch_blocks=False) == {"a": 1}  # 1 stays the oldest
+    index.apply("a", stored=[3])
+    assert [index.match([h]) for h in (1, 2, 3)] == [{}, {"a": 1}, {"a": 1}]
+
+
 def test_bad_bound_is_rejected() -> None:
     with pytest.raises(ValueError):
         PrefixIndex(max_blocks=0)
