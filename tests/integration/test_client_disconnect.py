@@ -8,6 +8,7 @@ The sim fleet here; `tests/vllm/test_vllm_engine.py` does the same against vLLM.
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 from pathlib import Path
 
@@ -15,6 +16,7 @@ import aiohttp
 import pytest
 
 from kvlane.fleet import Fleet
+from loadtest import hangup
 from loadtest.hangup import FinishedWatch, Options, request_body, soak
 from tests.integration.conftest import MODEL, launch, stop_and_check
 
@@ -30,6 +32,16 @@ def test_streams_hung_up_under_load_are_all_aborted(shared_fleet: Fleet) -> None
     report = asyncio.run(soak(shared_fleet, options, log=False))
     assert (report.aborted, report.leaked) == (runs, 0), report
     assert report.background_completed >= 1, "the streams beside the hang-ups must complete"
+
+
+def test_the_hang_up_command_starts_its_fleet_and_writes_its_verdicts(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    out = tmp_path / "hangup.json"
+    code = hangup.main(["--workers", "1", "--runs", "3", "--max-tokens", str(LONG), "--background", "0", "--no-busy-core",
+                        "--log-dir", str(tmp_path / "logs"), "--out", str(out)])
+    report = json.loads(out.read_text())
+    assert code == 0 and (report["aborted"], report["leaked"]) == (3, 0), report
+    assert len(report["hang_ups"]) >= 3 and report["options"]["engine"] == "sim"
+    assert "3 of 3 hang-ups aborted, 0 leaked" in capsys.readouterr().out
 
 
 def test_a_client_that_gives_up_waiting_for_a_whole_reply_aborts_it(shared_fleet: Fleet) -> None:
