@@ -42,6 +42,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field, replace
 from importlib import metadata
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -322,32 +323,39 @@ def summarise(starts: list[dict[str, Any]]) -> dict[str, Any]:
     """Per phase, the medians over starts (fresh) or over warm rounds of the paired figures.
 
     A median of paired ratios, not a ratio of totals: one slow spell of the
-    shared machine moves one pair, not the summary.
+    shared machine moves one pair, not the summary. A figure no pair has
+    (no tokens came back) is None.
     """
     summary: dict[str, Any] = {}
     for phase in ("fresh", "warm"):
         reports = [start[phase] for start in starts if phase in start]
         if not reports:
             continue
-        ratios = [ratio for r in reports for ratio in r.get("round_ratios", [r["throughput_ratio"]])]
+        ratios = [ratio for r in reports for ratio in r.get("round_ratios", [r["throughput_ratio"]]) if ratio is not None]
         summary[phase] = {
-            "throughput_ratio": statistics.median(ratios),
+            "throughput_ratio": _median(ratios),
             "throughput_ratios": ratios,
-            "ttft_diff_ms": {q: statistics.median(r["ttft_diff_ms"][q] for r in reports) for q in ("p50_ms", "p99_ms")},
-            "itl_diff_ms": {q: statistics.median(r["itl_diff_ms"][q] for r in reports) for q in ("p50_ms", "p99_ms")},
-            "front_end_cpu_ratio": statistics.median(r["front_end_cpu_ratio"] for r in reports),
+            "ttft_diff_ms": {q: _median(r["ttft_diff_ms"][q] for r in reports) for q in ("p50_ms", "p99_ms")},
+            "itl_diff_ms": {q: _median(r["itl_diff_ms"][q] for r in reports) for q in ("p50_ms", "p99_ms")},
+            "front_end_cpu_ratio": _median(r["front_end_cpu_ratio"] for r in reports),
             "front_end_cpu_ms_per_token": {
-                path: statistics.median(r[path]["cpu_ms_per_token"]["front_end"] for r in reports) for path in ("kvlane", "direct")},
+                path: _median(r[path]["cpu_ms_per_token"]["front_end"] for r in reports) for path in ("kvlane", "direct")},
             "engine_cpu_ms_per_token": {
-                path: statistics.median(engine_cpu_ms_per_token(r[path]) for r in reports) for path in ("kvlane", "direct")},
+                path: _median(engine_cpu_ms_per_token(r[path]) for r in reports) for path in ("kvlane", "direct")},
         }
     return summary
 
 
 def engine_cpu_ms_per_token(path: dict[str, Any]) -> float | None:
     """The engine processes' CPU (named VLLM::...) per output token."""
-    engine = sum(ms for name, ms in path["cpu_ms_per_token"].items() if "::" in name and ms is not None)
-    return engine if path["completion_tokens"] else None
+    if not path["completion_tokens"]:
+        return None
+    return sum(ms for name, ms in path["cpu_ms_per_token"].items() if "::" in name)
+
+
+def _median(values: Iterable[float | None]) -> float | None:
+    known = [value for value in values if value is not None]
+    return statistics.median(known) if known else None
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -414,7 +422,7 @@ async def run(options: Options) -> dict[str, Any]:
 
 
 def print_summary(results: dict[str, Any]) -> None:
-    print(f"{'streams':>7} {'phase':<6} {'tok/s ratio':>11} {'of':>3} {'min':>6} {'max':>6} {'TTFT p50 +ms':>12}"
+    print(f"{'streams':>7} {'phase':<6} {'tok/s ratio':>11} {'min':>6} {'max':>6} {'TTFT p50 +ms':>12}"
           f" {'ITL p50 +ms':>11} {'front-end CPU ms/tok kvlane':>27} {'direct':>7} {'engine CPU ms/tok kvlane':>24} {'direct':>7}")
     for concurrency, level in results["concurrency"].items():
         for phase in ("fresh", "warm"):
@@ -422,9 +430,11 @@ def print_summary(results: dict[str, Any]) -> None:
                 continue
             r = level[phase]
             ratios, front, engine = r["throughput_ratios"], r["front_end_cpu_ms_per_token"], r["engine_cpu_ms_per_token"]
-            print(f"{concurrency:>7} {phase:<6} {r['throughput_ratio']:>11.3f} {len(ratios):>3} {min(ratios):>6.3f} {max(ratios):>6.3f}"
-                  f" {r['ttft_diff_ms']['p50_ms']:>12.1f} {r['itl_diff_ms']['p50_ms']:>11.2f}"
-                  f" {front['kvlane']:>27.3f} {front['direct']:>7.3f} {engine['kvlane']:>24.3f} {engine['direct']:>7.3f}")
+            cells = [r["throughput_ratio"], min(ratios, default=None), max(ratios, default=None), r["ttft_diff_ms"]["p50_ms"],
+                     r["itl_diff_ms"]["p50_ms"], front["kvlane"], front["direct"], engine["kvlane"], engine["direct"]]
+            widths = [11, 6, 6, 12, 11, 27, 7, 24, 7]
+            print(f"{concurrency:>7} {phase:<6} " + " ".join(
+                f"{'-' if value is None else f'{value:.3f}':>{width}}" for value, width in zip(cells, widths, strict=True)))
 
 
 def _rounded(figures: dict[str, float | None]) -> dict[str, float | None]:

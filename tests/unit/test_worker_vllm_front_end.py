@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from contracts.messages import SamplingParams
-from loadtest.vllm_vs_direct import PathRun, cpu_ms_per_token, report, summarise
+from loadtest.vllm_vs_direct import PathRun, cpu_ms_per_token, print_summary, report, summarise
 from services.worker.engines.base import EngineRequest
 from shared.config import VllmSettings
 from tests.waiting import until
@@ -48,9 +48,19 @@ def test_starts_are_summarised_by_the_median_of_paired_ratios() -> None:
     assert summary["fresh"]["front_end_cpu_ms_per_token"] == pytest.approx({"kvlane": 500 / 950, "direct": 0.5})
 
 
-def test_a_summary_has_only_the_phases_that_ran() -> None:
+def test_a_summary_has_only_the_phases_that_ran(capsys: pytest.CaptureFixture) -> None:
     only_fresh = [{"fresh": report(_run(900, 120), _run(1000, 100))}]
-    assert set(summarise(only_fresh)) == {"fresh"}
+    summary = summarise(only_fresh)
+    assert set(summary) == {"fresh"}
+    print_summary({"concurrency": {"8": summary}})
+    rows = capsys.readouterr().out.splitlines()[1:]
+    assert len(rows) == 1 and rows[0].split()[:5] == ["8", "fresh", "0.900", "0.900", "0.900"]
+
+
+def test_a_figure_no_pair_has_is_unknown_in_the_summary() -> None:
+    fresh = report(_run(900, 120), _run(1000, 100))
+    fresh["front_end_cpu_ratio"] = None  # as when one path's CPU was not measured
+    assert summarise([{"fresh": fresh}])["fresh"]["front_end_cpu_ratio"] is None
 
 
 @pytest.mark.vllm
