@@ -185,9 +185,9 @@ async def hold_connections(fleet: Fleet, count: int, source: str | None = None, 
     closed: a refusal then closes what is held and starts again, until all
     `count` are admitted at once.
     """
-    deadline = time.monotonic() + timeout_s
-    while True:
-        held = []
+    held: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+
+    async def all_admitted() -> bool:
         try:
             for _ in range(count):
                 reader, writer = await _open(fleet, source)
@@ -196,15 +196,18 @@ async def hold_connections(fleet: Fleet, count: int, source: str | None = None, 
                 if (await read_response(reader))[0] != 200:
                     break
             else:
-                return held
+                return True
         except BaseException:
             for _, writer in held:
                 writer.close()
             raise
         for _, writer in held:
             writer.close()
-        assert time.monotonic() < deadline, f"{count} connections from {source or '127.0.0.1'} never admitted at once"
-        await asyncio.sleep(0.05)
+        held.clear()
+        return False
+
+    await until(all_admitted, timeout_s, f"{count} connections from {source or '127.0.0.1'} never admitted at once")
+    return held
 
 
 async def test_connection_caps_per_client_address_and_in_all(fleet: Fleet) -> None:
