@@ -158,11 +158,13 @@ async def stop_fleet(fleet: Fleet) -> None:
     await asyncio.to_thread(stop_and_check, fleet)
 
 
-async def wait_for(check: Callable[[], object], timeout: float = 20.0, what: str = "spans") -> object:
-    """Poll until `check()` returns something truthy; fail with what it last saw after `timeout`."""
+async def wait_for(
+    check: Callable[[], object], timeout: float = 20.0, what: str = "spans", seen: Callable[[], object] = lambda: None,
+) -> object:
+    """Poll until `check()` returns something truthy; after `timeout`, fail saying what `seen()` found."""
     deadline = time.monotonic() + timeout
     while not (result := check()):
-        assert time.monotonic() < deadline, f"{what} not received within {timeout}s"
+        assert time.monotonic() < deadline, f"{what} not received within {timeout}s; received: {seen()}"
         await asyncio.sleep(0.05)
     return result
 
@@ -335,7 +337,8 @@ async def test_disaggregated_request_traces_prefill_handoff_and_decode(tmp_path:
 
 
 async def test_migrated_request_shows_two_attempts_in_one_trace(tmp_path: Path, receiver: OtlpReceiver) -> None:
-    # 10 ms a step: the request is mid-stream when its worker dies.
+    # 10 ms a step and 300 tokens: the request is still mid-stream when its worker dies, even
+    # when this test hears the stream late (a frame then carries several steps' tokens).
     fleet = await start_fleet(tmp_path, workers=2, tune=exporting_to(receiver), speed=0.2)
     try:
         header, trace_id, _ = traceparent()
@@ -346,19 +349,19 @@ async def test_migrated_request_shows_two_attempts_in_one_trace(tmp_path: Path, 
             def on(subject: str, message: object) -> None:
                 if isinstance(message, GenerateRequest) and not victim:
                     victim.append(worker_of(subject))
-                elif isinstance(message, TokenChunk) and victim:
-                    tokens[0] += 1
-                    if tokens[0] == 5:
+                elif isinstance(message, TokenChunk) and victim and tokens[0] < 5:
+                    tokens[0] += len(message.token_ids)
+                    if tokens[0] >= 5:
                         process(fleet, victim[0]).signal(signal.SIGKILL)
 
             watch.on = on
             client = openai.AsyncOpenAI(base_url=f"{fleet.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
             stream = await client.completions.create(
-                model=MODEL, prompt="a request that moves", max_tokens=60, seed=5, stream=True,
+                model=MODEL, prompt="a request that moves", max_tokens=300, seed=5, stream=True,
                 stream_options={"include_usage": True}, extra_headers={"traceparent": header},
             )
             usage = [chunk.usage async for chunk in stream if chunk.usage][-1]
-        assert tokens[0] >= 5 and usage.completion_tokens == 60, "the worker was not killed mid-stream"
+        assert tokens[0] >= 5 and usage.completion_tokens == 300, "the worker was not killed mid-stream"
         survivor = {"w0": "w1", "w1": "w0"}[victim[0]]
 
         def both_attempts_and_the_survivors_decode() -> list[Span] | None:
@@ -366,7 +369,8 @@ async def test_migrated_request_shows_two_attempts_in_one_trace(tmp_path: Path, 
             done = len([s for s in found if s.name == "dispatch.attempt"]) == 2 and "decode" in names(found)
             return found if done and "text_completion kvlane-sim" in names(found) else None
 
-        spans = await wait_for(both_attempts_and_the_survivors_decode)
+        spans = await wait_for(both_attempts_and_the_survivors_decode,
+                               seen=lambda: sorted((s.service, s.name) for s in receiver.trace(trace_id)))
         ingress = one(spans, "text_completion kvlane-sim")
         first = one(spans, "dispatch.attempt", **{"kvlane.attempt": 1})
         second = one(spans, "dispatch.attempt", **{"kvlane.attempt": 2})
@@ -381,7 +385,7 @@ async def test_migrated_request_shows_two_attempts_in_one_trace(tmp_path: Path, 
         handle = next(s for s in spans if s.span_id == decode.parent_id)
         assert handle.parent_id == second.span_id and decode.attributes["kvlane.worker.id"] == survivor
         assert decode.attributes["kvlane.resumed_tokens"] == second.attributes["kvlane.resumed_tokens"]
-        assert ingress.attributes["gen_ai.usage.output_tokens"] == 60 and ingress.status != ERROR
+        assert ingress.attributes["gen_ai.usage.output_tokens"] == 300 and ingress.status != ERROR
     finally:
         await stop_fleet(fleet)
 
