@@ -26,6 +26,8 @@ EpochSeconds = Annotated[float, Meta(ge=0.0, le=1e11)]
 RemainingSeconds = Annotated[float, Meta(ge=0.0, le=1e9)]
 # A subject kvlane publishes to (an inbox, a stream): dot-separated tokens, no wildcards or spaces.
 Subject = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*$", max_length=256)]
+# The same, or empty for none.
+OptionalSubject = Annotated[str, Meta(pattern=r"^([A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*)?$", max_length=256)]
 FinishReason = Literal["stop", "length", "abort"]
 WorkerRole = Literal["aggregated", "prefill", "decode"]
 EngineKind = Literal["sim", "vllm"]
@@ -72,6 +74,10 @@ class RouteRequest(Compact, tag="route", tag_field="type"):
     prefix_token_ids: list[int] = []
     # The tenant of the caller's API key (empty when the ingress does not require keys); balancers label spans with it.
     tenant: str = ""
+    # The worker's request, for the balancer to send on as it decides (one hop fewer than the ingress sending it
+    # once the decision is back): the balancer sends it where the chain is one node and the request is not
+    # degraded, and the worker answers to its `accept_to`. None: the ingress hands the request over itself.
+    hand_over: GenerateRequest | None = None
 
 
 class RouteWithdrawn(Compact, tag="route_withdrawn", tag_field="type"):
@@ -101,6 +107,8 @@ class RouteDecision(Compact, tag="decision", tag_field="type"):
     # The tokens it may generate: the route request's max_tokens, or fewer when the
     # balancer degraded it under overload (0: as asked, from a balancer that does not say).
     max_tokens: NonNegativeInt = 0
+    # The balancer sent the route request's `hand_over` on to `inbox`: the worker answers to its `accept_to`.
+    handed_over: bool = False
 
 
 RouteReply = RouteDecision | ErrorReply
@@ -172,6 +180,9 @@ class GenerateRequest(RequestToRun, tag="generate", tag_field="type"):
 
     # Set on a decode node's request: pull the prompt's KV from here first.
     kv_ref: KvRef | None = None
+    # Where the worker answers (accepted or refused), when not to the message's reply subject: the
+    # ingress waits there for a request that its balancer sent on (`RouteRequest.hand_over`).
+    accept_to: OptionalSubject = ""
 
 
 class PrefillRequest(RequestToRun, tag="prefill", tag_field="type", kw_only=True):

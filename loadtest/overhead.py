@@ -94,6 +94,9 @@ class BenchOptions:
     quiet: bool = False
     # One ingress per count, each of that many processes on its own port (the first is the fleet's).
     ingress_processes: tuple[int, ...] = (1,)
+    # One more ingress, of one process, that sends each worker its request itself rather than letting
+    # the balancer send it on (`ingress.balancer_hands_over = false`): the hand-over's worth, side by side.
+    ingress_sends: bool = False
 
     def check(self) -> None:
         if self.requests < 1 or self.concurrency < 1 or self.warmup < 0 or self.max_tokens < 1:
@@ -309,6 +312,7 @@ class IngressUnderTest:
     processes: int
     base_url: str
     process: Process  # the first of its processes, which starts the others
+    sends: bool = False  # it sends each worker its request itself (`ingress.balancer_hands_over = false`)
 
     def measured(self) -> list[Any]:
         """Its processes for the CPU meter: the first, then the others as `<name>/<k>`."""
@@ -460,6 +464,9 @@ def run_benchmark(options: BenchOptions, console: Console | None = None) -> dict
         for processes in options.ingress_processes[1:]:
             _status(console, options, f"starting an ingress of {processes} processes on the same fleet")
             ingresses.append(_start_ingress(launcher, fleet, processes, options.ready_timeout_s))
+        if options.ingress_sends:
+            _status(console, options, "starting an ingress that sends each worker its request itself")
+            ingresses.append(_start_ingress(launcher, fleet, 1, options.ready_timeout_s, sends=True))
         measured = _run_async(measure(fleet, options, console, ingresses))
         dead = [p.name for p in [*fleet.services(), *(ingress.process for ingress in ingresses)] if not p.alive()]
         if dead:
@@ -498,11 +505,12 @@ def run_benchmark(options: BenchOptions, console: Console | None = None) -> dict
             "worker_profile": config.worker.sim.profile,
             "workers": 1,
             "balancers": 1,
-            "ingresses": len(options.ingress_processes),
+            "ingresses": len(ingresses),
             "ingress_processes": list(options.ingress_processes),
+            "ingress_paths": [{"path": i.name, "processes": i.processes, "balancer_hands_over": not i.sends} for i in ingresses],
             "client_event_loop": "uvloop",
-            "interleaving": "A,B,A,B (A=ingress, B=direct)" if len(options.ingress_processes) == 1 else
-                            f"A1..A{len(options.ingress_processes)},B,A1... (A=each ingress, B=direct)",
+            "interleaving": "A,B,A,B (A=ingress, B=direct)" if len(ingresses) == 1 else
+                            f"A1..A{len(ingresses)},B,A1... (A=each ingress, B=direct)",
         },
         "latency": measured["latency"],
         "throughput": measured["throughput"],
@@ -516,14 +524,17 @@ def run_benchmark(options: BenchOptions, console: Console | None = None) -> dict
     return results
 
 
-def _start_ingress(launcher: Launcher, fleet: Fleet, processes: int, timeout_s: float) -> IngressUnderTest:
-    """One more ingress of `processes` processes, on a port of its own, in front of the fleet's balancer and worker."""
-    name, port = f"ingress-{processes}p", free_port()
+def _start_ingress(launcher: Launcher, fleet: Fleet, processes: int, timeout_s: float, sends: bool = False) -> IngressUnderTest:
+    """One more ingress of `processes` processes, on a port of its own, in front of the fleet's balancer and worker;
+    with `sends`, one that sends each worker its request itself."""
+    name, ingress_id, port = ("ingress-sends", "isends", free_port()) if sends else (f"ingress-{processes}p", f"i{processes}p", free_port())
     env = fleet.service_env("ingress", name) | {
         "KVLANE__INGRESS__PORT": str(port), "KVLANE__INGRESS__PROCESSES": str(processes),
-        "KVLANE__INGRESS__INGRESS_ID": json.dumps(f"i{processes}p"),
+        "KVLANE__INGRESS__INGRESS_ID": json.dumps(ingress_id),
+        "KVLANE__INGRESS__BALANCER_HANDS_OVER": json.dumps(not sends),
     }
-    ingress = IngressUnderTest(name, processes, f"http://{HOST}:{port}", launcher.start_service("ingress", env, name=name))
+    ingress = IngressUnderTest(name, processes, f"http://{HOST}:{port}", launcher.start_service("ingress", env, name=name),
+                               sends=sends)
     wait_ready(ingress.base_url, timeout_s, [ingress.process])
     _wait_all_serving(ingress, timeout_s)
     return ingress
@@ -550,6 +561,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", type=Path, default=defaults.out, help="JSON results file (default %(default)s)")
     parser.add_argument("--warmup", type=int, default=defaults.warmup, help="warm-up requests per path (default %(default)s)")
     parser.add_argument("--log-dir", type=Path, help="keep the fleet's logs here (default: a temporary directory, removed after a clean run)")
+    parser.add_argument("--ingress-sends", action="store_true",
+                        help="also measure an ingress that sends each worker its request itself, rather than the balancer")
     parser.add_argument("--ingress-processes", type=_counts, default=defaults.ingress_processes, metavar="N[,M...]",
                         help="one ingress of each count of processes sharing its port, measured in turn, e.g. 1,2 "
                              "(default: 1; more than 1 needs Linux)")
@@ -574,7 +587,8 @@ def main(argv: list[str] | None = None) -> int:
     # disconnect logs a warning) out of the report.
     configure_logging(LoggingSettings(format="console", level="error"), "loadtest")
     options = BenchOptions(requests=args.requests, concurrency=args.concurrency, duration_s=args.duration,
-                           out=args.out, warmup=args.warmup, log_dir=args.log_dir, ingress_processes=args.ingress_processes)
+                           out=args.out, warmup=args.warmup, log_dir=args.log_dir, ingress_processes=args.ingress_processes,
+                           ingress_sends=args.ingress_sends)
     console = Console()
     try:
         options.check()

@@ -12,15 +12,28 @@ def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value:.3f}"
 
 
+def _ingress_paths(results: dict[str, Any]) -> list[dict[str, Any]]:
+    params = results["parameters"]
+    if "ingress_paths" in params:
+        return params["ingress_paths"]
+    counts = params.get("ingress_processes", [1])  # results written before the paths were listed
+    return [{"path": "ingress" if k == 0 else f"ingress-{n}p", "processes": n, "balancer_hands_over": True}
+            for k, n in enumerate(counts)]
+
+
 def http_paths(results: dict[str, Any]) -> list[str]:
-    """The ingress paths measured: `ingress`, then `ingress-<n>p` for each further count."""
-    return ["ingress", *(f"ingress-{n}p" for n in results["parameters"].get("ingress_processes", [1])[1:])]
+    """The ingress paths measured: `ingress`, then `ingress-<n>p` for each further count, and `ingress-sends`."""
+    return [path["path"] for path in _ingress_paths(results)]
 
 
 def _label(results: dict[str, Any], path: str) -> str:
-    counts = results["parameters"].get("ingress_processes", [1])
-    processes = counts[0] if path == "ingress" else int(path.removeprefix("ingress-").removesuffix("p"))
-    return f"{path} ({processes} process{'es' if processes > 1 else ''})" if len(counts) > 1 else "HTTP ingress"
+    paths = _ingress_paths(results)
+    if len(paths) == 1:
+        return "HTTP ingress"
+    this = next(p for p in paths if p["path"] == path)
+    processes = this["processes"]
+    sends = "" if this["balancer_hands_over"] else ", sends to the worker itself"
+    return f"{path} ({processes} process{'es' if processes > 1 else ''}{sends})"
 
 
 def print_report(results: dict[str, Any], console: Console) -> None:

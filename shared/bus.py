@@ -43,6 +43,8 @@ log = structlog.get_logger("kvlane.bus")
 # The status header NATS puts on the reply to a request nobody subscribes to.
 _STATUS_HEADER = "Status"
 _NO_RESPONDERS = "503"
+# After a connection's reply prefix: what comes there is passed on to the rest of the subject (`Bus.relaying_to`).
+_RELAY = "relay."
 
 
 class BusError(Exception):
@@ -124,10 +126,17 @@ class Bus:
     def encode(self, message: msgspec.Struct) -> bytes:
         return self._encoder.encode(message)
 
-    async def publish(self, subject: str, message: msgspec.Struct, *, traced: bool = True, context: Context | None = None) -> None:
-        """`context`: the trace the message belongs to (default: the current span's)."""
+    async def publish(
+        self, subject: str, message: msgspec.Struct, *, traced: bool = True, context: Context | None = None, reply: str = "",
+    ) -> None:
+        """`context`: the trace the message belongs to (default: the current span's). `reply`: where its
+        receiver answers (a `ReplySlot` of another connection)."""
         headers = self._telemetry.inject(context=context) if traced else None
-        await self._nc.publish(subject, self._encoder.encode(message), headers=headers or None)
+        await self._nc.publish(subject, self._encoder.encode(message), reply=reply, headers=headers or None)
+
+    def sender_context(self, msg: Msg) -> Context:
+        """The trace a received message belongs to (for what its handler sends on in the sender's name)."""
+        return self._telemetry.extract(msg.headers)
 
     async def request(
         self, subject: str, message: msgspec.Struct, reply_type: type[T] | Any, timeout: float, *, context: Context | None = None
@@ -142,25 +151,17 @@ class Bus:
         this connection's one reply inbox, resolved by its future directly.
         """
         headers = self._telemetry.inject(context=context)
+        with await self.reply_slot() as slot:
+            await self._nc.publish(subject, self._encoder.encode(message), reply=slot.subject, headers=headers or None)
+            return await slot.wait(reply_type, timeout, subject)
+
+    async def reply_slot(self) -> ReplySlot:
+        """A place on this connection's reply inbox for one reply, to a request that someone else may send
+        (`publish(..., reply=slot.subject)`). Close it (or use it as a context manager) when done."""
         prefix = self._reply_prefix or await self._reply_inbox()
         token = next(self._reply_tokens)
-        loop = asyncio.get_running_loop()
-        waiting = self._awaited_replies[token] = loop.create_future()
-        expiry = loop.call_later(timeout, _settle, waiting, None)
-        try:
-            await self._nc.publish(subject, self._encoder.encode(message), reply=prefix + token, headers=headers or None)
-            reply = await waiting
-        finally:
-            expiry.cancel()
-            del self._awaited_replies[token]
-        if reply is None:
-            raise RequestTimeout(f"{subject}: no reply within {timeout:.1f}s")
-        if reply.headers and reply.headers.get(_STATUS_HEADER) == _NO_RESPONDERS and not reply.data:
-            raise NoResponders(subject)
-        try:
-            return self._decoder(reply_type).decode(reply.data)
-        except msgspec.DecodeError as exc:
-            raise BusError(f"{subject}: undecodable reply: {exc}") from exc
+        waiting = self._awaited_replies[token] = asyncio.get_running_loop().create_future()
+        return ReplySlot(prefix + token, waiting, lambda: self._awaited_replies.pop(token, None), self._decoder)
 
     async def _reply_inbox(self) -> str:
         """This connection's reply inbox prefix, subscribed on first use (concurrent first requests share it)."""
@@ -170,6 +171,7 @@ class Bus:
                 prefix = self._nc.new_inbox() + "."
                 # Before the first request goes out: the SUB is queued ahead of its PUB on this connection.
                 await self._nc.subscribe(prefix + "*", future=_AtOnce(self._on_reply))
+                await self._nc.subscribe(prefix + _RELAY + ">", future=_AtOnce(self._on_relayed))
             except BaseException as exc:
                 ready, self._reply_inbox_ready = self._reply_inbox_ready, None
                 ready.set_exception(exc)
@@ -178,6 +180,19 @@ class Bus:
             self._reply_prefix = prefix
             self._reply_inbox_ready.set_result(prefix)
         return await asyncio.shield(self._reply_inbox_ready)
+
+    async def relaying_to(self, subject: str) -> str:
+        """A reply subject of this connection that passes what comes to it on to `subject`.
+
+        For a message this connection sends in another's name, to be answered there. NATS tells
+        only the sender's own subscriptions that nobody listened (the *no responders* status);
+        passed on, it tells the one who waits, at once rather than at its timeout.
+        """
+        return (self._reply_prefix or await self._reply_inbox()) + _RELAY + subject
+
+    def _on_relayed(self, msg: Msg) -> None:
+        target = msg.subject[len(self._reply_prefix) + len(_RELAY):]
+        self.spawn(self._nc.publish(target, msg.data, headers=msg.headers))
 
     def _on_reply(self, msg: Msg) -> None:
         waiting = self._awaited_replies.get(msg.subject[len(self._reply_prefix):])
@@ -337,6 +352,42 @@ class _AtOnce:
             self._deliver(msg)
         except Exception:
             log.exception("delivery_failed", subject=msg.subject)
+
+
+class ReplySlot:
+    """One reply awaited on a connection's reply inbox (`Bus.reply_slot`)."""
+
+    def __init__(self, subject: str, waiting: asyncio.Future, release: Callable[[], object],
+                 decoder: Callable[[Any], msgspec.msgpack.Decoder]) -> None:
+        self.subject = subject
+        self._waiting = waiting
+        self._release = release
+        self._decoder = decoder
+
+    async def wait(self, reply_type: type[T] | Any, timeout: float, sent_to: str) -> T:
+        """The typed reply; `NoResponders` when nobody listened on `sent_to`, `RequestTimeout` after `timeout`."""
+        expiry = asyncio.get_running_loop().call_later(timeout, _settle, self._waiting, None)
+        try:
+            reply = await self._waiting
+        finally:
+            expiry.cancel()
+        if reply is None:
+            raise RequestTimeout(f"{sent_to}: no reply within {timeout:.1f}s")
+        if reply.headers and reply.headers.get(_STATUS_HEADER) == _NO_RESPONDERS and not reply.data:
+            raise NoResponders(sent_to)
+        try:
+            return self._decoder(reply_type).decode(reply.data)
+        except msgspec.DecodeError as exc:
+            raise BusError(f"{sent_to}: undecodable reply: {exc}") from exc
+
+    def close(self) -> None:
+        self._release()
+
+    def __enter__(self) -> ReplySlot:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 class ReplyStream:

@@ -167,6 +167,9 @@ class IngressSettings(Section):
     request_timeout_s: PositiveFloat = 600.0
     route_timeout_s: PositiveFloat = 5.0
     accept_timeout_s: PositiveFloat = 2.0
+    # The route request carries the worker's request, and the balancer sends it on as it decides: one NATS
+    # round trip fewer before the first token. Two-node chains and degraded requests are still sent from here.
+    balancer_hands_over: bool = True
     # A stream with no frame for this long is failed (worker stalled or gone).
     stall_timeout_s: PositiveFloat = 30.0
     dispatch_attempts: PositiveInt = 3

@@ -20,6 +20,7 @@ import logging
 import time
 from collections.abc import Callable
 
+import msgspec
 import redis.exceptions
 import structlog
 from nats.aio.msg import Msg
@@ -32,6 +33,7 @@ from contracts import subjects
 from contracts.balancer import BalancerStatusReply, BalancerStatusRequest
 from contracts.health import HealthVerdict
 from contracts.messages import (
+    AbortRequest,
     ErrorReply,
     Heartbeat,
     KvEvents,
@@ -158,24 +160,53 @@ class BalancerService:
 
     async def _on_route(self, request: RouteRequest, msg: Msg) -> RouteReply:
         if not self._tracing:
-            return await self.route(request)
-        attributes = {"kvlane.request_id": request.request_id, "gen_ai.request.model": request.model,
-                      "kvlane.route.prompt_tokens": request.prompt_tokens, "kvlane.priority": request.priority}
-        if request.tenant:
-            attributes["kvlane.tenant"] = request.tenant
-        if request.exclude_workers:
-            attributes["kvlane.route.excluded"] = request.exclude_workers
-        with self._tracer.start_as_current_span("route", attributes=attributes) as span:
             reply = await self.route(request)
-            if isinstance(reply, ErrorReply) and span.is_recording():
-                set_error(span, reply.code, reply.message)  # also the refusals made before any policy ran
-            return reply
+        else:
+            attributes = {"kvlane.request_id": request.request_id, "gen_ai.request.model": request.model,
+                          "kvlane.route.prompt_tokens": request.prompt_tokens, "kvlane.priority": request.priority}
+            if request.tenant:
+                attributes["kvlane.tenant"] = request.tenant
+            if request.exclude_workers:
+                attributes["kvlane.route.excluded"] = request.exclude_workers
+            with self._tracer.start_as_current_span("route", attributes=attributes) as span:
+                reply = await self.route(request)
+                if isinstance(reply, ErrorReply) and span.is_recording():
+                    set_error(span, reply.code, reply.message)  # also the refusals made before any policy ran
+        if request.hand_over is not None and isinstance(reply, RouteDecision):
+            reply = await self._hand_over(request, reply, msg)
+        return reply
+
+    async def _hand_over(self, request: RouteRequest, decision: RouteDecision, msg: Msg) -> RouteDecision:
+        """Send the route request's `hand_over` on to the chosen worker, where it can go as it is.
+
+        Not to a two-node chain (the prefill node's request names the decode node), not degraded (fewer
+        tokens), and not once withdrawn: then the ingress hands the request over itself.
+        """
+        hand_over = request.hand_over
+        assert hand_over is not None
+        if (decision.prefill_inbox or decision.max_tokens != request.max_tokens
+                or self.router.table.holder(request.request_id) is None):
+            return decision
+        if decision.queued_s:
+            hand_over = msgspec.structs.replace(hand_over, timeout_s=max(0.0, hand_over.timeout_s - decision.queued_s))
+        try:
+            # In the sender's trace: the worker's spans are children of the ingress's attempt, as when it sends.
+            # The worker answers to `accept_to`; what comes to the reply subject instead (NATS's no responders,
+            # a reply to an undecodable request) is passed on there.
+            await self._bus.publish(decision.inbox, hand_over, context=self._bus.sender_context(msg),
+                                    reply=await self._bus.relaying_to(hand_over.accept_to))
+        except Exception as exc:  # NATS trouble: the ingress can still send it
+            log.warning("hand_over_failed", request_id=request.request_id, error=str(exc))
+            return decision
+        return msgspec.structs.replace(decision, handed_over=True)
 
     async def route(self, request: RouteRequest) -> RouteReply:
         now = self._wall_clock()
         self._arrivals.arrived()
         if request.timeout_s <= 0:
             return ErrorReply(code="deadline_exceeded", message="request deadline passed before routing", status=504)
+        if request.hand_over is not None and (refusal := _bad_hand_over(request)) is not None:
+            return refusal
         superseded = self._waiters.pop(request.request_id, None)
         if superseded is not None and not superseded.done():
             superseded.set_result(ErrorReply(code="superseded", message="a newer route request has the same id", status=409))
@@ -397,24 +428,32 @@ class BalancerService:
         # Every replica hears it: the one holding the request queued, and whichever holds its slot.
         if self.router.queue.remove(event.request_id) is not None:
             self._resolve(event.request_id, ErrorReply(code="withdrawn", message="the client left", status=499))
-        await self._release(event.request_id)
+        worker_id = await self._release(event.request_id)
+        if worker_id is not None:
+            # This replica may have handed the request over before its route reply reached a client that had left;
+            # a worker that never got it ignores the abort.
+            with contextlib.suppress(Exception):
+                await self._bus.publish(subjects.worker_inbox(worker_id),
+                                        AbortRequest(request_id=event.request_id, reason="client_disconnected"))
         self._schedule_drain()
 
-    async def _release(self, request_id: str, worker_id: str | None = None) -> None:
+    async def _release(self, request_id: str, worker_id: str | None = None) -> str | None:
+        """Free the slot this replica gave `request_id`; its node, or None when this replica placed it nowhere."""
         chain_id = self.router.table.release(request_id, worker_id)
         if chain_id is None:
             # Not placed by this replica: the one that placed it hears the same and knows its node; the store
             # finds a slot only through its node. Missed, it goes at the request's deadline, and its lease when it
             # lapses unrenewed (or the cache-managers free it: they hear withdrawals too).
-            return
+            return None
         try:
             released = (await self._store.release_many([(request_id, worker_of(chain_id))], [chain_id]))[0]
         except _STORE_ERRORS as exc:
             log.debug("slot_release_failed", request_id=request_id, error=str(exc))
             self._store_degraded = True
-            return
+            return worker_of(chain_id)
         if released is not None:
             self.router.table.set_global_used(*released)
+        return worker_of(chain_id)
 
     def heard(self, heartbeat: Heartbeat) -> None:
         """A heartbeat the cluster watcher just recorded in the view (`ClusterWatcher.add_heartbeat_listener`)."""
@@ -533,3 +572,18 @@ def _annotate_route(span: Span, reply: RouteReply, outcome: str, policy: str) ->
     if reply.prefill_worker_id:
         attributes["kvlane.prefill_worker.id"] = reply.prefill_worker_id
     span.set_attributes(attributes)
+
+
+def _bad_hand_over(request: RouteRequest) -> ErrorReply | None:
+    """Why a route request's `hand_over` cannot be sent on as it is, or None."""
+    hand_over = request.hand_over
+    assert hand_over is not None
+    if not hand_over.accept_to:
+        problem = "a hand_over needs an accept_to"
+    elif hand_over.request_id != request.request_id or hand_over.model != request.model:
+        problem = "the hand_over is for another request or model"
+    elif hand_over.kv_ref is not None:
+        problem = "a hand_over runs the whole request: no kv_ref"
+    else:
+        return None
+    return ErrorReply(code="bad_request", message=problem, status=400)

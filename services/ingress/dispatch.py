@@ -11,6 +11,12 @@ with the tokens already relayed as `resume_token_ids`: the client's stream
 goes on with no duplicated and no missing token, and its frames keep one
 sequence. At most `migration_attempts` resumptions; then an explicit error.
 
+The route request carries the worker's request (`hand_over`), and the
+balancer sends it on to the node it chose as it replies: the worker's
+answer comes straight here, one NATS round trip sooner than if this side
+sent it after the decision. Where the balancer did not (a two-node chain, a
+degraded request, `ingress.balancer_hands_over` off), this side sends it.
+
 A two-node chain (the decision names a prefill node) starts with a
 `PrefillRequest` to the prefill node, which hands the request to the decode
 node and says so with a `Handoff` frame; tokens come from the decode node.
@@ -24,6 +30,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator, Callable
+from typing import NamedTuple
 
 import msgspec
 import structlog
@@ -51,7 +58,7 @@ from services.ingress.errors import ApiError
 from services.ingress.feedback import StreamSpeedNorms
 from services.ingress.metrics import IngressMetrics
 from services.ingress.prompts import PreparedRequest
-from shared.bus import Bus, BusError, NoResponders, ReplyStream, RequestTimeout, StreamReceiver
+from shared.bus import Bus, BusError, NoResponders, ReplySlot, ReplyStream, RequestTimeout, StreamReceiver
 from shared.config import IngressSettings
 from shared.telemetry import error_type, set_error
 
@@ -104,7 +111,7 @@ class _Attempt:
         if self.span.is_recording():
             self.span.set_attributes({
                 "kvlane.worker.id": decision.worker_id, "kvlane.route.policy": decision.policy,
-                "kvlane.route.cached_blocks": decision.cached_blocks,
+                "kvlane.route.cached_blocks": decision.cached_blocks, "kvlane.handed_over": decision.handed_over,
                 **({"kvlane.prefill_worker.id": decision.prefill_worker_id} if decision.prefill_worker_id else {}),
             })
 
@@ -132,6 +139,13 @@ class _Attempt:
     def end(self) -> None:
         self.span.set_attribute("kvlane.outcome", self.outcome)
         self.span.end()
+
+
+class _HandOver(NamedTuple):
+    """The worker's request, for the balancer to send on, and where the worker then answers."""
+
+    request: GenerateRequest
+    reply: ReplySlot
 
 
 def _inboxes(decision: RouteDecision) -> list[str]:
@@ -176,35 +190,45 @@ class Dispatcher:
         out_seq = handovers = refused = migrations = preemptions = 0
         while True:
             attempt = _Attempt(self._tracer, trace_context, handovers + 1, request_id, len(produced))
-            try:
-                decision = await self._route(request_id, prepared, deadline, excluded, len(produced), attempt.context)
-            except asyncio.CancelledError as exc:
-                # The client left while its request was routed or queued: a slot and a lease may
-                # be reserved for it by now; free them rather than at its deadline.
-                with contextlib.suppress(Exception):
-                    await self._bus.publish(subjects.ROUTE_WITHDRAWN, RouteWithdrawn(request_id), context=attempt.context)
-                attempt.failed(exc)
-                attempt.end()
-                raise
-            except BaseException as exc:
-                attempt.failed(exc)
-                attempt.end()
-                raise
-            attempt.routed(decision)
-            if self._metrics is not None:
-                self._metrics.queued(prepared.model, decision.queued_s)
-            if 0 < decision.max_tokens < prepared.sampling.max_tokens - len(produced):
-                capped = len(produced) + decision.max_tokens
-                prepared = msgspec.structs.replace(prepared, sampling=msgspec.structs.replace(prepared.sampling, max_tokens=capped))
-                on_capped(capped)
-            with self._streams.open(f"{request_id}-{handovers}") as stream:
+            with self._streams.open(f"{request_id}-{handovers}") as stream, contextlib.ExitStack() as held:
                 handovers += 1
+                hand_over = None
+                if self._settings.balancer_hands_over:
+                    # Where the worker answers if the balancer sends the request on: listened to before it can.
+                    reply = held.enter_context(await self._bus.reply_slot())
+                    hand_over = _HandOver(msgspec.structs.replace(
+                        self._worker_request(request_id, prepared, None, stream, deadline, produced), accept_to=reply.subject,
+                    ), reply)
+                try:
+                    decision = await self._route(request_id, prepared, deadline, excluded, len(produced), attempt.context,
+                                                 hand_over)
+                except asyncio.CancelledError as exc:
+                    # The client left while its request was routed or queued: a slot and a lease may
+                    # be reserved for it by now (and the request handed over); free them rather than
+                    # at its deadline.
+                    with contextlib.suppress(Exception):
+                        await self._bus.publish(subjects.ROUTE_WITHDRAWN, RouteWithdrawn(request_id), context=attempt.context)
+                    attempt.failed(exc)
+                    attempt.end()
+                    raise
+                except BaseException as exc:
+                    attempt.failed(exc)
+                    attempt.end()
+                    raise
+                attempt.routed(decision)
+                if self._metrics is not None:
+                    self._metrics.queued(prepared.model, decision.queued_s)
+                if 0 < decision.max_tokens < prepared.sampling.max_tokens - len(produced):
+                    capped = len(produced) + decision.max_tokens
+                    prepared = msgspec.structs.replace(prepared, sampling=msgspec.structs.replace(prepared.sampling, max_tokens=capped))
+                    on_capped(capped)
                 # From the hand-over on, the chain's nodes may be running the request: unless it
                 # ended (or was abandoned) here, whatever stops this attempt aborts it there: the
                 # client hanging up (its handler cancelled, or this generator closed), an error.
                 settled = False
                 try:
-                    refused_by = await self._hand_over(request_id, prepared, decision, stream, deadline, produced, attempt.context)
+                    refused_by = await self._hand_over(request_id, prepared, decision, stream, deadline, produced,
+                                                       attempt.context, hand_over)
                     if refused_by:
                         # A node that was merely slow to accept may run it all the same.
                         settled = True
@@ -260,7 +284,7 @@ class Dispatcher:
 
     async def _route(
         self, request_id: str, prepared: PreparedRequest, deadline: float, excluded: list[str], produced: int,
-        context: Context | None = None,
+        context: Context | None = None, hand_over: _HandOver | None = None,
     ) -> RouteDecision:
         route = RouteRequest(
             request_id=request_id,
@@ -273,6 +297,7 @@ class Dispatcher:
             priority=prepared.priority,
             tenant=prepared.tenant,
             prefix_token_ids=prepared.prompt_token_ids[: self._settings.forward_prefix_tokens],
+            hand_over=hand_over.request if hand_over else None,
         )
         # The balancer may hold the request in its central queue, at most
         # `max_queue_wait_s` (then it answers 503 itself). No answer by then
@@ -288,17 +313,19 @@ class Dispatcher:
                 if attempt == 2:
                     raise ApiError(503, f"routing failed: {exc}", code="balancer_unavailable", retry_after_s=1.0) from exc
                 log.warning("route_unanswered", request_id=request_id, timeout_s=round(timeout, 1))
+                # Whatever the silent balancer did with it, this ask's answer is the one the worker's reply follows.
+                route = msgspec.structs.replace(route, hand_over=None)
             except BusError as exc:
                 raise ApiError(503, f"routing failed: {exc}", code="balancer_unavailable", retry_after_s=1.0) from exc
         if isinstance(reply, ErrorReply):
             raise ApiError.from_reply(reply)
         return reply
 
-    async def _hand_over(
-        self, request_id: str, prepared: PreparedRequest, decision: RouteDecision, stream: ReplyStream,
-        deadline: float, produced: list[int], context: Context | None = None,
-    ) -> str:
-        """Who refused: empty once the chain's first node accepted, else that node's id (gone or draining: route again)."""
+    def _worker_request(
+        self, request_id: str, prepared: PreparedRequest, decision: RouteDecision | None, stream: ReplyStream,
+        deadline: float, produced: list[int],
+    ) -> GenerateRequest | PrefillRequest:
+        """What the chain's first node gets: a `PrefillRequest` naming the decode node for a two-node chain."""
         common = dict(
             request_id=request_id,
             model=prepared.model,
@@ -308,16 +335,27 @@ class Dispatcher:
             timeout_s=max(0.0, deadline - time.monotonic()),
             resume_token_ids=list(produced),
         )
-        if decision.prefill_inbox:
-            first, inbox = decision.prefill_worker_id, decision.prefill_inbox
-            request: GenerateRequest | PrefillRequest = PrefillRequest(
-                **common, decode_worker_id=decision.worker_id, decode_inbox=decision.inbox
-            )
-        else:
-            first, inbox = decision.worker_id, decision.inbox
-            request = GenerateRequest(**common)
+        if decision is not None and decision.prefill_inbox:
+            return PrefillRequest(**common, decode_worker_id=decision.worker_id, decode_inbox=decision.inbox)
+        return GenerateRequest(**common)
+
+    async def _hand_over(
+        self, request_id: str, prepared: PreparedRequest, decision: RouteDecision, stream: ReplyStream,
+        deadline: float, produced: list[int], context: Context | None = None, hand_over: _HandOver | None = None,
+    ) -> str:
+        """Who refused: empty once the chain's first node accepted, else that node's id (gone or draining: route again).
+
+        Sends the chain's first node its request, unless the balancer sent it on already (`handed_over`);
+        either way, waits for that node's answer.
+        """
+        first, inbox = (decision.prefill_worker_id, decision.prefill_inbox) if decision.prefill_inbox else (decision.worker_id, decision.inbox)
+        timeout = self._settings.accept_timeout_s
         try:
-            reply = await self._bus.request(inbox, request, WorkerReply, self._settings.accept_timeout_s, context=context)
+            if decision.handed_over and hand_over is not None:
+                reply = await hand_over.reply.wait(WorkerReply, timeout, inbox)
+            else:
+                request = self._worker_request(request_id, prepared, decision, stream, deadline, produced)
+                reply = await self._bus.request(inbox, request, WorkerReply, timeout, context=context)
         except (NoResponders, RequestTimeout) as exc:
             log.warning("worker_unreachable", request_id=request_id, worker_id=first, error=str(exc))
             await self._report(first, "timeout", request_id, str(exc))

@@ -229,6 +229,10 @@ class WorkerService:
 
     async def _on_request(self, message: WorkerRequest, msg: Msg) -> GenerateAccepted | ErrorReply | None:
         match message:
+            case GenerateRequest(accept_to=accept_to) if accept_to:
+                # A balancer sent it on: the ingress waits for the answer there.
+                await self._bus.publish(accept_to, self._accept(message), traced=False)
+                return None
             case GenerateRequest() | PrefillRequest():
                 return self._accept(message)
             case AbortRequest(request_id=request_id):

@@ -74,6 +74,38 @@ async def test_request_reply_and_handler_failure(nats_server) -> None:
     await server.close()
 
 
+async def test_a_reply_slot_takes_the_answer_to_a_request_another_connection_sent(nats_server) -> None:
+    """The balancer's hand-over: the client listens, a middle connection sends, the server answers the client."""
+    _, port = nats_server
+    server, _ = await connect(port, "server")
+    middle, _ = await connect(port, "middle")
+    client, _ = await connect(port, "client")
+    await server.subscribe("t.route", RouteRequest, decide)
+
+    with await client.reply_slot() as slot:
+        await middle.publish("t.route", route("sent-on"), reply=slot.subject)
+        assert await slot.wait(RouteReply, 2, "t.route") == RouteDecision("sent-on", "w0", "inbox", "test")
+    with await client.reply_slot() as slot:
+        # NATS tells only the sender that nobody listens: the middle's relay passes it on, and its answer too.
+        await middle.publish("t.nobody", route(), reply=await middle.relaying_to(slot.subject))
+        with pytest.raises(NoResponders):
+            await slot.wait(RouteReply, 2, "t.nobody")
+    with await client.reply_slot() as slot:
+        await middle.publish("t.route", route("relayed"), reply=await middle.relaying_to(slot.subject))
+        assert await slot.wait(RouteReply, 2, "t.route") == RouteDecision("relayed", "w0", "inbox", "test")
+    with await client.reply_slot() as slot:
+        await middle.publish("t.nobody", route(), reply=slot.subject)
+        with pytest.raises(RequestTimeout):  # not relayed: the no-responders status went nowhere
+            await slot.wait(RouteReply, 0.5, "t.nobody")
+    # A closed slot is forgotten: an answer that comes later finds nobody, and requests go on.
+    slot = await client.reply_slot()
+    slot.close()
+    await middle.publish("t.route", route("late"), reply=slot.subject)
+    assert await client.request("t.route", route("r2"), RouteReply, 2) == RouteDecision("r2", "w0", "inbox", "test")
+    for bus in (client, middle, server):
+        await bus.close()
+
+
 async def test_concurrent_requests_each_get_their_own_reply(nats_server) -> None:
     """Replies share one inbox per connection: requests racing its first subscription, and a reply that comes
     after its request gave up, reach only the request they answer."""

@@ -378,6 +378,7 @@ async def test_migrated_request_shows_two_attempts_in_one_trace(tmp_path: Path, 
         assert first.attributes["kvlane.worker.id"] == victim[0] and first.attributes["kvlane.outcome"] == "interrupted"
         assert first.status == ERROR and first.attributes["error.type"] == "stream_interrupted"
         assert second.attributes["kvlane.worker.id"] == survivor and second.attributes["kvlane.outcome"] == "finished"
+        assert first.attributes["kvlane.handed_over"] and second.attributes["kvlane.handed_over"]  # by the balancer
         assert second.attributes["kvlane.resumed_tokens"] >= 5
         # Each attempt was routed in its own span; the survivor's decode descends from the second attempt.
         assert sorted(s.parent_id for s in spans if s.name == "handle kvlane.v1.route") == sorted([first.span_id, second.span_id])
