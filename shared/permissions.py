@@ -170,8 +170,9 @@ ROLES: dict[str, Role] = {
         Role(
             name="balancer",
             service="balancer",
-            summary="answers route requests; allocates KV from the ledger or the cache-manager",
-            publish=(subjects.CACHE_REQUEST, subjects.CACHE_ROUTED),
+            summary="answers route requests and hands requests (and aborts) to workers; allocates KV from the ledger or "
+                    "the cache-manager",
+            publish=(subjects.CACHE_REQUEST, subjects.CACHE_ROUTED, subjects.worker_inbox(ANY)),
             subscribe=(
                 subjects.ROUTE, subjects.REQUEST_FINISHED, subjects.ROUTE_WITHDRAWN, subjects.KV_EVENTS_ALL,
                 subjects.HEALTH_ALL, *WATCH_CLUSTER, subjects.BALANCER_STATUS, subjects.BALANCER_STATUS_ALL, INBOX,

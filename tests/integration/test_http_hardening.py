@@ -21,6 +21,7 @@ import pytest
 from contracts import subjects
 from kvlane.fleet import Fleet, with_overrides
 from tests.integration.conftest import MODEL, launch, stop_and_check
+from tests.raw_http import exchange as raw_exchange
 from tests.waiting import until
 
 pytestmark = pytest.mark.integration
@@ -54,17 +55,7 @@ async def _open(fleet: Fleet, source: str | None = None) -> tuple[asyncio.Stream
 
 async def exchange(fleet: Fleet, *parts: bytes, pause: float = 0.0, source: str | None = None) -> tuple[float, bytes]:
     """Send `parts` (`pause` apart) on a new connection, then read until the server closes it."""
-    reader, writer = await _open(fleet, source)
-    started = time.monotonic()
-    try:
-        for part in parts:
-            writer.write(part)
-            await writer.drain()
-            await asyncio.sleep(pause)
-        answer = await asyncio.wait_for(reader.read(), 15)
-    finally:
-        writer.close()
-    return time.monotonic() - started, answer
+    return await raw_exchange(_port(fleet), *parts, pause=pause, source=source)
 
 
 async def read_response(reader: asyncio.StreamReader) -> tuple[int, bytes, bytes]:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 
 import msgspec
 import pytest
@@ -15,6 +14,7 @@ from hypothesis import strategies as st
 
 from services.ingress.http_guard import ClientLimits, HttpGuard, http_error, raw_response
 from shared.config import IngressSettings
+from tests.raw_http import exchange
 from tests.waiting import until
 
 SECRET = "sk-guardtest-0123456789abcdef"
@@ -128,17 +128,7 @@ GET = b"GET /echo HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n"
 
 
 async def _exchange(port: int, *parts: bytes, pause: float = 0.0, source: str | None = None) -> tuple[float, bytes]:
-    reader, writer = await asyncio.open_connection("127.0.0.1", port, local_addr=(source, 0) if source else None)
-    started = time.monotonic()
-    try:
-        for part in parts:
-            writer.write(part)
-            await writer.drain()
-            await asyncio.sleep(pause)
-        answer = await asyncio.wait_for(reader.read(), 5)
-    finally:
-        writer.close()
-    return time.monotonic() - started, answer
+    return await exchange(port, *parts, pause=pause, source=source, timeout=5)
 
 
 def _status(answer: bytes) -> int:

@@ -84,9 +84,9 @@ def test_only_balancers_answer_routes_and_only_ingresses_ask() -> None:
 
 def test_worker_inboxes_take_requests_from_the_roles_that_send_them_only() -> None:
     senders = {name for name, role in ROLES.items() if may_publish(grant(role, f"{name}-x", "x"), subjects.worker_inbox("w9"))}
-    # Ingress (requests, aborts), cache-manager (preemption, pre-warming), health-prober (probes),
-    # prefill workers (the hand-off to a decode worker).
-    assert senders == {"ingress", "cache-manager", "health-prober", "prefill-worker"}
+    # Ingress (requests, aborts), balancer (requests it hands over, aborts of withdrawn ones), cache-manager
+    # (preemption, pre-warming), health-prober (probes), prefill workers (the hand-off to a decode worker).
+    assert senders == {"ingress", "balancer", "cache-manager", "health-prober", "prefill-worker"}
 
 
 def test_streams_are_heard_by_their_owner_only() -> None:
