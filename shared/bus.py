@@ -182,17 +182,22 @@ class Bus:
         return await asyncio.shield(self._reply_inbox_ready)
 
     async def relaying_to(self, subject: str) -> str:
-        """A reply subject of this connection that passes what comes to it on to `subject`.
+        """A reply subject of this connection that passes NATS's *no responders* status on to `subject`.
 
-        For a message this connection sends in another's name, to be answered there. NATS tells
-        only the sender's own subscriptions that nobody listened (the *no responders* status);
-        passed on, it tells the one who waits, at once rather than at its timeout.
+        For a message this connection sends in another's name, to be answered at `subject`. NATS
+        tells only the sender's own subscriptions that nobody listened; passed on, it tells the one
+        who waits, at once rather than at its timeout.
         """
         return (self._reply_prefix or await self._reply_inbox()) + _RELAY + subject
 
     def _on_relayed(self, msg: Msg) -> None:
+        # Only NATS's own status passes, as a status and nothing more: whoever may answer this
+        # connection could otherwise have it publish anything to any subject it may publish to.
+        if msg.data or not msg.headers or msg.headers.get(_STATUS_HEADER) != _NO_RESPONDERS:
+            log.debug("relay_dropped", subject=msg.subject, size=len(msg.data))
+            return
         target = msg.subject[len(self._reply_prefix) + len(_RELAY):]
-        self.spawn(self._nc.publish(target, msg.data, headers=msg.headers))
+        self.spawn(self._nc.publish(target, b"", headers={_STATUS_HEADER: _NO_RESPONDERS}))
 
     def _on_reply(self, msg: Msg) -> None:
         waiting = self._awaited_replies.get(msg.subject[len(self._reply_prefix):])

@@ -191,8 +191,8 @@ class BalancerService:
             hand_over = msgspec.structs.replace(hand_over, timeout_s=max(0.0, hand_over.timeout_s - decision.queued_s))
         try:
             # In the sender's trace: the worker's spans are children of the ingress's attempt, as when it sends.
-            # The worker answers to `accept_to`; what comes to the reply subject instead (NATS's no responders,
-            # a reply to an undecodable request) is passed on there.
+            # The worker answers to `accept_to`; NATS's no-responders status, which comes to the sender only,
+            # is passed on there.
             await self._bus.publish(decision.inbox, hand_over, context=self._bus.sender_context(msg),
                                     reply=await self._bus.relaying_to(hand_over.accept_to))
         except Exception as exc:  # NATS trouble: the ingress can still send it
