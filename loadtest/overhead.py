@@ -47,7 +47,6 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-import psutil
 from rich.console import Console
 
 from contracts import subjects
@@ -60,20 +59,19 @@ from contracts.messages import (
     WorkerReply,
 )
 from kvlane.fleet import Fleet, start_fleet, with_overrides
-from kvlane.launcher import Launcher, LaunchError, Process, free_port, wait_ready
+from kvlane.launcher import Launcher, free_port
 from loadtest.machine import CpuMeter, machine_info
 from loadtest.metrics import latency_summary, percentile
+from loadtest.overhead_ingresses import HOST, IngressUnderTest, start_ingress, wait_all_serving, with_ingress_totals
 from loadtest.overhead_report import http_paths, print_report
 from shared.bus import Bus, BusError, StreamReceiver
 from shared.config import KvlaneConfig, LoggingSettings, TracingSettings
 from shared.logging import configure_logging
-from shared.runner import READY_EVENT
 from shared.telemetry import Telemetry
 from shared.tokenizer import SimTokenizer
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "overhead.json"
 WORKER_ID = "w0"  # start_fleet names its workers w0, w1, ...
-HOST = "127.0.0.1"
 
 Call = Callable[[], Awaitable[float]]
 
@@ -304,40 +302,6 @@ async def closed_loop(call: Call, concurrency: int, duration_s: float, max_reque
     }
 
 
-@dataclass
-class IngressUnderTest:
-    """One ingress that path A runs through: `processes` processes sharing the port of `base_url`."""
-
-    name: str  # its path's name in the results: "ingress" (the fleet's), "ingress-2p"...
-    processes: int
-    base_url: str
-    process: Process  # the first of its processes, which starts the others
-    sends: bool = False  # it sends each worker its request itself (`ingress.balancer_hands_over = false`)
-
-    def measured(self) -> list[Any]:
-        """Its processes for the CPU meter: the first, then the others as `<name>/<k>`."""
-        others = psutil.Process(self.process.pid).children()
-        return [self.process, *(_Measured(f"{self.name}/{k}", child.pid) for k, child in enumerate(others, 1))]
-
-
-@dataclass
-class _Measured:
-    """A process the CPU meter reads that no launcher `Process` stands for (an ingress's other processes)."""
-
-    name: str
-    pid: int
-
-
-def _with_ingress_totals(run: dict[str, Any], ingresses: Sequence[IngressUnderTest]) -> None:
-    """Add `<name> (all)`: the CPU of all of an ingress's processes together, for those of several."""
-    for ingress in ingresses:
-        if ingress.processes == 1:
-            continue
-        for key in ("cpu_percent", "cpu_ms_per_request"):
-            values = [v for name, v in run[key].items() if name == ingress.name or name.startswith(f"{ingress.name}/")]
-            run[key][f"{ingress.name} (all)"] = None if not values or None in values else sum(values)
-
-
 async def measure(fleet: Fleet, options: BenchOptions, console: Console,
                   ingresses: Sequence[IngressUnderTest] = ()) -> dict[str, Any]:
     config = fleet.config
@@ -376,7 +340,7 @@ async def measure(fleet: Fleet, options: BenchOptions, console: Console,
                 throughput[path.name] = await closed_loop(
                     path.call, options.concurrency, options.duration_s, options.max_requests, options.request_timeout_s, meter
                 )
-                _with_ingress_totals(throughput[path.name], ingresses)
+                with_ingress_totals(throughput[path.name], ingresses)
             for http in https:
                 throughput[f"{http.name}_vs_direct"] = _ratio(throughput[http.name]["requests_per_s"],
                                                               throughput["direct"]["requests_per_s"])
@@ -460,13 +424,13 @@ def run_benchmark(options: BenchOptions, console: Console | None = None) -> dict
         fleet = start_fleet(launcher, config, workers=1, ready_timeout=options.ready_timeout_s)
         assert fleet.ingress is not None
         ingresses = [IngressUnderTest("ingress", options.ingress_processes[0], fleet.base_url, fleet.ingress)]
-        _wait_all_serving(ingresses[0], options.ready_timeout_s)
+        wait_all_serving(ingresses[0], options.ready_timeout_s)
         for processes in options.ingress_processes[1:]:
             _status(console, options, f"starting an ingress of {processes} processes on the same fleet")
-            ingresses.append(_start_ingress(launcher, fleet, processes, options.ready_timeout_s))
+            ingresses.append(start_ingress(launcher, fleet, processes, options.ready_timeout_s))
         if options.ingress_sends:
             _status(console, options, "starting an ingress that sends each worker its request itself")
-            ingresses.append(_start_ingress(launcher, fleet, 1, options.ready_timeout_s, sends=True))
+            ingresses.append(start_ingress(launcher, fleet, 1, options.ready_timeout_s, sends=True))
         measured = _run_async(measure(fleet, options, console, ingresses))
         dead = [p.name for p in [*fleet.services(), *(ingress.process for ingress in ingresses)] if not p.alive()]
         if dead:
@@ -522,31 +486,6 @@ def run_benchmark(options: BenchOptions, console: Console | None = None) -> dict
         print_report(results, console)
         console.print(f"results written to [bold]{out}[/]")
     return results
-
-
-def _start_ingress(launcher: Launcher, fleet: Fleet, processes: int, timeout_s: float, sends: bool = False) -> IngressUnderTest:
-    """One more ingress of `processes` processes, on a port of its own, in front of the fleet's balancer and worker;
-    with `sends`, one that sends each worker its request itself."""
-    name, ingress_id, port = ("ingress-sends", "isends", free_port()) if sends else (f"ingress-{processes}p", f"i{processes}p", free_port())
-    env = fleet.service_env("ingress", name) | {
-        "KVLANE__INGRESS__PORT": str(port), "KVLANE__INGRESS__PROCESSES": str(processes),
-        "KVLANE__INGRESS__INGRESS_ID": json.dumps(ingress_id),
-        "KVLANE__INGRESS__BALANCER_HANDS_OVER": json.dumps(not sends),
-    }
-    ingress = IngressUnderTest(name, processes, f"http://{HOST}:{port}", launcher.start_service("ingress", env, name=name),
-                               sends=sends)
-    wait_ready(ingress.base_url, timeout_s, [ingress.process])
-    _wait_all_serving(ingress, timeout_s)
-    return ingress
-
-
-def _wait_all_serving(ingress: IngressUnderTest, timeout_s: float) -> None:
-    """Until each of the ingress's processes has said it serves (they share one log)."""
-    deadline = time.monotonic() + timeout_s
-    while ingress.process.log_path.read_text(errors="replace").count(f'"event": "{READY_EVENT}"') < ingress.processes:
-        if not ingress.process.alive() or time.monotonic() > deadline:
-            raise LaunchError(f"{ingress.name}: not all {ingress.processes} processes serve:\n{ingress.process.log_tail()}")
-        time.sleep(0.1)
 
 
 # --- command line ------------------------------------------------------------------------------

@@ -13,12 +13,7 @@ def _ms(value: float | None) -> str:
 
 
 def _ingress_paths(results: dict[str, Any]) -> list[dict[str, Any]]:
-    params = results["parameters"]
-    if "ingress_paths" in params:
-        return params["ingress_paths"]
-    counts = params.get("ingress_processes", [1])  # results written before the paths were listed
-    return [{"path": "ingress" if k == 0 else f"ingress-{n}p", "processes": n, "balancer_hands_over": True}
-            for k, n in enumerate(counts)]
+    return results["parameters"]["ingress_paths"]
 
 
 def http_paths(results: dict[str, Any]) -> list[str]:

@@ -52,12 +52,11 @@ from loadtest.overhead import (
     WORKER_ID,
     DirectPath,
     HttpPath,
-    IngressUnderTest,
     _run_async,
-    _wait_all_serving,
     bench_config,
     wait_until_ok,
 )
+from loadtest.overhead_ingresses import IngressUnderTest, wait_all_serving
 from shared.bus import Bus, StreamReceiver
 from shared.config import TracingSettings
 from shared.telemetry import Telemetry
@@ -236,7 +235,7 @@ def run(requests: int, warmup: int, out: Path) -> dict[str, Any]:
     try:
         fleet = start_fleet(launcher, bench_config(), workers=1, ready_timeout=60.0)
         assert fleet.ingress is not None
-        _wait_all_serving(IngressUnderTest("ingress", 1, fleet.base_url, fleet.ingress), 60.0)
+        wait_all_serving(IngressUnderTest("ingress", 1, fleet.base_url, fleet.ingress), 60.0)
         results = _run_async(measure(fleet, requests, warmup))
     finally:
         if fleet is not None:

@@ -399,7 +399,6 @@ async def run_level(options: Options, model_dir: Path, start: int = 0) -> dict[s
             ratios = [k.completion_tokens / k.wall_s / (d.completion_tokens / d.wall_s)
                       for k, d in zip(runs["kvlane"][1:], runs["direct"][1:], strict=True)]
             phases["warm"]["round_ratios"] = ratios
-            phases["warm"]["median_round_ratio"] = statistics.median(ratios)
         return phases
     finally:
         launcher.stop_all()

@@ -190,15 +190,13 @@ class Dispatcher:
         out_seq = handovers = refused = migrations = preemptions = 0
         while True:
             attempt = _Attempt(self._tracer, trace_context, handovers + 1, request_id, len(produced))
-            with self._streams.open(f"{request_id}-{handovers}") as stream, contextlib.ExitStack() as held:
+            # Where the worker answers if the balancer sends the request on: listened to before it can.
+            slot = await self._bus.reply_slot() if self._settings.balancer_hands_over else contextlib.nullcontext()
+            with slot as reply, self._streams.open(f"{request_id}-{handovers}") as stream:
                 handovers += 1
-                hand_over = None
-                if self._settings.balancer_hands_over:
-                    # Where the worker answers if the balancer sends the request on: listened to before it can.
-                    reply = held.enter_context(await self._bus.reply_slot())
-                    hand_over = _HandOver(msgspec.structs.replace(
-                        self._worker_request(request_id, prepared, None, stream, deadline, produced), accept_to=reply.subject,
-                    ), reply)
+                hand_over = None if reply is None else _HandOver(
+                    self._worker_request(request_id, prepared, None, stream, deadline, produced, accept_to=reply.subject), reply,
+                )
                 try:
                     decision = await self._route(request_id, prepared, deadline, excluded, len(produced), attempt.context,
                                                  hand_over)
@@ -323,9 +321,10 @@ class Dispatcher:
 
     def _worker_request(
         self, request_id: str, prepared: PreparedRequest, decision: RouteDecision | None, stream: ReplyStream,
-        deadline: float, produced: list[int],
+        deadline: float, produced: list[int], accept_to: str = "",
     ) -> GenerateRequest | PrefillRequest:
-        """What the chain's first node gets: a `PrefillRequest` naming the decode node for a two-node chain."""
+        """What the chain's first node gets: a `PrefillRequest` naming the decode node for a two-node chain.
+        `accept_to`: where a `GenerateRequest` is answered, when the balancer sends it on."""
         common = dict(
             request_id=request_id,
             model=prepared.model,
@@ -337,7 +336,7 @@ class Dispatcher:
         )
         if decision is not None and decision.prefill_inbox:
             return PrefillRequest(**common, decode_worker_id=decision.worker_id, decode_inbox=decision.inbox)
-        return GenerateRequest(**common)
+        return GenerateRequest(**common, accept_to=accept_to)
 
     async def _hand_over(
         self, request_id: str, prepared: PreparedRequest, decision: RouteDecision, stream: ReplyStream,

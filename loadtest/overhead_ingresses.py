@@ -1,0 +1,79 @@
+"""The ingresses that `python -m loadtest.overhead` measures path A through: the fleet's own, and more on ports of
+their own in front of the same balancer and worker (several processes sharing a port, or one that sends each
+worker its request itself)."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import psutil
+
+from kvlane.fleet import Fleet
+from kvlane.launcher import Launcher, LaunchError, Process, free_port, wait_ready
+from shared.runner import READY_EVENT
+
+HOST = "127.0.0.1"
+
+
+@dataclass
+class IngressUnderTest:
+    """One ingress that path A runs through: `processes` processes sharing the port of `base_url`."""
+
+    name: str  # its path's name in the results: "ingress" (the fleet's), "ingress-2p"...
+    processes: int
+    base_url: str
+    process: Process  # the first of its processes, which starts the others
+    sends: bool = False  # it sends each worker its request itself (`ingress.balancer_hands_over = false`)
+
+    def measured(self) -> list[Any]:
+        """Its processes for the CPU meter: the first, then the others as `<name>/<k>`."""
+        others = psutil.Process(self.process.pid).children()
+        return [self.process, *(_Measured(f"{self.name}/{k}", child.pid) for k, child in enumerate(others, 1))]
+
+
+@dataclass
+class _Measured:
+    """A process the CPU meter reads that no launcher `Process` stands for (an ingress's other processes)."""
+
+    name: str
+    pid: int
+
+
+def with_ingress_totals(run: dict[str, Any], ingresses: Sequence[IngressUnderTest]) -> None:
+    """Add `<name> (all)`: the CPU of all of an ingress's processes together, for those of several."""
+    for ingress in ingresses:
+        if ingress.processes == 1:
+            continue
+        for key in ("cpu_percent", "cpu_ms_per_request"):
+            values = [v for name, v in run[key].items() if name == ingress.name or name.startswith(f"{ingress.name}/")]
+            run[key][f"{ingress.name} (all)"] = None if not values or None in values else sum(values)
+
+
+def start_ingress(launcher: Launcher, fleet: Fleet, processes: int, timeout_s: float, sends: bool = False) -> IngressUnderTest:
+    """One more ingress of `processes` processes, on a port of its own, in front of the fleet's balancer and worker;
+    with `sends`, one that sends each worker its request itself."""
+    name, ingress_id = ("ingress-sends", "isends") if sends else (f"ingress-{processes}p", f"i{processes}p")
+    port = free_port()
+    env = fleet.service_env("ingress", name) | {
+        "KVLANE__INGRESS__PORT": str(port), "KVLANE__INGRESS__PROCESSES": str(processes),
+        "KVLANE__INGRESS__INGRESS_ID": json.dumps(ingress_id),
+        "KVLANE__INGRESS__BALANCER_HANDS_OVER": json.dumps(not sends),
+    }
+    ingress = IngressUnderTest(name, processes, f"http://{HOST}:{port}", launcher.start_service("ingress", env, name=name),
+                               sends=sends)
+    wait_ready(ingress.base_url, timeout_s, [ingress.process])
+    wait_all_serving(ingress, timeout_s)
+    return ingress
+
+
+def wait_all_serving(ingress: IngressUnderTest, timeout_s: float) -> None:
+    """Until each of the ingress's processes has said it serves (they share one log)."""
+    deadline = time.monotonic() + timeout_s
+    while ingress.process.log_path.read_text(errors="replace").count(f'"event": "{READY_EVENT}"') < ingress.processes:
+        if not ingress.process.alive() or time.monotonic() > deadline:
+            raise LaunchError(f"{ingress.name}: not all {ingress.processes} processes serve:\n{ingress.process.log_tail()}")
+        time.sleep(0.1)
