@@ -32,7 +32,7 @@ from shared.bus import Bus
 from shared.config import KvlaneConfig, WorkerSettings
 from shared.metrics_http import serve_metrics
 from shared.model_store import with_published_tokenizer
-from shared.runner import ServiceMain
+from shared.runner import ServiceMain, announce_ready
 from shared.state import ClusterState, connect_redis
 from shared.telemetry import Telemetry
 from shared.tokenizer import HF_PREFIX, SimTokenizer, load_tokenizer
@@ -205,11 +205,12 @@ async def main(config: KvlaneConfig, stop: asyncio.Event) -> None:
     metrics_runner = None
     engine_death: str | None = None
     try:
-        if settings.metrics_port:  # before start(), which announces the worker ready
+        if settings.metrics_port:  # before the worker is announced ready
             metrics_runner = await serve_metrics(metrics.registry, settings.metrics_host, settings.metrics_port)
         try:
             for service in services:
                 await service.start()
+                announce_ready(model=service.registration.model, inbox=service.registration.inbox)
                 if len(services) > 1:
                     # Spread the nodes' heartbeats over the interval, as independent hosts would be,
                     # rather than all at the same instant in bursts on NATS and Redis.

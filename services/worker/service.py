@@ -64,7 +64,6 @@ from shared.bus import Bus, BusError
 from shared.config import ClusterSettings, WorkerSettings
 from shared.heartbeats import HeartbeatSender
 from shared.periodic import Periodic
-from shared.runner import announce_ready
 from shared.state import ClusterState
 from shared.stream_outbox import StreamOutbox
 from shared.telemetry import set_error
@@ -138,7 +137,6 @@ class WorkerService:
         await self._send_heartbeat()
         for periodic in self._background:
             periodic.start()
-        announce_ready(model=self.registration.model, inbox=self.registration.inbox)
 
     async def drain(self, timeout_s: float) -> None:
         """Stop taking requests, let in-flight ones finish, then leave the cluster."""

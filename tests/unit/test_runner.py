@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import subprocess
+import sys
+from pathlib import Path
 
 import structlog
 from structlog.testing import LogCapture
 
-from shared.runner import await_chain, report_slow_shutdown
+from shared.runner import READY_EVENT, await_chain, report_slow_shutdown
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 async def stuck_inner(gate: asyncio.Event) -> None:
@@ -55,3 +61,20 @@ async def test_slow_shutdown_is_reported_with_what_it_waits_on_and_never_before_
     assert any(line.startswith("stuck-drain: stuck_outer") and "stuck_inner" in line for line in capture.entries[0]["waiting_on"])
     gate.set()
     await stuck
+
+
+def test_announcing_ready_freezes_what_start_up_built_out_of_the_collector() -> None:
+    # In a process of its own: freezing this test process's heap would outlast the test.
+    probe = (
+        "import gc, json\n"
+        "from shared.runner import announce_ready\n"
+        "built = [{'n': n} for n in range(5000)]\n"
+        "before = gc.get_freeze_count()\n"
+        "announce_ready(service='probe')\n"
+        "print(json.dumps({'before': before, 'after': gc.get_freeze_count()}))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60, check=True)
+    counts = json.loads(done.stdout)
+    assert counts["before"] == 0
+    assert counts["after"] >= 5000  # the start-up objects, and everything imported, are frozen
+    assert json.loads(done.stderr.strip().splitlines()[-1]) == {"event": READY_EVENT, "service": "probe"}

@@ -1,8 +1,10 @@
 """The vLLM engine: vLLM v1 `AsyncLLM` embedded in the worker process.
 
-* Prompts go in as token ids (`TokensPrompt`): ingress tokenized them with
-  the model directory's own tokenizer, so the engine sees exactly what
-  kvlane counted, hashed and routed on.
+* Prompts go in as token ids, already rendered (`TokensInput`): ingress
+  tokenized them with the model directory's own tokenizer, so the engine
+  sees exactly what kvlane counted, hashed and routed on. A raw
+  `TokensPrompt` would be rendered again, in vLLM's renderer thread pool:
+  a thread hand-off and a GIL contest per request, for nothing.
 * Outputs come back as deltas (`RequestOutputKind.DELTA`): each carries the
   new token ids and the new text; vLLM applies stop strings itself.
 * Closing the iterator early closes vLLM's generator, which aborts the
@@ -38,7 +40,7 @@ from vllm.config import KVTransferConfig
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.exceptions import VLLMClientError
-from vllm.inputs import TokensPrompt
+from vllm.inputs import TokensInput, tokens_input
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine.async_llm import AsyncLLM
@@ -381,7 +383,7 @@ class VllmEngine:
                                     output_kind=RequestOutputKind.FINAL_ONLY,
                                     extra_args={"kv_transfer_params": producer_request_params()})
         final = None
-        outputs = engine.generate(TokensPrompt(prompt_token_ids=prompt), params, request.request_id)
+        outputs = engine.generate(tokens_input(prompt), params, request.request_id)
         # Its one output comes one step after its prompt is prefilled.
         self._awaiting_first_output.add(request.request_id)
         try:
@@ -417,7 +419,7 @@ class VllmEngine:
         # has no call that frees a finished request's held blocks early.
         pass
 
-    def _submission(self, request: EngineRequest) -> tuple[TokensPrompt, VllmSamplingParams, KvRef | None]:
+    def _submission(self, request: EngineRequest) -> tuple[TokensInput, VllmSamplingParams, KvRef | None]:
         """What vLLM is given for `request`: its prompt, its sampling and the KV reference to pull (or None)."""
         self.check(request)
         # A reference is used only where there is a consumer to pull it; any
@@ -434,7 +436,7 @@ class VllmEngine:
         )
         if kv_ref is not None:
             sampling.extra_args = {"kv_transfer_params": params_from_kv_ref(kv_ref)}
-        return TokensPrompt(prompt_token_ids=list(request.prompt_token_ids) + resumed), sampling, kv_ref
+        return tokens_input(list(request.prompt_token_ids) + resumed), sampling, kv_ref
 
     @staticmethod
     def _engine_output(request: EngineRequest, kv_ref: KvRef | None, output: RequestOutput, produced: bool) -> EngineOutput:
