@@ -193,7 +193,7 @@ class Bus:
     def _on_relayed(self, msg: Msg) -> None:
         # Only NATS's own status passes, as a status and nothing more: whoever may answer this
         # connection could otherwise have it publish anything to any subject it may publish to.
-        if msg.data or not msg.headers or msg.headers.get(_STATUS_HEADER) != _NO_RESPONDERS:
+        if not _is_no_responders(msg):
             log.debug("relay_dropped", subject=msg.subject, size=len(msg.data))
             return
         target = msg.subject[len(self._reply_prefix) + len(_RELAY):]
@@ -327,6 +327,11 @@ async def _on_error(exc: Exception) -> None:
     log.warning("nats_error", error=str(exc))
 
 
+def _is_no_responders(msg: Msg) -> bool:
+    """NATS's own answer that nobody listened: a status header and no payload."""
+    return not msg.data and bool(msg.headers) and msg.headers.get(_STATUS_HEADER) == _NO_RESPONDERS
+
+
 def _settle(waiting: asyncio.Future, result: Any) -> None:
     if not waiting.done():
         waiting.set_result(result)
@@ -378,7 +383,7 @@ class ReplySlot:
             expiry.cancel()
         if reply is None:
             raise RequestTimeout(f"{sent_to}: no reply within {timeout:.1f}s")
-        if reply.headers and reply.headers.get(_STATUS_HEADER) == _NO_RESPONDERS and not reply.data:
+        if _is_no_responders(reply):
             raise NoResponders(sent_to)
         try:
             return self._decoder(reply_type).decode(reply.data)
