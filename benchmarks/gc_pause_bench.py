@@ -42,8 +42,12 @@ SERVICES = {
 
 _PROBE = """
 import gc, importlib, json, sys, time
-for module in sys.argv[2:]:
-    importlib.import_module(module)
+try:
+    for module in sys.argv[2:]:
+        importlib.import_module(module)
+except ModuleNotFoundError as exc:  # vLLM not installed here
+    print(json.dumps({"missing": exc.name}))
+    sys.exit(0)
 from shared.runner import freeze_startup_heap
 
 def pauses():
@@ -57,28 +61,31 @@ def pauses():
 tracked = len(gc.get_objects())
 before = pauses()
 freeze_startup_heap()
-print(json.dumps({"tracked": tracked, "frozen": gc.get_freeze_count(), "before_s": before, "after_s": pauses()}))
+print(json.dumps({"tracked": tracked, "before_s": before, "after_s": pauses()}))
 """
 
 
-def probe(modules: list[str], collections: int) -> dict:
+def probe(modules: list[str], collections: int) -> dict | None:
+    """One fresh process's pauses; None where a module is not installed here (vLLM)."""
     done = subprocess.run([sys.executable, "-c", _PROBE, str(collections), *modules], cwd=REPO_ROOT,
                           capture_output=True, text=True, check=True)
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
-def available(modules: list[str]) -> bool:
-    """False where a module cannot import here (vLLM not installed)."""
-    check = "import importlib, sys; [importlib.import_module(m) for m in sys.argv[1:]]"
-    return subprocess.run([sys.executable, "-c", check, *modules], cwd=REPO_ROOT, capture_output=True).returncode == 0
+    answer = json.loads(done.stdout.strip().splitlines()[-1])
+    return None if "missing" in answer else answer
 
 
 def run(rounds: int, collections: int) -> dict:
-    services = {name: modules for name, modules in SERVICES.items() if available(modules)}
-    samples: dict[str, list[dict]] = {name: [] for name in services}
+    samples: dict[str, list[dict]] = {name: [] for name in SERVICES}
+    skipped: list[str] = []
     for _ in range(rounds):
-        for name, modules in services.items():
-            samples[name].append(probe(modules, collections))
+        for name, modules in SERVICES.items():
+            if name in skipped:
+                continue
+            sample = probe(modules, collections)
+            if sample is None:
+                skipped.append(name)
+                del samples[name]
+            else:
+                samples[name].append(sample)
     results = {}
     for name, runs in samples.items():
         before = statistics.median(t for r in runs for t in r["before_s"])
@@ -86,7 +93,7 @@ def run(rounds: int, collections: int) -> dict:
         results[name] = {"tracked_objects": runs[0]["tracked"], "full_collection_ms_before": 1000 * before,
                          "full_collection_ms_after": 1000 * after, "ratio": after / before if before else None}
     return {"services": results, "rounds": rounds, "collections": collections,
-            "skipped": sorted(set(SERVICES) - set(services))}
+            "skipped": skipped}
 
 
 def main() -> None:
