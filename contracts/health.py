@@ -6,7 +6,7 @@ from typing import Annotated, Literal
 
 from msgspec import Meta, Struct
 
-from contracts.messages import RequestId, WorkerId
+from contracts.messages import EpochSeconds, RequestId, WorkerId
 
 HealthState = Literal["healthy", "suspect", "unhealthy"]
 FeedbackKind = Literal["error", "timeout", "slow"]
@@ -19,6 +19,9 @@ class NodeFeedback(Struct, tag="feedback", tag_field="type"):
     kind: FeedbackKind
     request_id: RequestId | None = None
     detail: str = ""
+    # When the process complained about started (`GenerateAccepted.started_at`; 0: not known): a complaint
+    # about a process that has since restarted is not held against the new one.
+    started_at: EpochSeconds = 0.0
 
 
 class HealthVerdict(Struct, tag="verdict", tag_field="type"):

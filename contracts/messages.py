@@ -109,6 +109,8 @@ class RouteDecision(Compact, tag="decision", tag_field="type"):
     max_tokens: NonNegativeInt = 0
     # The balancer sent the route request's `hand_over` on to `inbox`: the worker answers to its `accept_to`.
     handed_over: bool = False
+    # When the process of `worker_id` it chose started (its registration's `started_at`; 0: not said).
+    started_at: EpochSeconds = 0.0
 
 
 RouteReply = RouteDecision | ErrorReply
@@ -210,6 +212,9 @@ WorkerRequest = GenerateRequest | PrefillRequest | AbortRequest
 class GenerateAccepted(Compact, tag="accepted", tag_field="type"):
     request_id: RequestId
     worker_id: WorkerId
+    # When the accepting process started (its registration's `started_at`; 0: not said). A node that later
+    # heartbeats under the same id with another start restarted, and the request went with the old process.
+    started_at: EpochSeconds = 0.0
 
 
 WorkerReply = GenerateAccepted | ErrorReply

@@ -90,9 +90,15 @@ class ClusterView:
             self._models = None
         return stale
 
-    def is_live(self, worker_id: str, now: float) -> bool:
+    def live_start(self, worker_id: str, now: float) -> float | None:
+        """When the process now heartbeating as `worker_id` started (its `started_at`); None when no such node is live.
+
+        A node restarted under its id within the heartbeat TTL is never seen gone: only its start tells it changed.
+        """
         entry = self._nodes.get(worker_id)
-        return entry is not None and now - entry.seen_at <= self._ttl_s
+        if entry is None or now - entry.seen_at > self._ttl_s:
+            return None
+        return entry.heartbeat.registration.started_at
 
     def live(self, now: float) -> list[Heartbeat]:
         return [e.heartbeat for e in self._nodes.values() if now - e.seen_at <= self._ttl_s]

@@ -306,7 +306,7 @@ class BalancerService:
             placement.request_id, chain.worker_id, chain.node.inbox, self.router.policy.name, chain.cached_blocks,
             prefill_worker_id=prefill.worker_id if prefill else "", prefill_inbox=prefill.node.inbox if prefill else "",
             queued_s=0.0 if entry is None else max(0.0, self._wall_clock() - entry.enqueued_at),
-            max_tokens=placement.request.max_tokens,
+            max_tokens=placement.request.max_tokens, started_at=chain.node.started_at,
         )
 
     def _unleased(self, unleased: Unleased, request_id: str) -> None:

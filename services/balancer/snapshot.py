@@ -61,6 +61,8 @@ class NodeFacts(Struct, frozen=True):
     sent_at: float
     # How a prompt's KV moves to or from the node, when it says (a two-node chain's hand-off cost).
     kv_transfer: KvTransfer | None = None
+    # When the node's process started (its registration's `started_at`): routes name the process they chose.
+    started_at: float = 0.0
 
 
 class ChainState(Struct, frozen=True):
@@ -287,6 +289,7 @@ class SnapshotBuilder:
             growth_penalty=max(0.0, growth) * self._growth_horizon_s,
             sent_at=heartbeat.sent_at,
             kv_transfer=registration.kv_transfer,
+            started_at=registration.started_at,
         )
         self._facts[worker_id] = (heartbeat.sent_at, self._version, facts)
         self._changed.add(worker_id)

@@ -11,6 +11,13 @@ The baseline is an exponential average of good probe latencies, learnt
 only while the node is healthy, so a slowly degrading node cannot drag its
 own baseline up with it.
 
+A node that restarted (a new `started_at` under the same id) is a new
+process: it starts healthy, with no baseline and no streak, and complaints
+about the process before it do not count: those that name that process,
+and, of those that name none, the ones heard before the new one started.
+Without that, the complaints of every stream the crash broke (each one a
+"timeout") kept the restarted node suspect for the whole feedback window.
+
 Busy is not sick: a probe that was slow or timed out while the node
 reported requests waiting measured the node's queue (a prefill node under
 load always has one), so it counts neither way. A probe the node refused
@@ -39,7 +46,32 @@ class NodeHealth:
         self.last_latency: float | None = None
         self._bad_streak = 0
         self._good_streak = 0
-        self._feedback: deque[tuple[float, FeedbackKind]] = deque()
+        # (heard at, kind, the start of the process complained about or 0 when the complaint did not say)
+        self._feedback: deque[tuple[float, FeedbackKind, float]] = deque()
+        # When the process this state is about started (its registration's `started_at`); None until a probe round saw it.
+        self.started_at: float | None = None
+
+    def started(self, started_at: float, now: float) -> bool:
+        """The node's process started at `started_at`; True when that is a new one and what was known was forgotten.
+
+        Complaints that name another process, or name none and were heard
+        before `started_at`, were about an earlier one; so are the probe streak,
+        baseline and state when an earlier start was known.
+        """
+        if started_at == self.started_at:
+            return False
+        restarted = self.started_at is not None
+        self.started_at = started_at
+        about_it = deque(complaint for complaint in self._feedback
+                         if complaint[2] == started_at or (not complaint[2] and complaint[0] >= started_at))
+        if not restarted and len(about_it) == len(self._feedback):
+            return False
+        self._feedback = about_it
+        self.state, self.since, self.reason = "healthy", now, "restarted"
+        self.baseline = self.last_latency = None
+        self._bad_streak = self._good_streak = 0
+        self._update(now, "restarted")
+        return True
 
     def _is_slow(self, latency: float) -> bool:
         if self.baseline is None:
@@ -72,8 +104,11 @@ class NodeHealth:
                 self.baseline = latency if self.baseline is None else (1 - _BASELINE_ALPHA) * self.baseline + _BASELINE_ALPHA * latency
         self._update(now, why)
 
-    def observe_feedback(self, kind: FeedbackKind, now: float) -> None:
-        self._feedback.append((now, kind))
+    def observe_feedback(self, kind: FeedbackKind, now: float, started_at: float = 0.0) -> None:
+        """A client's complaint; `started_at`: the start of the process it is about (0: not said)."""
+        if started_at and self.started_at is not None and started_at != self.started_at:
+            return  # about another process under this id, gone or not yet seen here
+        self._feedback.append((now, kind, started_at))
         self._update(now, f"clients report {kind}")
 
     def feedback_in_window(self, now: float) -> int:

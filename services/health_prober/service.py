@@ -77,7 +77,7 @@ class HealthProberService:
     async def _on_feedback(self, feedback: NodeFeedback, msg: Msg) -> None:
         node = self._node(feedback.worker_id)
         before = node.state
-        node.observe_feedback(feedback.kind, time.time())
+        node.observe_feedback(feedback.kind, time.time(), feedback.started_at)
         self.metrics.feedback.labels(feedback.kind).inc()
         if node.state != before:
             self.metrics.transitions.labels(node.state).inc()
@@ -87,6 +87,15 @@ class HealthProberService:
         live = [hb for hb in self._view.live(self._clock()) if not hb.draining]
         for gone in set(self.nodes) - {hb.registration.worker_id for hb in live}:
             del self.nodes[gone]
+        now = time.time()
+        for hb in live:
+            node = self._node(hb.registration.worker_id)
+            before = node.state
+            if node.started(hb.registration.started_at, now):
+                if node.state != before:
+                    self.metrics.transitions.labels(node.state).inc()
+                log.info("health_reset", worker_id=node.worker_id, state=node.state, was=before, reason="a new process")
+                await self._publish(node)  # at once: the probes below may take up to their timeout
         latencies = await asyncio.gather(*(self.probe(hb) for hb in live))
         now = time.time()
         for hb, latency in zip(live, latencies, strict=True):

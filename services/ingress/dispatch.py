@@ -43,6 +43,7 @@ from contracts.health import FeedbackKind, NodeFeedback
 from contracts.messages import (
     AbortRequest,
     ErrorReply,
+    GenerateAccepted,
     GenerateRequest,
     Handoff,
     PrefillRequest,
@@ -68,16 +69,20 @@ _RETRYABLE_WORKER_CODES = {"draining"}
 
 
 class StreamInterrupted(Exception):
-    """The stream broke off; `culprit` is the node at fault (excluded next time) and `feedback` what it did."""
+    """The stream broke off; `culprit` is the node at fault (excluded next time) and `feedback` what it did.
+
+    `restarted`: the culprit's process died and a new one runs under its id; that one is not excluded.
+    """
 
     def __init__(self, reason: str, feedback: FeedbackKind | None, culprit: str = "", preempted: bool = False,
-                 handed_back: bool = False) -> None:
+                 handed_back: bool = False, restarted: bool = False) -> None:
         super().__init__(reason)
         self.reason = reason
         self.feedback = feedback
         self.culprit = culprit
         self.preempted = preempted
         self.handed_back = handed_back
+        self.restarted = restarted
 
     @property
     def cause(self) -> str:
@@ -148,6 +153,11 @@ class _HandOver(NamedTuple):
     reply: ReplySlot
 
 
+def _start_of(worker_id: str, accepted: GenerateAccepted) -> float:
+    """When the process `worker_id` ran the request as started, as far as its acceptance says (0: not known)."""
+    return accepted.started_at if accepted.worker_id == worker_id else 0.0
+
+
 def _inboxes(decision: RouteDecision) -> list[str]:
     return [decision.inbox, *([decision.prefill_inbox] if decision.prefill_inbox else [])]
 
@@ -158,7 +168,7 @@ class Dispatcher:
         bus: Bus,
         streams: StreamReceiver,
         settings: IngressSettings,
-        is_live: Callable[[str], bool],
+        live_start: Callable[[str], float | None],
         max_queue_wait_s: float,
         norms: StreamSpeedNorms | None = None,
         metrics: IngressMetrics | None = None,
@@ -167,7 +177,8 @@ class Dispatcher:
         self._bus = bus
         self._streams = streams
         self._settings = settings
-        self._is_live = is_live
+        # When the process now live as a node started (`ClusterView.live_start`); None: that node is gone.
+        self._live_start = live_start
         self._max_queue_wait_s = max_queue_wait_s
         self._norms = norms or StreamSpeedNorms(settings.slow_stream_factor)
         self._metrics = metrics
@@ -225,9 +236,10 @@ class Dispatcher:
                 # client hanging up (its handler cancelled, or this generator closed), an error.
                 settled = False
                 try:
-                    refused_by = await self._hand_over(request_id, prepared, decision, stream, deadline, produced,
-                                                       attempt.context, hand_over)
-                    if refused_by:
+                    accepted = await self._hand_over(request_id, prepared, decision, stream, deadline, produced,
+                                                     attempt.context, hand_over)
+                    if isinstance(accepted, str):
+                        refused_by = accepted
                         # A node that was merely slow to accept may run it all the same.
                         settled = True
                         attempt.refused(refused_by)
@@ -240,7 +252,7 @@ class Dispatcher:
                                 code="no_capacity", retry_after_s=1.0,
                             )
                         continue
-                    async for frame in self._relay(request_id, decision, stream):
+                    async for frame in self._relay(request_id, decision, stream, accepted):
                         if isinstance(frame, TokenChunk):
                             produced.extend(frame.token_ids)
                         settled = isinstance(frame, StreamEnd)
@@ -253,7 +265,7 @@ class Dispatcher:
                 except StreamInterrupted as exc:
                     settled = True  # _abandon tells the workers
                     attempt.interrupted(exc)
-                    await self._abandon(request_id, decision, exc, attempt.context)
+                    await self._abandon(request_id, decision, exc, accepted, attempt.context)
                     # Preemptions are bounded apart from failures: a low-priority
                     # request may legitimately give way several times.
                     if exc.preempted:
@@ -268,7 +280,7 @@ class Dispatcher:
                         migrations += 1
                     if self._metrics is not None:
                         self._metrics.migrated(prepared.model, exc.cause)
-                    if exc.culprit:
+                    if exc.culprit and not exc.restarted:
                         excluded.append(exc.culprit)
                     log.warning("stream_resumed", request_id=request_id, worker_id=exc.culprit or decision.worker_id,
                                 reason=exc.reason, tokens_so_far=len(produced))
@@ -341,8 +353,8 @@ class Dispatcher:
     async def _hand_over(
         self, request_id: str, prepared: PreparedRequest, decision: RouteDecision, stream: ReplyStream,
         deadline: float, produced: list[int], context: Context | None = None, hand_over: _HandOver | None = None,
-    ) -> str:
-        """Who refused: empty once the chain's first node accepted, else that node's id (gone or draining: route again).
+    ) -> GenerateAccepted | str:
+        """The chain's first node's acceptance; or, when it refused, its id (gone or draining: route again).
 
         Sends the chain's first node its request, unless the balancer sent it on already (`handed_over`);
         either way, waits for that node's answer.
@@ -357,7 +369,9 @@ class Dispatcher:
                 reply = await self._bus.request(inbox, request, WorkerReply, timeout, context=context)
         except (NoResponders, RequestTimeout) as exc:
             log.warning("worker_unreachable", request_id=request_id, worker_id=first, error=str(exc))
-            await self._report(first, "timeout", request_id, str(exc))
+            # Not the process that may answer under that id by now: the one the balancer chose.
+            await self._report(first, "timeout", request_id, str(exc),
+                               decision.started_at if first == decision.worker_id else 0.0)
             return first
         except BusError as exc:
             raise ApiError(502, f"bad reply from worker: {exc}", code="bad_gateway") from exc
@@ -365,10 +379,16 @@ class Dispatcher:
             if reply.code in _RETRYABLE_WORKER_CODES:
                 return first
             raise ApiError.from_reply(reply)
-        return ""
+        return reply
 
-    async def _relay(self, request_id: str, decision: RouteDecision, stream: ReplyStream) -> AsyncIterator[TokenChunk | StreamEnd]:
-        """Frames of one chain's stream; raises `StreamInterrupted` when it breaks off."""
+    async def _relay(
+        self, request_id: str, decision: RouteDecision, stream: ReplyStream, accepted: GenerateAccepted,
+    ) -> AsyncIterator[TokenChunk | StreamEnd]:
+        """Frames of one chain's stream; raises `StreamInterrupted` when it breaks off.
+
+        The node that accepted the request runs it only as long as the process that accepted it lives: one
+        heartbeating under its id with another start restarted, and the request went with the old process.
+        """
         expected_seq = 0
         last_frame_at = time.monotonic()
         first_token_at: float | None = None
@@ -384,8 +404,14 @@ class Dispatcher:
                 now = time.monotonic()
                 silent_for = now - last_frame_at
                 for worker_id in (prefill, decode):
-                    if worker_id and not self._is_live(worker_id):
+                    if not worker_id:
+                        continue
+                    started_at = self._live_start(worker_id)
+                    if started_at is None:
                         raise StreamInterrupted(f"worker {worker_id} is gone", "timeout", worker_id) from None
+                    # Later only: a view that has not yet heard the process that accepted still shows the one before.
+                    if worker_id == accepted.worker_id and started_at > accepted.started_at > 0:
+                        raise StreamInterrupted(f"worker {worker_id} restarted", "timeout", worker_id, restarted=True) from None
                 reconnected_at = self._bus.reconnected_at
                 if reconnected_at is not None and last_frame_at < reconnected_at and now - reconnected_at > self._settings.reconnect_grace_s:
                     # Frames published while NATS was down are gone; resume rather than wait for the stall timeout.
@@ -423,29 +449,35 @@ class Dispatcher:
                         first_token_at = first_token_at or last_frame_at
                     yield frame
                     if isinstance(frame, StreamEnd):
-                        await self._judge_speed(decode, request_id, first_token_at, last_frame_at, tokens)
+                        await self._judge_speed(decode, request_id, first_token_at, last_frame_at, tokens, accepted)
                         return
 
-    async def _judge_speed(self, worker_id: str, request_id: str, first: float | None, last: float, tokens: int) -> None:
+    async def _judge_speed(self, worker_id: str, request_id: str, first: float | None, last: float, tokens: int,
+                           accepted: GenerateAccepted) -> None:
         if first is None or tokens < 2:
             return
         if self._norms.observe(worker_id, (last - first) / (tokens - 1)):
-            await self._report(worker_id, "slow", request_id, "inter-token latency far above this node's norm")
+            await self._report(worker_id, "slow", request_id, "inter-token latency far above this node's norm",
+                               _start_of(worker_id, accepted))
 
     async def _abandon(
-        self, request_id: str, decision: RouteDecision, interruption: StreamInterrupted, context: Context | None = None
+        self, request_id: str, decision: RouteDecision, interruption: StreamInterrupted, accepted: GenerateAccepted,
+        context: Context | None = None,
     ) -> None:
         # Free the slots the old attempt may still hold (a stalled worker that
         # wakes up, for instance), and tell the health-prober what happened.
         await self._abort(request_id, decision, "migrated", context)
         if interruption.feedback is not None:
-            await self._report(interruption.culprit or decision.worker_id, interruption.feedback, request_id, interruption.reason)
+            culprit = interruption.culprit or decision.worker_id
+            await self._report(culprit, interruption.feedback, request_id, interruption.reason, _start_of(culprit, accepted))
 
     async def _abort(self, request_id: str, decision: RouteDecision, reason: str, context: Context | None = None) -> None:
         for inbox in _inboxes(decision):
             with contextlib.suppress(Exception):
                 await self._bus.publish(inbox, AbortRequest(request_id=request_id, reason=reason), context=context)
 
-    async def _report(self, worker_id: str, kind: FeedbackKind, request_id: str, detail: str) -> None:
+    async def _report(self, worker_id: str, kind: FeedbackKind, request_id: str, detail: str, started_at: float) -> None:
+        """Tell the health-prober about the process of `worker_id` that started at `started_at` (0: not known)."""
         with contextlib.suppress(Exception):
-            await self._bus.publish(subjects.FEEDBACK, NodeFeedback(worker_id, kind, request_id, detail[:200]), traced=False)
+            await self._bus.publish(subjects.FEEDBACK, NodeFeedback(worker_id, kind, request_id, detail[:200], started_at),
+                                    traced=False)

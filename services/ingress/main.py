@@ -54,7 +54,7 @@ async def main(config: KvlaneConfig, stop: asyncio.Event) -> None:
         # The fleet's per-node metrics come from the heartbeats in `view`, read at each scrape.
         metrics = IngressMetrics(view)
         dispatcher = Dispatcher(
-            bus, streams, settings, lambda worker_id: view.is_live(worker_id, time.monotonic()), config.balancer.queue.max_wait_s,
+            bus, streams, settings, lambda worker_id: view.live_start(worker_id, time.monotonic()), config.balancer.queue.max_wait_s,
             metrics=metrics, tracer=ctx.telemetry.tracer,
         )
         dependencies = [Dependency("balancer", subjects.BALANCER_STATUS, BalancerStatusRequest(model="-"), BalancerStatusReply)]

@@ -281,7 +281,8 @@ class WorkerService:
         task = asyncio.create_task(run(request, engine_request, deadline))  # type: ignore[arg-type]
         self._running[request.request_id] = task
         task.add_done_callback(lambda _: self._running.pop(request.request_id, None))
-        return GenerateAccepted(request_id=request.request_id, worker_id=self.registration.worker_id)
+        return GenerateAccepted(request_id=request.request_id, worker_id=self.registration.worker_id,
+                                started_at=self.registration.started_at)
 
     async def _run(self, request: GenerateRequest, engine_request: EngineRequest, deadline: float) -> None:
         """Run `request` here until it ends or `deadline` (on `time.monotonic`'s clock) passes."""

@@ -272,8 +272,9 @@ def kill_when_streaming(fleet: Fleet, min_running: int, timeout: float) -> str:
     raise AssertionError(f"no worker ran {min_running} requests within {timeout}s")
 
 
-async def health_state(fleet: Fleet, worker_id: str) -> str | None:
-    client = redis.Redis.from_url(fleet.config.redis.url)
+async def health_state(redis_url: str, worker_id: str) -> str | None:
+    """The state of `worker_id`'s last health verdict, as the prober stored it in Redis."""
+    client = redis.Redis.from_url(redis_url)
     try:
         raw = await client.get(subjects.health_key(worker_id))
     finally:
@@ -301,14 +302,14 @@ async def test_slow_node_is_marked_and_avoided_then_comes_back(tmp_path: Path) -
 
             crawler = asyncio.create_task(crawl())
             slowed = time.monotonic()
-            marked = await until(lambda: _in(health_state(fleet, "w0"), {"suspect", "unhealthy"}), 30, "w0 marked suspect or unhealthy")
+            marked = await until(lambda: _in(health_state(fleet.config.redis.url, "w0"), {"suspect", "unhealthy"}), 30, "w0 marked suspect or unhealthy")
             finished.events.clear()
             await asyncio.sleep(3.0)
             share_while_slow = finished.share("w0")
             crawling.set()
             await crawler
             victim.signal(signal.SIGCONT)
-            back = await until(lambda: _in(health_state(fleet, "w0"), {"healthy"}), 20, "w0 healthy again")
+            back = await until(lambda: _in(health_state(fleet.config.redis.url, "w0"), {"healthy"}), 20, "w0 healthy again")
             finished.events.clear()
             # It may have been measured slow while it crawled; idle, that estimate drifts back to its
             # peers' heartbeat by heartbeat (SpeedTracker._relax_idle), and then it shares the load

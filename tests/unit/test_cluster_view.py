@@ -20,6 +20,7 @@ def hb(
     draining: bool = False,
     running: int = 0,
     seq: int = 0,
+    started_at: float = 0.0,
 ) -> Heartbeat:
     registration = WorkerRegistration(
         worker_id=worker_id,
@@ -30,7 +31,7 @@ def hb(
         block_size=16,
         max_model_len=4096,
         tokenizer="sim",
-        started_at=0.0,
+        started_at=started_at,
     )
     return Heartbeat(registration=registration, stats=EngineStats(running=running), sent_at=sent_at, seq=seq, draining=draining)
 
@@ -59,6 +60,17 @@ def test_observe_then_live_routable_models() -> None:
     assert sorted(models) == ["m", "other"]
     assert models["m"].worker_id == "a"
     assert models["other"].worker_id == "b"
+
+
+def test_live_start_tells_a_restarted_node_from_the_process_before_it() -> None:
+    view = ClusterView(TTL)
+    assert view.live_start("a", 10.0) is None
+    view.observe(hb("a", sent_at=100.0, started_at=50.0), seen_at=10.0)
+    assert view.live_start("a", 10.0) == 50.0
+    # Restarted within the TTL, the node is never seen gone; only its start changes.
+    view.observe(hb("a", sent_at=102.0, started_at=101.5), seen_at=12.0)
+    assert view.live_start("a", 12.0) == 101.5
+    assert view.live_start("a", 12.0 + TTL + 0.1) is None
 
 
 def test_stale_after_ttl() -> None:

@@ -120,7 +120,7 @@ async def run_until_the_deadline(bus: LoopbackBus) -> tuple[ApiError, float]:
     streams = StreamReceiver(bus, "ingress-test")  # type: ignore[arg-type]
     await streams.start()
     settings = IngressSettings(request_timeout_s=REQUEST_TIMEOUT_S)
-    dispatcher = Dispatcher(bus, streams, settings, is_live=lambda worker_id: True, max_queue_wait_s=1.0)  # type: ignore[arg-type]
+    dispatcher = Dispatcher(bus, streams, settings, live_start=lambda worker_id: 0.0, max_queue_wait_s=1.0)  # type: ignore[arg-type]
     prepared = PreparedRequest(MODEL, [1, 2, 3, 4], [], SamplingParams(max_tokens=50), stream=True, include_usage=False)
     started = time.monotonic()
     try:

@@ -375,7 +375,7 @@ async def test_the_tenant_and_the_clamped_priority_reach_the_route_request() -> 
     record, _ = make_record("acme", priority_max=1)
     asked = PreparedRequest("m", [1, 2, 3], [], SamplingParams(max_tokens=4), False, False, priority=5)
     bus = Bus()
-    dispatcher = RealDispatcher(bus, None, IngressSettings(), lambda worker_id: True, 1.0)  # type: ignore[arg-type]
+    dispatcher = RealDispatcher(bus, None, IngressSettings(), lambda worker_id: 0.0, 1.0)  # type: ignore[arg-type]
     with pytest.raises(ApiError):
         await dispatcher._route("r1", Authenticator.apply(record, asked), time.time() + 10, [], 0)
     (route,) = bus.sent

@@ -85,6 +85,49 @@ def test_client_complaints_make_a_node_suspect_while_probes_pass() -> None:
     assert node.state == "healthy"
 
 
+def test_a_restarted_node_is_judged_afresh_and_only_by_what_was_heard_since_it_started() -> None:
+    node = healthy_node()
+    assert node.started(1.0, 5.0) is False  # the first start seen: nothing to forget
+    # The process dies: every stream on it complains, probes fail.
+    for t in (10.0, 10.1, 10.2, 10.3):
+        node.observe_feedback("timeout", t)
+    for t in range(11, 15):
+        node.observe_probe(None, t)
+    assert node.state == "unhealthy"
+    assert node.started(1.0, 15.0) is False  # the same process: nothing changes
+    assert node.state == "unhealthy"
+    # It comes back as a new process at 15.5; one complaint about it is heard at 16.
+    node.observe_feedback("slow", 16.0)
+    assert node.started(15.5, 16.5) is True
+    verdict = node.verdict(16.5)
+    assert (verdict.state, verdict.weight, verdict.feedback_in_window, verdict.baseline_latency_s) == ("healthy", 1.0, 1, None)
+    # Streams the crash broke may complain only now: naming the killed process, that is not held against this one.
+    for t in (17.0, 17.1, 17.2, 17.3):
+        node.observe_feedback("timeout", t, started_at=1.0)
+    assert node.state == "healthy" and node.feedback_in_window(17.3) == 1
+    # It is judged like any node: complaints naming it, or naming none, count.
+    node.observe_feedback("slow", 17.5, started_at=15.5)
+    node.observe_feedback("slow", 18.0)
+    assert node.state == "suspect" and node.feedback_in_window(18.0) == 3
+
+
+def test_complaints_heard_before_a_node_first_seen_started_are_not_held_against_it() -> None:
+    # A prober hears complaints about a process that died before any probe round saw the one that replaced it.
+    node = NodeHealth("w0", SETTINGS, 0.0)
+    for t in (10.0, 10.1, 10.2):
+        node.observe_feedback("timeout", t)
+    node.observe_feedback("timeout", 12.5, started_at=1.0)  # heard after the new start, but naming the old process
+    assert node.state == "suspect"
+    assert node.started(12.0, 13.0) is True
+    assert node.state == "healthy" and node.feedback_in_window(13.0) == 0
+    # Complaints heard after it started are about it: kept.
+    fresh = NodeHealth("w1", SETTINGS, 0.0)
+    for t in (10.0, 10.1, 10.2):
+        fresh.observe_feedback("timeout", t)
+    assert fresh.started(9.0, 13.0) is False
+    assert fresh.state == "suspect"
+
+
 def test_baseline_is_not_learnt_while_sick() -> None:
     node = healthy_node()
     baseline = node.baseline
