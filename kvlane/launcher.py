@@ -8,6 +8,7 @@ and by the benchmarks. Every child's output goes to its own log file under
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
 import socket
@@ -28,10 +29,49 @@ class LaunchError(RuntimeError):
     pass
 
 
-def free_port() -> int:
+# Ports handed out by this process, not to be handed out again before whoever got them binds them.
+_HANDED_OUT: set[int] = set()
+_LOWEST_PORT = 10_000
+
+
+def _ephemeral_ports(path: Path = Path("/proc/sys/net/ipv4/ip_local_port_range")) -> tuple[int, int]:
+    """The range the kernel picks outgoing connections' local ports from (Linux's default where it does not say)."""
+    try:
+        low, high = map(int, path.read_text().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def _bindable(port: int) -> bool:
     with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port(count: int = 1) -> int:
+    """The first of `count` consecutive ports on 127.0.0.1 that nothing holds now.
+
+    Below the kernel's ephemeral range where it leaves room: a port the kernel
+    picks (bind to port 0) lies in the range it also gives outgoing
+    connections, and one of those could take it before the service given it
+    binds it (a fleet opens hundreds as it starts).
+    """
+    low, _ = _ephemeral_ports()
+    if low - _LOWEST_PORT < 1000:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            return sock.getsockname()[1]
+    for _ in range(1000):
+        first = random.randrange(_LOWEST_PORT, low - count)
+        ports = range(first, first + count)
+        if _HANDED_OUT.isdisjoint(ports) and all(_bindable(port) for port in ports):
+            _HANDED_OUT.update(ports)
+            return first
+    raise LaunchError(f"no {count} consecutive free ports between {_LOWEST_PORT} and {low}")
 
 
 def port_open(host: str, port: int, timeout: float = 0.3) -> bool:

@@ -25,7 +25,7 @@ import aiohttp
 import pytest
 
 from kvlane.fleet import Fleet, with_overrides
-from kvlane.launcher import Launcher, Process, free_port, port_open, servers_available, wait_ready, wait_services_ready
+from kvlane.launcher import Launcher, Process, free_port, servers_available, wait_ready, wait_services_ready
 from shared.config import to_env
 from tests.integration.conftest import MODEL, fleet_config
 from tests.waiting import wait_for
@@ -69,7 +69,7 @@ def start_fleet_with_metrics(launcher: Launcher, log_dir: Path) -> tuple[Fleet, 
     fleet.health_probers.append(launcher.start_service("health_prober", to_env(config), name="health-prober"))
     wait_services_ready([*fleet.balancers, *fleet.cache_managers, *fleet.health_probers])
     # Fleet.add_worker gives each worker the next port up from worker.metrics_port.
-    first = next(p for p in iter(free_port, None) if not port_open("127.0.0.1", p + 1))
+    first = free_port(count=2)
     worker_ports = [first, first + 1]
     fleet.config = with_overrides(config, worker={"metrics_port": first})
     for index in range(2):
