@@ -97,6 +97,11 @@ def decisions(watch: Watch) -> list[RouteDecision]:
     return [reply for reply in watch.replies if isinstance(reply, RouteDecision)]
 
 
+def client_requests(watch: Watch) -> list[str]:
+    """The ids of the `GenerateRequest`s workers got, but for the health prober's probes (which may pass by too)."""
+    return [r.request_id for r in watch.worker_requests if isinstance(r, GenerateRequest) and not r.request_id.startswith("probe-")]
+
+
 def test_the_balancer_hands_the_request_over_and_the_worker_answers_the_ingress(shared_fleet: Fleet) -> None:
     async def scenario() -> Watch:
         async with watching(shared_fleet) as watch:
@@ -109,9 +114,8 @@ def test_the_balancer_hands_the_request_over_and_the_worker_answers_the_ingress(
     assert route.hand_over is not None and route.hand_over.request_id == route.request_id and route.hand_over.accept_to
     [decision] = decisions(watch)
     assert decision.handed_over and decision.request_id == route.request_id
-    # Sent once, by the balancer: the ingress did not send it again. (The health prober's probes may pass by too.)
-    sent = [r for r in watch.worker_requests if isinstance(r, GenerateRequest) and not r.request_id.startswith("probe-")]
-    assert [r.request_id for r in sent] == [route.request_id]
+    # Sent once, by the balancer: the ingress did not send it again.
+    assert client_requests(watch) == [route.request_id]
     [accepted] = [r for r in watch.replies if isinstance(r, GenerateAccepted) and r.request_id == route.request_id]
     assert accepted.worker_id == decision.worker_id and accepted.started_at > 0
 
@@ -129,7 +133,7 @@ def test_an_ingress_set_to_send_itself_does(tmp_path: Path) -> None:
         [route] = watch.routes
         assert route.hand_over is None
         assert not decisions(watch)[0].handed_over
-        assert [r.request_id for r in watch.worker_requests if isinstance(r, GenerateRequest)] == [route.request_id]
+        assert client_requests(watch) == [route.request_id]
     finally:
         stop_and_check(fleet)
 
