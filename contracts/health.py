@@ -19,8 +19,8 @@ class NodeFeedback(Struct, tag="feedback", tag_field="type"):
     kind: FeedbackKind
     request_id: RequestId | None = None
     detail: str = ""
-    # When the process complained about started (`GenerateAccepted.started_at`; 0: not known): a complaint
-    # about a process that has since restarted is not held against the new one.
+    # When the process complained about started (`GenerateAccepted.started_at`, or `RouteDecision.started_at` for a
+    # node that never answered; 0: not known): a complaint about a process since restarted is not held against the new one.
     started_at: EpochSeconds = 0.0
 
 
