@@ -79,8 +79,7 @@ class HealthProberService:
         before = node.state
         node.observe_feedback(feedback.kind, time.time(), feedback.started_at)
         self.metrics.feedback.labels(feedback.kind).inc()
-        if node.state != before:
-            self.metrics.transitions.labels(node.state).inc()
+        if self._changed(node, before):
             await self._publish(node)
 
     async def probe_round(self) -> None:
@@ -92,9 +91,8 @@ class HealthProberService:
             node = self._node(hb.registration.worker_id)
             before = node.state
             if node.started(hb.registration.started_at, now):
-                if node.state != before:
-                    self.metrics.transitions.labels(node.state).inc()
-                log.info("health_reset", worker_id=node.worker_id, state=node.state, was=before, reason="a new process")
+                if not self._changed(node, before):
+                    log.info("health_reset", worker_id=node.worker_id, state=node.state, reason=node.reason)
                 await self._publish(node)  # at once: the probes below may take up to their timeout
         latencies = await asyncio.gather(*(self.probe(hb) for hb in live))
         now = time.time()
@@ -103,10 +101,16 @@ class HealthProberService:
             before = node.state
             node.observe_probe(latency, now, queued=hb.stats.waiting > 0)
             self._count_probe(latency)
-            if node.state != before:
-                self.metrics.transitions.labels(node.state).inc()
-                log.warning("health_changed", worker_id=node.worker_id, state=node.state, was=before, reason=node.reason)
+            self._changed(node, before)
             await self._publish(node)
+
+    def _changed(self, node: NodeHealth, before: str) -> bool:
+        """Whether `node`'s verdict is no longer `before`; a change is counted and logged."""
+        if node.state == before:
+            return False
+        self.metrics.transitions.labels(node.state).inc()
+        log.warning("health_changed", worker_id=node.worker_id, state=node.state, was=before, reason=node.reason)
+        return True
 
     def _count_probe(self, latency: float | None) -> None:
         if latency is None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
 from collections.abc import AsyncIterator
 
@@ -24,8 +25,9 @@ class FinishedLog:
         return self.workers()[worker_id] / max(1, len(self.events))
 
 
-async def watch_finished(fleet: Fleet) -> AsyncIterator[tuple[nats.NATS, FinishedLog]]:
-    """Use as `async for nc, log in watch_finished(fleet):` (one pass); subscribed before it yields."""
+@contextlib.asynccontextmanager
+async def watch_finished(fleet: Fleet) -> AsyncIterator[FinishedLog]:
+    """`async with watch_finished(fleet) as log:`, subscribed on entry; its NATS client is closed on exit, failed or not."""
     nc = await nats.connect(fleet.config.nats.url)
     log = FinishedLog()
     decoder = msgspec.msgpack.Decoder(RequestFinished)
@@ -40,6 +42,6 @@ async def watch_finished(fleet: Fleet) -> AsyncIterator[tuple[nats.NATS, Finishe
     await nc.subscribe(subjects.REQUEST_FINISHED, cb=on_finished)
     await nc.flush()
     try:
-        yield nc, log
+        yield log
     finally:
         await nc.close()

@@ -54,7 +54,7 @@ def live_workers(fleet: Fleet) -> int:
 
 
 async def test_fifty_concurrent_streams_use_both_workers(shared_fleet: Fleet) -> None:
-    async for _, finished in watch_finished(shared_fleet):
+    async with watch_finished(shared_fleet) as finished:
         client = async_client(shared_fleet)
         results = await asyncio.gather(*(stream_tokens(client, f"request {i}", 30) for i in range(50)))
         assert results == [(30, "length")] * 50
@@ -67,7 +67,7 @@ async def test_fifty_concurrent_streams_use_both_workers(shared_fleet: Fleet) ->
 
 
 async def test_killed_worker_leaves_routing_within_ttl(own_fleet: Fleet) -> None:
-    async for _, finished in watch_finished(own_fleet):
+    async with watch_finished(own_fleet) as finished:
         client = async_client(own_fleet)
         victim = next(p for p in own_fleet.workers if p.name == "worker-w0")
         victim.signal(signal.SIGKILL)
@@ -89,7 +89,7 @@ async def test_killed_worker_leaves_routing_within_ttl(own_fleet: Fleet) -> None
 
 
 async def test_sigterm_drains_in_flight_requests_and_takes_no_new_ones(own_fleet: Fleet) -> None:
-    async for _, finished in watch_finished(own_fleet):
+    async with watch_finished(own_fleet) as finished:
         client = async_client(own_fleet)
         started = [asyncio.Event() for _ in range(8)]
         long_streams = [asyncio.create_task(stream_tokens(client, f"long {i}", 400, started[i])) for i in range(8)]

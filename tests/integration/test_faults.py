@@ -130,7 +130,8 @@ async def steady_load(fleet: Fleet, stop: asyncio.Event, result: LoadResult, con
         while not stop.is_set():
             await one_stream(client, next(counter), max_tokens, result)
 
-    await asyncio.gather(*(lane() for _ in range(concurrency)))
+    async with client:
+        await asyncio.gather(*(lane() for _ in range(concurrency)))
 
 
 async def finish_load(load: asyncio.Task, stop: asyncio.Event) -> None:
@@ -286,7 +287,7 @@ async def test_slow_node_is_marked_and_avoided_then_comes_back(tmp_path: Path) -
     """A node that keeps heartbeating but crawls (stopped 80% of the time) loses its traffic, then regains it."""
     fleet = launch(tmp_path, workers=3, tune=fast_probes)
     try:
-        async for _, finished in watch_finished(fleet):
+        async with watch_finished(fleet) as finished:
             result, stop = LoadResult(), asyncio.Event()
             load = asyncio.create_task(steady_load(fleet, stop, result, concurrency=6, max_tokens=30))
             await asyncio.sleep(1.0)

@@ -207,7 +207,7 @@ async def one_stream(session: aiohttp.ClientSession, base_url: str, index: int, 
             load.streaming -= 1
 
 
-async def steady_streams(base_url: str, lanes: int, stop: threading.Event, load: StreamLoad) -> None:
+async def steady_streams(base_url: str, lanes: int, stop: asyncio.Event, load: StreamLoad) -> None:
     # A stream that stops moving for this long is lost, not slow: as long as the ingress's own stall timeout, so a
     # stream that had to wait it out (its node restarted unnoticed) is lost too.
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=30)
@@ -246,11 +246,8 @@ async def test_a_worker_killed_under_streaming_load_is_restarted_and_no_stream_i
     bystanders = {worker_id: up.service_pid("worker", worker_id) for worker_id in ("w1", "w2")}
     victim = up.service_pid("worker", "w0")
     killed_start = (await node_heartbeat(up.redis_url, "w0")).registration.started_at
-    load, stop = StreamLoad(), threading.Event()
-    # The client runs on an event loop of its own. On the tests' shared loop, after test_faults.py, a few of its
-    # sockets were never polled: the answer sat whole in the socket's receive queue (ss) while the test waited,
-    # a stale selector entry for a reused descriptor number left there by an earlier test.
-    streams = asyncio.create_task(asyncio.to_thread(asyncio.run, steady_streams(up.base_url, STREAMS, stop, load)))
+    load, stop = StreamLoad(), asyncio.Event()
+    streams = asyncio.create_task(steady_streams(up.base_url, STREAMS, stop, load))
 
     async def many_streaming() -> bool:
         return load.streaming >= STREAMS // 4
