@@ -235,9 +235,11 @@ class BalancerService:
                     if confirmed is None:
                         continue
                     return self._count(confirmed, "placed")
-                case Queued(entry=entry, evicted=evicted):
+                case Queued(entry=entry, evicted=evicted, drain=drain):
                     if evicted is not None:
                         self._resolve(evicted.request_id, self.router.degradation.evicted_reply(evicted))
+                    if drain:
+                        self._schedule_drain()
                     return self._count(await self._wait(entry), "queued")
                 case ErrorReply():
                     return self._count(outcome, "refused")
