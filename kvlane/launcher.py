@@ -34,13 +34,12 @@ _HANDED_OUT: set[int] = set()
 _LOWEST_PORT = 10_000
 
 
-def _ephemeral_ports(path: Path = Path("/proc/sys/net/ipv4/ip_local_port_range")) -> tuple[int, int]:
-    """The range the kernel picks outgoing connections' local ports from (Linux's default where it does not say)."""
+def _lowest_ephemeral_port(path: Path = Path("/proc/sys/net/ipv4/ip_local_port_range")) -> int:
+    """The first port of the range the kernel gives outgoing connections (Linux's default where it does not say)."""
     try:
-        low, high = map(int, path.read_text().split())
-        return low, high
-    except (OSError, ValueError):
-        return 32768, 60999
+        return int(path.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def _bindable(port: int) -> bool:
@@ -60,7 +59,7 @@ def free_port(count: int = 1) -> int:
     connections, and one of those could take it before the service given it
     binds it (a fleet opens hundreds as it starts).
     """
-    low, _ = _ephemeral_ports()
+    low = _lowest_ephemeral_port()
     if low - _LOWEST_PORT < 1000:
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))

@@ -7,11 +7,11 @@ import socket
 import pytest
 
 from kvlane import launcher
-from kvlane.launcher import _ephemeral_ports, free_port
+from kvlane.launcher import _lowest_ephemeral_port, free_port
 
 
 def test_ports_lie_below_the_ephemeral_range_are_free_and_are_not_handed_out_twice() -> None:
-    low, _ = _ephemeral_ports()
+    low = _lowest_ephemeral_port()
     handed = [free_port() for _ in range(50)]
     assert len(set(handed)) == 50
     assert all(port < low for port in handed)
@@ -33,5 +33,5 @@ def test_a_port_something_holds_is_skipped(monkeypatch: pytest.MonkeyPatch) -> N
         # The first draw is the held port: it must be passed over for the next one.
         draws = iter([taken, spare])
         monkeypatch.setattr(launcher.random, "randrange", lambda start, stop: next(draws))
-        monkeypatch.setattr(launcher, "_ephemeral_ports", lambda: (65_000, 65_535))
+        monkeypatch.setattr(launcher, "_lowest_ephemeral_port", lambda: 65_000)
         assert free_port() == spare
