@@ -75,8 +75,6 @@ class SimBalancer:
             if isinstance(outcome, Queued):
                 if outcome.evicted is not None:
                     self._listener.refused(outcome.evicted.request_id, router.degradation.evicted_reply(outcome.evicted))
-                if outcome.drain:
-                    self._schedule_drain()
                 return None
             return self._listener.refused(request.request_id, outcome)
         self._listener.refused(request.request_id, router.refusal("no_capacity", "no chain had room for this request's KV"))

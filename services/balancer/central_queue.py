@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import bisect
 import itertools
-from collections import Counter
 from collections.abc import Iterator
 
 from msgspec import Struct
@@ -34,7 +33,6 @@ class CentralQueue:
         self._max_length = max_length
         self._classes: dict[int, list[QueuedRequest]] = {}
         self._by_id: dict[str, QueuedRequest] = {}
-        self._per_model: Counter[tuple[str, int]] = Counter()  # waiting requests per (model, priority class)
         self._seq = itertools.count()
 
     def __len__(self) -> int:
@@ -53,7 +51,7 @@ class CentralQueue:
             return None
         entry = QueuedRequest(request, next(self._seq), now, deadline)
         self._classes.setdefault(request.priority, []).append(entry)
-        self._add(entry)
+        self._by_id[request.request_id] = entry
         return entry
 
     def restore(self, entry: QueuedRequest) -> None:
@@ -61,11 +59,7 @@ class CentralQueue:
         if entry.request_id in self._by_id:
             return
         bisect.insort(self._classes.setdefault(entry.request.priority, []), entry, key=lambda e: e.seq)
-        self._add(entry)
-
-    def _add(self, entry: QueuedRequest) -> None:
         self._by_id[entry.request_id] = entry
-        self._per_model[entry.request.model, entry.request.priority] += 1
 
     def remove(self, request_id: str) -> QueuedRequest | None:
         entry = self._by_id.pop(request_id, None)
@@ -74,15 +68,7 @@ class CentralQueue:
             entries.pop(bisect.bisect_left(entries, entry.seq, key=lambda e: e.seq))
             if not entries:
                 del self._classes[entry.request.priority]
-            key = (entry.request.model, entry.request.priority)
-            self._per_model[key] -= 1
-            if not self._per_model[key]:
-                del self._per_model[key]
         return entry
-
-    def waits_ahead_of(self, request: RouteRequest) -> bool:
-        """Whether a request for the same model waits in `request`'s class or a higher one: it would go first."""
-        return any(model == request.model and priority >= request.priority for model, priority in self._per_model)
 
     def in_order(self) -> Iterator[QueuedRequest]:
         """Every waiting request, highest class first, oldest first (a snapshot: safe to remove while iterating)."""

@@ -52,8 +52,6 @@ class Queued(Struct, frozen=True):
     entry: QueuedRequest
     # A request of a lower class that gave its place in a full queue: it is to be refused (`Degradation.evicted_reply`).
     evicted: QueuedRequest | None = None
-    # It queued behind earlier requests although a slot is free: the caller drains the queue now (`dispatch_queued`).
-    drain: bool = False
 
 
 class Router:
@@ -192,18 +190,11 @@ class Router:
         self.queue.remove(request.request_id)
         # The time left the request arrived with, as a moment on this balancer's clock.
         request_deadline = now + request.timeout_s
-        # A slot that frees goes to the requests already waiting for one, not to whoever arrives next; the drain
-        # still serves a newcomer first when no waiting request can use that slot. A full queue holds nobody back.
-        behind = self.queue.waits_ahead_of(request) and not self.queue.full
-        if not behind:
-            placement = self.place(request, heartbeats, request_deadline, self.backlog_bound_s(request, now))
-            if placement is not None:
-                return placement
-        # Behind them with a slot free, it may go at the drain that follows: it is not degraded for a wait it may
-        # not have (a waiting request that can take that slot goes first, and then it waits as it is).
-        drain = behind and self._any_free(request, heartbeats)
+        placement = self.place(request, heartbeats, request_deadline, self.backlog_bound_s(request, now))
+        if placement is not None:
+            return placement
         deadline = min(request_deadline, now + self._queue_settings.max_wait_s)
-        waiting = request if drain else self.degradation.before_queueing(request, self.queue, deadline, now)
+        waiting = self.degradation.before_queueing(request, self.queue, deadline, now)
         if isinstance(waiting, ErrorReply):
             return waiting
         evicted = self.degradation.make_room(waiting, self.queue) if self.queue.full else None
@@ -211,7 +202,7 @@ class Router:
             return self.refusal("queue_full", f"all slots busy and {len(self.queue)} requests already waiting")
         entry = self.queue.push(waiting, now, deadline)
         assert entry is not None
-        return Queued(entry, evicted, drain=drain)
+        return Queued(entry, evicted)
 
     def dispatch_queued(self, heartbeats_for: HeartbeatsFor) -> list[tuple[QueuedRequest, Placement]]:
         """Give free slots to queued requests, highest class first; within a class see `dequeue_order`.

@@ -235,11 +235,9 @@ class BalancerService:
                     if confirmed is None:
                         continue
                     return self._count(confirmed, "placed")
-                case Queued(entry=entry, evicted=evicted, drain=drain):
+                case Queued(entry=entry, evicted=evicted):
                     if evicted is not None:
                         self._resolve(evicted.request_id, self.router.degradation.evicted_reply(evicted))
-                    if drain:
-                        self._schedule_drain()
                     return self._count(await self._wait(entry), "queued")
                 case ErrorReply():
                     return self._count(outcome, "refused")

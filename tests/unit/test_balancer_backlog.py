@@ -224,12 +224,9 @@ def test_a_slow_prefill_node_earns_no_backlog_allowance_for_its_own_slow_prefill
     # Its 5,000-token prompt would come out of the slow node after 0.3 + 0.5 s, out of the fast one
     # after the wait for a slot and 0.1 s: it waits, though the backlog alone is within the bound.
     assert isinstance(r.admit(request("long-prompt", prompt=5000, blocks=0), heartbeats, NOW_WALL), Queued)
-    # A short prompt's own prefill costs little on either: 0.35 s is within 0.5 + 0.01 s, it goes now. It queues
-    # behind the long prompt, which would take the free slot first, and the drain that follows sends it on.
-    queued = r.admit(request("short-prompt", prompt=500, blocks=0), heartbeats, NOW_WALL)
-    assert isinstance(queued, Queued) and queued.drain
-    placed = r.dispatch_queued(lambda model: heartbeats)
-    assert [(entry.request_id, p.chain.worker_id) for entry, p in placed] == [("short-prompt", "slow")]
+    # A short prompt's own prefill costs little on either: 0.35 s is within 0.5 + 0.01 s, it goes now.
+    short = r.admit(request("short-prompt", prompt=500, blocks=0), heartbeats, NOW_WALL)
+    assert isinstance(short, Placement) and short.chain.worker_id == "slow"
 
 
 def test_a_policy_that_does_not_cost_its_own_wait_takes_any_free_slot() -> None:

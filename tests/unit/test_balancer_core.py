@@ -7,13 +7,12 @@ from collections import Counter
 
 import msgspec
 import pytest
-from hypothesis import given, settings
+from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from contracts.messages import ErrorReply, RequestFinished, RouteDecision, RouteRequest, Usage
 from services.balancer.central_queue import CentralQueue
-from services.balancer.router import Placement, Queued
 from services.balancer.metrics import BalancerMetrics
 from services.balancer.service import BalancerService
 from services.balancer.slot_store import LocalSlotStore
@@ -145,28 +144,6 @@ def test_queue_expiry_and_duplicates() -> None:
     queue.push(request("b"), NOW_WALL, NOW_WALL + 5)
     assert [e.request_id for e in queue.expire(NOW_WALL + 1)] == ["a"]
     assert len(queue) == 1 and queue.oldest_enqueued_at() == NOW_WALL
-
-
-QUEUE_OPS = st.lists(st.tuples(st.sampled_from(["push", "remove", "restore", "expire"]), st.integers(0, 5),
-                                st.sampled_from(["m", "n"]), st.integers(0, 2)), max_size=40)
-
-
-@given(QUEUE_OPS, st.sampled_from(["m", "n"]), st.integers(0, 2))
-def test_waits_ahead_of_matches_the_waiting_requests(ops, model: str, priority: int) -> None:
-    queue, taken = CentralQueue(max_length=4), {}
-    for step, (op, number, op_model, op_priority) in enumerate(ops):
-        request_id = f"r{number}"
-        if op == "push":
-            queue.push(request(request_id, model=op_model, priority=op_priority), step, step + number)
-        elif op == "remove" and (entry := queue.remove(request_id)) is not None:
-            taken[request_id] = entry
-        elif op == "restore" and request_id in taken:
-            queue.restore(taken.pop(request_id))
-        elif op == "expire":
-            queue.expire(step)
-        newcomer = request("newcomer", model=model, priority=priority)
-        expected = any(e.request.model == model and e.request.priority >= priority for e in queue.in_order())
-        assert queue.waits_ahead_of(newcomer) == expected
 
 
 # --- BalancerService.route ------------------------------------------------------------
@@ -336,47 +313,6 @@ async def test_a_queued_request_takes_the_next_slot_that_frees() -> None:
     assert reply.queued_s == 2.5  # what ingress reports as vllm:request_queue_time_seconds
     balancer._on_finished(finished("r2"), None)  # type: ignore[arg-type]
     assert balancer.router.table.total_used() == 0
-
-
-async def test_a_slot_freed_before_the_queue_drains_goes_to_the_waiting_request_not_to_a_newcomer() -> None:
-    balancer, _, _ = make_balancer(heartbeat("a"), max_per_chain=1)
-    assert isinstance(await balancer.route(route_request("r1")), RouteDecision)
-    waiting = asyncio.create_task(balancer.route(route_request("r2")))
-    await until(lambda: len(balancer.router.queue) == 1, 5.0, "r2 queued", every_s=0.001)
-    # r1's slot is free in this replica at once; the store's release, and the drain after it, come later.
-    balancer._on_finished(finished("r1"), None)  # type: ignore[arg-type]
-    newcomer = asyncio.create_task(balancer.route(route_request("r3")))
-    reply = await asyncio.wait_for(waiting, 1.0)
-    assert isinstance(reply, RouteDecision) and reply.request_id == "r2"
-    await until(lambda: "r3" in balancer.router.queue, 5.0, "r3 queued", every_s=0.001)
-    assert not newcomer.done()
-    balancer._on_finished(finished("r2"), None)  # type: ignore[arg-type]
-    reply = await asyncio.wait_for(newcomer, 1.0)
-    assert isinstance(reply, RouteDecision) and reply.request_id == "r3"
-
-
-def test_a_newcomer_waits_behind_the_queue_but_takes_a_slot_no_waiting_request_can_use() -> None:
-    r = router(max_per_chain=1)
-    heartbeats = [heartbeat("w0"), heartbeat("w1")]
-    r.table.reserve("running", r.builder.facts(heartbeats[0]).chain_id, 1, NOW_WALL + 60)  # w0 is full
-    r.queue.push(request("resumed", exclude=["w1"]), NOW_WALL, NOW_WALL + 30)  # it may not go to w1, which is free
-    outcome = r.admit(request("newcomer"), heartbeats, NOW_WALL + 1)
-    assert isinstance(outcome, Queued) and outcome.drain
-    placed = r.dispatch_queued(lambda model: heartbeats)
-    assert [(entry.request_id, p.chain.worker_id) for entry, p in placed] == [("newcomer", "w1")]
-    assert [e.request_id for e in r.queue.in_order()] == ["resumed"]
-    # Nothing waits ahead of a request of a higher class, nor of one for another model: each is placed at once.
-    r.finished("newcomer", "w1")
-    assert isinstance(r.admit(request("urgent", priority=1), heartbeats, NOW_WALL + 2), Placement)
-    other = [heartbeat("x0", model="other")]
-    assert isinstance(r.admit(request("other", model="other"), other, NOW_WALL + 2), Placement)
-
-
-def test_a_full_queue_does_not_hold_a_newcomer_back_from_a_free_slot() -> None:
-    r = router(max_per_chain=1, queue_length=1)
-    heartbeats = [heartbeat("w0"), heartbeat("w1")]
-    r.queue.push(request("resumed", exclude=["w0", "w1"]), NOW_WALL, NOW_WALL + 30)
-    assert isinstance(r.admit(request("newcomer"), heartbeats, NOW_WALL + 1), Placement)
 
 
 async def test_a_request_past_its_queue_deadline_gets_503_with_retry_after() -> None:

@@ -128,8 +128,8 @@ class IndexMatchesSnapshot(RuleBasedStateMachine):
         self.requests += 1
         req = request(f"r{self.requests}", prompt=prompt, output=output, blocks=blocks, exclude=sorted(exclude), priority=priority)
         heartbeats = self.heartbeats
-        if isinstance(self.indexed.policy, JffcPerRequest) and not self.indexed.queue.waits_ahead_of(req):
-            self._check_costs(req, heartbeats)  # for the decision `admit` makes: none when the request queues behind others
+        if isinstance(self.indexed.policy, JffcPerRequest):
+            self._check_costs(req, heartbeats)
         got, expected = self.both(lambda r: r.admit(req, heartbeats, self.now))
         assert got == expected
         if isinstance(got, Placement):

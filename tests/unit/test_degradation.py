@@ -118,22 +118,3 @@ def test_the_router_sheds_and_degrades_from_measured_departures() -> None:
         r.queue.push(request(f"q{i}"), NOW_WALL, NOW_WALL + 5)
     shed = r.admit(request("late"), heartbeats, NOW_WALL)
     assert isinstance(shed, ErrorReply) and shed.status == 429
-
-
-def test_a_newcomer_behind_the_queue_with_a_slot_free_is_neither_shed_nor_shortened() -> None:
-    r = router(max_per_chain=1, queue=QueueSettings(max_wait_s=5.0))
-    r.degradation = Degradation(ON, retry_after_s=1.0)
-    r.builder.clock = lambda: NOW_WALL
-    heartbeats = [heartbeat("w0")]
-    for i in range(10):
-        r.degradation.departures.note(NOW_WALL - 9 + i)
-    # Eight wait, none of which may go to w0, whose slot is free: 8 s predicted, past the 5 s the queue allows.
-    for i in range(8):
-        r.queue.push(request(f"q{i}", exclude=["w0"]), NOW_WALL, NOW_WALL + 5)
-    queued = r.admit(request("newcomer", output=100), heartbeats, NOW_WALL)
-    assert isinstance(queued, Queued) and queued.drain and queued.entry.request.max_tokens == 100
-    placed = r.dispatch_queued(lambda model: heartbeats)
-    assert [(entry.request_id, p.chain.worker_id) for entry, p in placed] == [("newcomer", "w0")]
-    # With w0 busy, the next one has nothing free to wait beside: it is shed as before.
-    shed = r.admit(request("late"), heartbeats, NOW_WALL)
-    assert isinstance(shed, ErrorReply) and shed.status == 429

@@ -71,10 +71,8 @@ class RouterMachine(RuleBasedStateMachine):
         outcome = self.router.admit(req, self.heartbeats, self.now)
         match outcome:
             case Placement():
-                # Nobody of its class or a higher one was waiting for a slot, unless the queue was full.
-                assert len(self.queued) == 6 or all(p < priority for p, _, _ in self.queued.values()), "overtook the queue"
                 self.record(outcome)
-            case Queued(evicted=evicted, drain=drain):
+            case Queued(evicted=evicted):
                 if evicted is not None:
                     # A full queue made room: the newest request of the lowest class below this one left it.
                     victim = self.queued.pop(evicted.request_id)
@@ -82,8 +80,6 @@ class RouterMachine(RuleBasedStateMachine):
                     assert victim[0] < priority and victim[0] == lowest
                     assert victim[1] == max(seq for p, seq, _ in [*self.queued.values(), victim] if p == victim[0])
                 self.queued[request_id] = (priority, self.arrivals, frozenset(exclude))
-                if drain:  # as the service does: a slot is free, and the queue's order decides who takes it
-                    self.dispatch()
             case ErrorReply():
                 assert outcome.status == 503 and outcome.retry_after_s
                 assert len(self.queued) == 6 and all(p >= priority for p, _, _ in self.queued.values())
