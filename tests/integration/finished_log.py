@@ -40,6 +40,8 @@ async def watch_finished(fleet: Fleet) -> AsyncIterator[FinishedLog]:
             log.events.append(event)
 
     await nc.subscribe(subjects.REQUEST_FINISHED, cb=on_finished)
+    # Twice, as `loadtest.hangup.FinishedWatch` does: nats-py can write a flush's PING ahead of the SUB still queued.
+    await nc.flush()
     await nc.flush()
     try:
         yield log
