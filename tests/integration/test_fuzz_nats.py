@@ -36,6 +36,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
 
 from contracts import subjects
 from contracts.autoscaler import RequestServed, ScalingDecision
@@ -72,6 +73,9 @@ pytestmark = pytest.mark.integration
 
 EXAMPLES_PER_SUBJECT = 200
 REPLY_TIMEOUT_S = 10.0
+# Once this many cases went unanswered the test has failed: no more are sent, so that waiting for
+# answers cannot spend the test's time limit before the report is written.
+UNANSWERED_LIMIT = 5
 ERROR_CODE = "Nats-Service-Error-Code"
 T = TypeVar("T")
 
@@ -132,7 +136,8 @@ def targets(fleet: Fleet) -> list[Target]:
     sink = st.just("kvlane.v1.fuzz.sink") | st.text(max_size=12)  # where a worker streams a fuzzed request's frames
     work = {"model": model, "timeout_s": soon, "hold_s": soon, "prompt_token_ids": tokens, "stream_to": sink,
             "worker_id": workers, "source_worker_id": workers, "decode_worker_id": workers, "puller_id": workers,
-            "decode_inbox": st.sampled_from([subjects.worker_inbox("d0")]) | st.text(max_size=12)}
+            "decode_inbox": st.sampled_from([subjects.worker_inbox("d0")]) | st.text(max_size=12),
+            "accept_to": st.sampled_from(["", "kvlane.v1.fuzz.accepted"]) | st.text(max_size=12)}
     api = {"model": model, "max_tokens": st.integers(1, 64) | st.integers(1, 2**40), "max_completion_tokens": st.none() | st.integers(1, 64)}
     return [
         Target("route", subjects.ROUTE, RouteRequest, RouteReply, hints={"model": model, "timeout_s": soon}),
@@ -203,15 +208,23 @@ def _decodes(target: Target, payload: bytes) -> Any:
 
 
 def check_case(probe: NatsProbe, target: Target, payload: bytes, tally: Tally) -> None:
-    """Send one payload; for a request/reply subject, check its answer. Returns what happened (for the tally)."""
+    """Send one payload; for a request/reply subject, check its answer. What happened goes into the tally."""
+    if sum(outcomes["unanswered"] for outcomes in tally.outcomes.values()) >= UNANSWERED_LIMIT:
+        tally.record(target, "not_sent")
+        return
     message = _decodes(target, payload)
     valid = message is not None
     if target.replies is None or (valid and isinstance(message, target.silent)):
         probe.run(probe.nc.publish(target.subject, payload))
         tally.record(target, "published")
         return
+    # A request a balancer sent on is answered where its sender waits, not on the message's reply subject.
+    answer_at = getattr(message, "accept_to", "")
     try:
-        reply = probe.run(probe.nc.request(target.subject, payload, timeout=REPLY_TIMEOUT_S))
+        if answer_at:
+            reply = probe.run(_answered_at(probe.nc, target.subject, payload, answer_at))
+        else:
+            reply = probe.run(probe.nc.request(target.subject, payload, timeout=REPLY_TIMEOUT_S))
     except nats.errors.Error as exc:  # no responders, or no answer in time
         tally.failures.append(f"{target.name}: no answer ({type(exc).__name__}) to {_show(target, payload)}")
         tally.record(target, "unanswered")
@@ -221,6 +234,16 @@ def check_case(probe: NatsProbe, target: Target, payload: bytes, tally: Tally) -
     else:
         outcome = _check_internal_reply(target, payload, valid, reply.data, tally)
     tally.record(target, outcome)
+
+
+async def _answered_at(nc: NatsClient, subject: str, payload: bytes, answer_at: str) -> Msg:
+    answers = await nc.subscribe(answer_at, max_msgs=1)
+    try:
+        await nc.publish(subject, payload)  # after the subscription on the same connection: the server sees it first
+        return await answers.next_msg(timeout=REPLY_TIMEOUT_S)
+    finally:
+        with contextlib.suppress(nats.errors.Error):
+            await answers.unsubscribe()
 
 
 def _check_internal_reply(target: Target, payload: bytes, valid: bool, data: bytes, tally: Tally) -> str:
@@ -327,6 +350,16 @@ def crash_lines(fleet: Fleet) -> list[str]:
             if CRASH.search(line)]
 
 
+def report(tally: Tally, path: Path) -> None:
+    """The counts, printed and written, also when the test stops early (what had been sent by then)."""
+    summary = {"subjects": len(tally.cases), "cases": sum(tally.cases.values()), "per_subject": dict(tally.cases),
+               "outcomes": {name: dict(c) for name, c in tally.outcomes.items()}, "failures": tally.failures[:50]}
+    path.write_text(json.dumps(summary, indent=2))
+    print(f"\nNATS fuzzing: {summary['cases']} cases over {summary['subjects']} subjects -> {path}")
+    for name, outcomes in tally.outcomes.items():
+        print(f"  {name:<24} {tally.cases[name]:>4}  {dict(outcomes)}")
+
+
 def test_every_subscribed_subject_survives_fuzzing(fleet: Fleet, tmp_path: Path) -> None:
     probe = NatsProbe(fleet.config.nats.url)
     tally = Tally()
@@ -343,12 +376,7 @@ def test_every_subscribed_subject_survives_fuzzing(fleet: Fleet, tmp_path: Path)
         probe.run(autoscaler_decides(probe.nc))
     finally:
         probe.close()
-    report = {"subjects": len(tally.cases), "cases": sum(tally.cases.values()), "per_subject": dict(tally.cases),
-              "outcomes": {name: dict(c) for name, c in tally.outcomes.items()}, "failures": tally.failures[:50]}
-    (tmp_path / "nats_fuzz.json").write_text(json.dumps(report, indent=2))
-    print(f"\nNATS fuzzing: {report['cases']} cases over {report['subjects']} subjects -> {tmp_path / 'nats_fuzz.json'}")
-    for name, outcomes in report["outcomes"].items():
-        print(f"  {name:<24} {tally.cases[name]:>4}  {dict(outcomes)}")
+        report(tally, tmp_path / "nats_fuzz.json")
     assert not tally.failures, "\n".join(tally.failures[:30])
     assert len(tally.cases) == len(targets(fleet)) and min(tally.cases.values()) >= EXAMPLES_PER_SUBJECT // 2
     assert sum(tally.cases.values()) >= 1000

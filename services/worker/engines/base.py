@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Protocol, runtime_checkable
 
@@ -92,7 +93,9 @@ def check_fits(request: EngineRequest, max_model_len: int, vocab_size: int | Non
             f"resuming after {len(request.resume_token_ids)} tokens leaves nothing of max_tokens ({max_tokens})"
         )
     if vocab_size:
-        bad = next((t for t in request.prompt_token_ids if not 0 <= t < vocab_size), None)
+        # Resumed tokens too: the engine appends them to the sequence as if it had sampled them.
+        tokens = itertools.chain(request.prompt_token_ids, request.resume_token_ids)
+        bad = next((t for t in tokens if not 0 <= t < vocab_size), None)
         if bad is not None:
             raise RequestRejected(f"token id {bad} is outside the vocabulary (0..{vocab_size - 1})")
 

@@ -212,6 +212,15 @@ class SimEngine:
         return self._step_stats.take(self._clock(), self._kv_pulls, self._kv_pull_bytes, self._kv_pull_seconds)
 
     async def _run(self) -> None:
+        try:
+            await self._step_loop()
+        except Exception as exc:
+            # A request the checks let through broke the scheduler: fail every request now, rather
+            # than leave them all waiting for a step that never comes.
+            log.exception("sim_step_failed")
+            self._die(f"sim engine step failed: {type(exc).__name__}: {exc}")
+
+    async def _step_loop(self) -> None:
         fail_after = self._settings.fail_after_tokens
         loop = asyncio.get_running_loop()
         step_end: float | None = None
