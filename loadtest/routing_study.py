@@ -207,7 +207,7 @@ def markdown(study: dict[str, Any]) -> str:
                      f"{fmt(t['goodput_vs_naive_round_robin'])} | {fmt(t['goodput_vs_best_other'])} ({t['best_other']}) | "
                      f"{fmt(t['attained_vs_round_robin'])} | {fmt(t['attained_vs_best_other'])} ({t['best_attained_other']}) | "
                      f"{fmt(t['ttft_p99_vs_round_robin'])} | {capacity} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n" + _warmup_note(study)
 
 
 def capacity_pair(base: list[str], policies: list[str], guess: float, resolution: float, where: Path) -> dict[str, Any]:
@@ -247,7 +247,12 @@ def capacity_markdown(study: dict[str, Any]) -> str:
         lines.append(f"| {pair['workload']} | {pair['fleet']} | {per_policy} | {fmt(t.get('capacity_vs_round_robin'))} | "
                      f"{fmt(t.get('capacity_vs_naive_round_robin'))} | "
                      f"{fmt(t.get('capacity_vs_best_other'))} ({t.get('best_capacity_other', '-')}) |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n" + _warmup_note(study)
+
+
+def _warmup_note(study: dict[str, Any]) -> str:
+    warmup = study.get("warmup_s", 0.0)
+    return f"\nEach run measured after {warmup:g} simulated seconds of warm-up at its rate.\n" if warmup else ""
 
 
 def merge(directories: list[Path], out: Path) -> tuple[dict[str, Any], str]:
@@ -256,8 +261,12 @@ def merge(directories: list[Path], out: Path) -> tuple[dict[str, Any], str]:
     fleets = {fleet.name: fleet for fleet in FLEETS}
     pairs: list[dict[str, Any]] = []
     searched: dict[tuple[str, str], dict[str, Any]] = {}
-    for directory in directories:
-        for pair in json.loads((directory / "study.json").read_text())["pairs"]:
+    studies = [json.loads((directory / "study.json").read_text()) for directory in directories]
+    warmups = {study.get("warmup_s", 0.0) for study in studies}
+    if len(warmups) > 1:
+        raise ValueError(f"studies with different warm-ups ({', '.join(map(str, sorted(warmups)))} s) do not compare")
+    for study in studies:
+        for pair in study["pairs"]:
             if "searches" in pair:
                 merged = searched.setdefault((pair["workload"], pair["fleet"]), {
                     "workload": pair["workload"], "fleet": pair["fleet"], "resolution": pair["resolution"],
@@ -271,7 +280,8 @@ def merge(directories: list[Path], out: Path) -> tuple[dict[str, Any], str]:
     if searched and pairs:
         raise ValueError("capacity studies and rate sweeps summarize differently: merge them apart")
     capacity_pairs = [{**pair, "targets": capacity_targets(pair["capacity"])} for pair in searched.values()]
-    study = {"merged_from": [str(d) for d in directories], "num_blocks": NUM_BLOCKS, "pairs": pairs or capacity_pairs}
+    study = {"merged_from": [str(d) for d in directories], "num_blocks": NUM_BLOCKS, "warmup_s": warmups.pop(),
+             "pairs": pairs or capacity_pairs}
     text = capacity_markdown(study) if capacity_pairs else markdown(study)
     out.mkdir(parents=True, exist_ok=True)
     (out / "study.json").write_text(json.dumps(study, indent=1) + "\n")
@@ -287,6 +297,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--fleets", help="comma-separated subset of fleet sizes: 16,16m,64m,256m")
     parser.add_argument("--policies", default=",".join(POLICIES))
     parser.add_argument("--duration", type=float, default=20.0, help="simulated seconds of arrivals per run")
+    parser.add_argument("--warmup", type=float, default=0.0,
+                        help="simulated seconds of arrivals before those, served and not measured (kvlane simulate --warmup)")
     parser.add_argument("--rate-per-node", type=float,
                         help="centre the sweep on this many requests (conversations) per second per H100 "
                              "instead of the workload's own guess")
@@ -304,7 +316,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.merge:
-        print(merge(args.merge, args.out)[1])
+        try:
+            print(merge(args.merge, args.out)[1])
+        except ValueError as exc:
+            print(exc, file=sys.stderr)
+            return 2
         return 0
     fleet_keys = {"16": FLEETS[0], "16m": FLEETS[1], "64m": FLEETS[2], "256m": FLEETS[3]}
     fleets = [fleet_keys[k] for k in args.fleets.split(",")] if args.fleets else FLEETS
@@ -318,12 +334,12 @@ def main(argv: list[str] | None = None) -> int:
     trace = out / "trace.jsonl"
     if any(w.needs_trace for w in workloads) and not trace.exists():
         trace.write_text("".join(row.to_json() + "\n" for row in generate(TraceSpec(requests=60_000))))
-    study: dict[str, Any] = {"policies": policies, "num_blocks": NUM_BLOCKS, "pairs": []}
+    study: dict[str, Any] = {"policies": policies, "num_blocks": NUM_BLOCKS, "warmup_s": args.warmup, "pairs": []}
     for workload in workloads:
         for fleet in fleets:
             duration = args.duration / (2 if args.quick else 1)
             base = ["--fleet", fleet.spec, "--num-blocks", str(NUM_BLOCKS), "--duration", f"{duration:g}",
-                    *workload.args, *SLO]
+                    "--warmup", f"{args.warmup:g}", *workload.args, *SLO]
             if workload.needs_trace:
                 base += ["--trace", str(trace)]
             where = out / f"{workload.name}-{fleet.nodes}{'m' if fleet.mixed else ''}"

@@ -6,8 +6,12 @@ scheduler code, with the messages between them delayed by modelled
 latencies, and no NATS, Redis or subprocesses. A run is deterministic for
 its seed, and its latencies are simulated seconds, free of this machine's
 noise. Options, results.json layout, table and plots are `kvlane bench`'s,
-plus fleets of mixed node kinds, nodes that fail or join mid-run, and the
-modelled latencies.
+plus fleets of mixed node kinds, nodes that fail or join mid-run, the
+modelled latencies, and a warm-up: `--warmup S` runs S simulated seconds of
+arrivals before the `--duration` measured, so that caches and queues are
+past their start when measuring begins (a fleet starts with every cache
+empty; in a short run the first prefill of each prefix decides much of
+the result).
 
     kvlane simulate --fleet h100-80g-llama3-8b:8,a100-80g-llama3-8b:8 --rates 40,80 --duration 60
 """
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import math
 import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -55,11 +60,15 @@ class SimRun:
     request_timeout_s: float
     latencies: Latencies
     changes: tuple[NodeChange, ...]
+    warmup_s: float = 0.0  # requests the workload schedules before this are served but not measured
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = bench_parser("kvlane simulate", __doc__.split("\n\n")[0], live=False)
     sim = parser.add_argument_group("simulation")
+    sim.add_argument("--warmup", type=float, default=0.0, metavar="SECONDS",
+                     help="simulated seconds of arrivals before --duration's, at the same load: served, not measured "
+                          "(--fail and --join times count from the warm-up's start)")
     sim.add_argument("--config", type=Path, help="TOML configuration: its balancer, cache_manager, cluster, health "
                                                  "and worker.sim sections apply as they would live")
     sim.add_argument("--ingress-ms", type=float, default=Latencies.ingress_s * 1000,
@@ -149,6 +158,12 @@ def plan(args: argparse.Namespace) -> tuple[list[SimRun], dict[str, Any]]:
         except KeyError as exc:
             raise ValueError(f"--kv-link: {exc.args[0]}") from None
         base = with_overrides(base, **{"worker.sim": {"kv_link": args.kv_link}})
+    if args.warmup:
+        if not math.isfinite(args.warmup) or args.warmup < 0:
+            raise ValueError("--warmup must be a number of seconds, 0 or more")
+        if args.duration is None or args.requests is not None:
+            raise ValueError("--warmup goes with --duration, not --requests")
+        args = argparse.Namespace(**vars(args) | {"duration": args.warmup + args.duration})
     slo = Slo(ttft_s=args.ttft_slo_ms / 1000.0, tpot_s=args.tpot_slo_ms / 1000.0)
     issue_for = min(args.duration or args.max_run_time, args.max_run_time)
     limits = DriveLimits(issue_for_s=issue_for, hard_stop_s=issue_for + args.request_timeout + 5.0,
@@ -166,7 +181,8 @@ def plan(args: argparse.Namespace) -> tuple[list[SimRun], dict[str, Any]]:
                 config = simulation_config(base, fleet, policy, args.request_timeout)
             except (msgspec.ValidationError, KeyError, TypeError) as exc:
                 raise ValueError(f"policy {policy!r}: {exc}") from None
-            runs.append(SimRun(policy, workload, config, nodes, slo, limits, args.request_timeout, latencies, changes))
+            runs.append(SimRun(policy, workload, config, nodes, slo, limits, args.request_timeout, latencies, changes,
+                               args.warmup))
     fleet_info = jsonable(fleet.sim_settings()) | {"workers": len(nodes), "nodes": _describe(args, kinds),
                                                     "mix": [msgspec.to_builtins(n) for n in nodes]}
     return runs, fleet_info
@@ -183,11 +199,12 @@ def run_one(run: SimRun, on_record: Callable[[RequestRecord], None]) -> dict[str
     spec = SimulationSpec(run.config, run.nodes, run.workload, run.limits, run.request_timeout_s, run.latencies, run.changes)
     result = Simulation(spec, on_record).run()
     worker_ids = [n.worker_id for n in run.nodes] + [c.worker_id for c in run.changes if c.profile]
+    measured = [r for r in result.records if r.scheduled_s >= run.warmup_s]
     return {
         "policy": run.policy,
-        "summary": summarize(result.records, run.slo, result.runs, worker_ids),
-        "simulation": result_summary(result),
-        "records": [r.to_json() for r in result.records],
+        "summary": summarize(measured, run.slo, result.runs, worker_ids),
+        "simulation": result_summary(result) | {"warmup_requests": len(result.records) - len(measured)},
+        "records": [r.to_json() for r in measured],
     }
 
 
@@ -225,6 +242,7 @@ def main(argv: list[str] | None = None) -> int:
             "latency_spreads_ms": spreads_ms(runs[0].latencies) if runs else {},
             "latency_per_request_ms": per_request_ms(runs[0].latencies) if runs else {},
             "node_changes": [asdict(c) for c in runs[0].changes] if runs else [],
+            "warmup_s": args.warmup,
             "units": UNITS,
             "argv": list(sys.argv[1:] if argv is None else argv),
         },

@@ -36,13 +36,27 @@ def test_a_policy_that_never_attains_has_no_capacity():
     assert search.ceiling == 10.0 / 1.5**5
 
 
-def _capacity_study(directory: Path, capacity: dict[str, float]) -> Path:
+def _capacity_study(directory: Path, capacity: dict[str, float], warmup_s: float | None = None) -> Path:
     searches = {p: {"capacity": c, "ceiling": c * 1.05, "probes": [[c, 0.95]]} for p, c in capacity.items()}
     pair = {"workload": "long-context", "fleet": "8 H100 + 8 A100", "resolution": 0.05, "capacity": capacity,
             "searches": searches, "targets": routing_study.capacity_targets(capacity)}
     directory.mkdir()
-    (directory / "study.json").write_text(json.dumps({"policies": list(capacity), "pairs": [pair]}))
+    study = {"policies": list(capacity), "pairs": [pair]} | ({} if warmup_s is None else {"warmup_s": warmup_s})
+    (directory / "study.json").write_text(json.dumps(study))
     return directory
+
+
+def test_studies_measured_after_different_warm_ups_are_not_merged(tmp_path: Path) -> None:
+    cold = _capacity_study(tmp_path / "cold", {"jffc_per_request": 186.0})  # a study from before warm-ups: none
+    warm = _capacity_study(tmp_path / "warm", {"round_robin": 156.0}, warmup_s=40.0)
+    with pytest.raises(ValueError, match="different warm-ups"):
+        routing_study.merge([cold, warm], tmp_path / "merged")
+    assert routing_study.main(["--merge", str(cold), str(warm), "--out", str(tmp_path / "merged")]) == 2
+    also_warm = _capacity_study(tmp_path / "also-warm", {"jffc_per_request": 186.0}, warmup_s=40.0)
+    study, text = routing_study.merge([warm, also_warm], tmp_path / "merged")
+    assert study["warmup_s"] == 40.0 and study["pairs"][0]["targets"]["capacity_vs_round_robin"] == pytest.approx(186 / 156)
+    assert "after 40 simulated seconds of warm-up" in text
+    assert "warm-up" not in routing_study.merge([cold], tmp_path / "cold-only")[1]
 
 
 def test_capacity_studies_of_separate_policies_merge_into_one_comparison(tmp_path: Path) -> None:

@@ -178,6 +178,10 @@ def test_fleet_values_name_nodes_in_order() -> None:
     ["--fail", "1=w9", "--rate", "1"],
     ["--rate", "-1"],
     ["--hop-ms", "-1", "--rate", "1"],
+    ["--warmup", "5", "--rate", "1"],  # a warm-up needs the --duration it comes before
+    ["--warmup", "5", "--duration", "5", "--requests", "10", "--rate", "1"],
+    ["--warmup", "-1", "--duration", "5", "--rate", "1"],
+    ["--warmup", "nan", "--duration", "5", "--rate", "1"],
 ])
 def test_simulate_refuses_bad_options_with_exit_2(argv: list[str], tmp_path: Path) -> None:
     assert simulate_main([*argv, "--out", str(tmp_path), "--quiet"]) == 2
@@ -192,3 +196,21 @@ def test_simulate_writes_the_bench_results_layout(tmp_path: Path) -> None:
         ("round_robin", 20.0), ("jffc", 20.0), ("round_robin", 40.0), ("jffc", 40.0)]
     assert all(r["summary"]["succeeded"] == 60 and r["simulation"]["events"] > 0 for r in results["runs"])
     assert {p.name for p in tmp_path.glob("*.png")} == {"ttft_cdf.png", "goodput.png", "goodput_vs_rate.png"}
+
+
+def test_a_warm_up_is_served_but_only_the_duration_after_it_is_measured(tmp_path: Path) -> None:
+    common = ["--policies", "jffc_per_request", "--rate", "20", "--workload", "shared-prefix", "--groups", "16",
+              "--quiet"]
+    assert simulate_main([*common, "--duration", "6", "--out", str(tmp_path / "whole")]) == 0
+    assert simulate_main([*common, "--duration", "4", "--warmup", "2", "--out", str(tmp_path / "warm")]) == 0
+    (whole,) = json.loads((tmp_path / "whole" / "results.json").read_text())["runs"]
+    warm_results = json.loads((tmp_path / "warm" / "results.json").read_text())
+    (warm,) = warm_results["runs"]
+    assert warm_results["parameters"]["warmup_s"] == 2.0
+    # The same seed and load: the same arrivals, split at the warm-up's end.
+    later = [r for r in whole["records"] if r["scheduled_s"] >= 2.0]
+    assert warm["records"] == later and 0 < len(later) < len(whole["records"])
+    assert warm["simulation"]["warmup_requests"] == len(whole["records"]) - len(later)
+    assert warm["summary"]["requests"] == len(later)
+    # Prefixes cached during the warm-up make later requests hit more often than the run's first ones.
+    assert warm["summary"]["prefix_cache_hit_rate"] > whole["summary"]["prefix_cache_hit_rate"]
