@@ -39,6 +39,7 @@ from typing import Any
 from loadtest.bench import RESULTS_DIR
 from loadtest.simulate import main as simulate_main
 from loadtest.trace_gen import TraceSpec, generate
+from shared.config import ConfigError, load_config
 
 H100, A100 = "h100-80g-llama3-8b", "a100-80g-llama3-8b"
 # A real 80 GB card holds about 490k tokens of Llama-3-8B KV (128 KiB/token) beside the weights.
@@ -207,7 +208,7 @@ def markdown(study: dict[str, Any]) -> str:
                      f"{fmt(t['goodput_vs_naive_round_robin'])} | {fmt(t['goodput_vs_best_other'])} ({t['best_other']}) | "
                      f"{fmt(t['attained_vs_round_robin'])} | {fmt(t['attained_vs_best_other'])} ({t['best_attained_other']}) | "
                      f"{fmt(t['ttft_p99_vs_round_robin'])} | {capacity} |")
-    return "\n".join(lines) + "\n" + _warmup_note(study)
+    return "\n".join(lines) + "\n" + _conditions_note(study)
 
 
 def capacity_pair(base: list[str], policies: list[str], guess: float, resolution: float, where: Path) -> dict[str, Any]:
@@ -247,12 +248,17 @@ def capacity_markdown(study: dict[str, Any]) -> str:
         lines.append(f"| {pair['workload']} | {pair['fleet']} | {per_policy} | {fmt(t.get('capacity_vs_round_robin'))} | "
                      f"{fmt(t.get('capacity_vs_naive_round_robin'))} | "
                      f"{fmt(t.get('capacity_vs_best_other'))} ({t.get('best_capacity_other', '-')}) |")
-    return "\n".join(lines) + "\n" + _warmup_note(study)
+    return "\n".join(lines) + "\n" + _conditions_note(study)
 
 
-def _warmup_note(study: dict[str, Any]) -> str:
-    warmup = study.get("warmup_s", 0.0)
-    return f"\nEach run measured after {warmup:g} simulated seconds of warm-up at its rate.\n" if warmup else ""
+def _conditions_note(study: dict[str, Any]) -> str:
+    """What every run shared beyond the defaults: a warm-up, a configuration file."""
+    notes = []
+    if warmup := study.get("warmup_s", 0.0):
+        notes.append(f"Each run measured after {warmup:g} simulated seconds of warm-up at its rate.")
+    if config := study.get("config", ""):
+        notes.append(f"Every run used this configuration (`--config`):\n\n```toml\n{config.strip()}\n```")
+    return "".join(f"\n{note}\n" for note in notes)
 
 
 def merge(directories: list[Path], out: Path) -> tuple[dict[str, Any], str]:
@@ -265,6 +271,9 @@ def merge(directories: list[Path], out: Path) -> tuple[dict[str, Any], str]:
     warmups = {study.get("warmup_s", 0.0) for study in studies}
     if len(warmups) > 1:
         raise ValueError(f"studies with different warm-ups ({', '.join(map(str, sorted(warmups)))} s) do not compare")
+    configs = {study.get("config", "") for study in studies}
+    if len(configs) > 1:
+        raise ValueError("studies run with different --config files do not compare")
     for study in studies:
         for pair in study["pairs"]:
             if "searches" in pair:
@@ -281,7 +290,7 @@ def merge(directories: list[Path], out: Path) -> tuple[dict[str, Any], str]:
         raise ValueError("capacity studies and rate sweeps summarize differently: merge them apart")
     capacity_pairs = [{**pair, "targets": capacity_targets(pair["capacity"])} for pair in searched.values()]
     study = {"merged_from": [str(d) for d in directories], "num_blocks": NUM_BLOCKS, "warmup_s": warmups.pop(),
-             "pairs": pairs or capacity_pairs}
+             "config": configs.pop(), "pairs": pairs or capacity_pairs}
     text = capacity_markdown(study) if capacity_pairs else markdown(study)
     out.mkdir(parents=True, exist_ok=True)
     (out / "study.json").write_text(json.dumps(study, indent=1) + "\n")
@@ -299,6 +308,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--duration", type=float, default=20.0, help="simulated seconds of arrivals per run")
     parser.add_argument("--warmup", type=float, default=0.0,
                         help="simulated seconds of arrivals before those, served and not measured (kvlane simulate --warmup)")
+    parser.add_argument("--config", type=Path,
+                        help="TOML configuration for every run (kvlane simulate --config); study.json keeps its text")
     parser.add_argument("--rate-per-node", type=float,
                         help="centre the sweep on this many requests (conversations) per second per H100 "
                              "instead of the workload's own guess")
@@ -322,6 +333,14 @@ def main(argv: list[str] | None = None) -> int:
             print(exc, file=sys.stderr)
             return 2
         return 0
+    config_text = ""
+    if args.config:
+        try:
+            config_text = args.config.read_text()
+            load_config(args.config)
+        except (OSError, ConfigError) as exc:
+            print(f"--config {args.config}: {exc}", file=sys.stderr)
+            return 2
     fleet_keys = {"16": FLEETS[0], "16m": FLEETS[1], "64m": FLEETS[2], "256m": FLEETS[3]}
     fleets = [fleet_keys[k] for k in args.fleets.split(",")] if args.fleets else FLEETS
     workloads = [w for w in WORKLOADS if not args.workloads or w.name in args.workloads.split(",")]
@@ -334,12 +353,14 @@ def main(argv: list[str] | None = None) -> int:
     trace = out / "trace.jsonl"
     if any(w.needs_trace for w in workloads) and not trace.exists():
         trace.write_text("".join(row.to_json() + "\n" for row in generate(TraceSpec(requests=60_000))))
-    study: dict[str, Any] = {"policies": policies, "num_blocks": NUM_BLOCKS, "warmup_s": args.warmup, "pairs": []}
+    study: dict[str, Any] = {"policies": policies, "num_blocks": NUM_BLOCKS, "warmup_s": args.warmup,
+                             "config": config_text, "pairs": []}
     for workload in workloads:
         for fleet in fleets:
             duration = args.duration / (2 if args.quick else 1)
             base = ["--fleet", fleet.spec, "--num-blocks", str(NUM_BLOCKS), "--duration", f"{duration:g}",
-                    "--warmup", f"{args.warmup:g}", *workload.args, *SLO]
+                    "--warmup", f"{args.warmup:g}", *workload.args, *SLO,
+                    *(["--config", str(args.config)] if args.config else [])]
             if workload.needs_trace:
                 base += ["--trace", str(trace)]
             where = out / f"{workload.name}-{fleet.nodes}{'m' if fleet.mixed else ''}"

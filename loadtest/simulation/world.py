@@ -196,7 +196,8 @@ class Simulation:
                                 time.perf_counter() - started,
                                 self.counters | {"route_decisions": self.balancer.decisions,
                                                  "kv_refusals": self.balancer.kv_refusals,
-                                                 "lease_preemptions": self._allocator.preemptions if self._allocator else 0},
+                                                 "lease_preemptions": self._allocator.preemptions if self._allocator else 0,
+                                                 "kv_blocks_evicted": self._blocks_evicted()},
                                 self.scaler.timeline if self.scaler is not None else None)
 
     def _all_done(self) -> bool:
@@ -227,6 +228,10 @@ class Simulation:
         self._events.after(0.0, self._beat, node)
         # Live probes are out of phase with each other; so are these, reproducibly.
         self._events.after(self._rng.uniform(0, self._config.health.probe_interval_s), self._probe, node)
+
+    def _blocks_evicted(self) -> int:
+        """Cached KV blocks the nodes' engines reclaimed for new ones: what a full prefix cache costs."""
+        return sum(node.scheduler.stats().blocks_evicted for node in self.nodes.values())
 
     def _change(self, change: NodeChange) -> None:
         if change.profile:

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from services.balancer.policies import POLICY_NAMES, make_policy
 from services.balancer.policies.cache_aware import ScoreBased
 from services.balancer.policies.jffc import JffcPerRequest
-from shared.config import ScoreSettings
+from shared.config import JffcPerRequestSettings, ScoreSettings
 from tests.unit.balancer_fixtures import TINY, chain, request, settings as balancer_settings, snapshot
 
 
@@ -51,10 +51,13 @@ def test_per_request_jffc_weighs_the_cached_prefix_against_load() -> None:
 
 
 def test_jffc_takes_the_fastest_free_chain_and_skips_full_ones() -> None:
-    snap = snapshot(chain("slow", speed=1.0), chain("fast", speed=3.0, used=8, slots=8), chain("mid", speed=2.0, used=5))
+    snap = snapshot(chain("slow", speed=1.0), chain("fast", speed=3.0, used=8, slots=8), chain("mid", speed=2.0, used=4))
     assert choose("jffc", snap) == "mid"
     assert choose("least_loaded", snap) == "slow"
-    assert choose("jffc_per_request", snap) == "mid"  # 2x speed outweighs 5 more in its batch
+    assert choose("jffc_per_request", snap) == "mid"  # 2x speed outweighs 4 more in its batch
+    # One more, and the delay it would impose on them outweighs the speed.
+    busier = snapshot(chain("slow", speed=1.0), chain("mid", speed=2.0, used=5))
+    assert choose("jffc_per_request", busier) == "slow"
 
 
 def test_per_request_estimate_adds_prefill_transfer_and_decode() -> None:
@@ -73,8 +76,10 @@ def test_per_request_cost_adds_the_delay_imposed_on_the_running_batch() -> None:
     req = request(prompt=320, output=10, blocks=20)
     alone = JffcPerRequest(imposed_delay_weight=0.0)
     social = JffcPerRequest()
+    weight = JffcPerRequestSettings().imposed_delay_weight
+    assert weight == 2.0  # those running now, and about as many that join during its stay
     # Each of the 3 running requests waits for the 320-token prefill and shares 5 of the 10 decode steps.
-    imposed = 3 * (TINY.b * 320 + TINY.c * 5)
+    imposed = weight * 3 * (TINY.b * 320 + TINY.c * 5)
     busy = chain("a", running=3)
     assert social.expected_seconds(req, busy) == pytest.approx(alone.expected_seconds(req, busy) + imposed)
     assert social.expected_seconds(req, chain("a")) == pytest.approx(alone.expected_seconds(req, chain("a")))

@@ -36,12 +36,13 @@ def test_a_policy_that_never_attains_has_no_capacity():
     assert search.ceiling == 10.0 / 1.5**5
 
 
-def _capacity_study(directory: Path, capacity: dict[str, float], warmup_s: float | None = None) -> Path:
+def _capacity_study(directory: Path, capacity: dict[str, float], warmup_s: float | None = None, config: str = "") -> Path:
     searches = {p: {"capacity": c, "ceiling": c * 1.05, "probes": [[c, 0.95]]} for p, c in capacity.items()}
     pair = {"workload": "long-context", "fleet": "8 H100 + 8 A100", "resolution": 0.05, "capacity": capacity,
             "searches": searches, "targets": routing_study.capacity_targets(capacity)}
     directory.mkdir()
     study = {"policies": list(capacity), "pairs": [pair]} | ({} if warmup_s is None else {"warmup_s": warmup_s})
+    study |= {"config": config} if config else {}  # a study from before --config has none
     (directory / "study.json").write_text(json.dumps(study))
     return directory
 
@@ -71,3 +72,53 @@ def test_capacity_studies_of_separate_policies_merge_into_one_comparison(tmp_pat
     assert "1.32x (jffc)" in text and (tmp_path / "merged" / "study.md").read_text() == text
     # Alone, the headline policy has nothing to be compared with.
     assert routing_study.merge([headline], tmp_path / "alone")[0]["pairs"][0]["targets"]["best_capacity_other"] is None
+
+
+WEIGHT_4 = "[balancer.jffc_per_request]\nimposed_delay_weight = 4\n"
+
+
+def test_studies_run_with_different_configurations_are_not_merged(tmp_path: Path) -> None:
+    default = _capacity_study(tmp_path / "default", {"jffc_per_request": 191.0})
+    heavier = _capacity_study(tmp_path / "heavier", {"round_robin": 96.0}, config=WEIGHT_4)
+    with pytest.raises(ValueError, match="different --config"):
+        routing_study.merge([default, heavier], tmp_path / "merged")
+    assert routing_study.main(["--merge", str(default), str(heavier), "--out", str(tmp_path / "merged")]) == 2
+    also = _capacity_study(tmp_path / "also", {"jffc_per_request": 191.0}, config=WEIGHT_4)
+    study, text = routing_study.merge([heavier, also], tmp_path / "merged")
+    assert study["config"] == WEIGHT_4 and "imposed_delay_weight = 4" in text
+
+
+@pytest.mark.parametrize(("content", "reason"), [
+    (None, "No such file"),
+    ("[balancer\n", "not valid TOML"),
+    ("[balancer.jffc_per_request]\nimposed_delay_weight = -1\n", "imposed_delay_weight"),
+])
+def test_a_bad_config_file_exits_2_before_anything_runs(tmp_path: Path, capsys, content, reason) -> None:
+    path = tmp_path / "kvlane.toml"
+    if content is not None:
+        path.write_text(content)
+    out = tmp_path / "study"
+    assert routing_study.main(["--capacity", "--workloads", "long-context", "--fleets", "16m", "--config", str(path),
+                               "--out", str(out)]) == 2
+    assert reason in capsys.readouterr().err and not out.exists()
+
+
+def test_every_run_gets_the_config_file_and_the_study_keeps_its_text(tmp_path: Path, monkeypatch) -> None:
+    """The search driver alone: the simulator answers from a known threshold (it is tested in test_simulation.py)."""
+    path = tmp_path / "kvlane.toml"
+    path.write_text(WEIGHT_4)
+    calls: list[list[str]] = []
+
+    def simulate(argv: list[str]) -> dict:
+        calls.append(argv)
+        rate = float(argv[argv.index("--rate") + 1])
+        return {"runs": [{"summary": {"slo_attainment": 1.0 if rate <= 150.0 else 0.5}}]}
+
+    monkeypatch.setattr(routing_study, "run_simulate", simulate)
+    out = tmp_path / "study"
+    assert routing_study.main(["--capacity", "--workloads", "long-context", "--fleets", "16m", "--policies",
+                               "jffc_per_request", "--config", str(path), "--out", str(out)]) == 0
+    assert calls and all(argv[argv.index("--config") + 1] == str(path) for argv in calls)
+    study = json.loads((out / "study.json").read_text())
+    assert study["config"] == WEIGHT_4 and 150.0 / 1.05 <= study["pairs"][0]["capacity"]["jffc_per_request"] <= 150.0
+    assert "imposed_delay_weight = 4" in (out / "study.md").read_text()

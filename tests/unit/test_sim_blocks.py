@@ -99,6 +99,7 @@ def test_blank_blocks_are_used_before_cached_ones_are_evicted() -> None:
     pool.free("a")
     computed(pool, "b", [7, 8, 9, 10])  # fits in the two blank blocks
     assert pool.cached_prefix_blocks(chained_block_hashes([1, 2, 3, 4], 2)) == 2
+    assert pool.evicted == 0
 
 
 def test_eviction_is_least_recently_freed_first_and_tail_first() -> None:
@@ -120,6 +121,7 @@ def test_eviction_is_least_recently_freed_first_and_tail_first() -> None:
     assert pool.cached_prefix_blocks(chained_block_hashes(a, 2)) == 2
     computed(pool, "e", [40])  # now a's tail
     assert pool.cached_prefix_blocks(chained_block_hashes(a, 2)) == 1
+    assert pool.evicted == 3  # b's two blocks, then a's tail
     assert_counters_consistent(pool)
 
 

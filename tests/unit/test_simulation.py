@@ -15,7 +15,7 @@ from loadtest.bench_run import policy_sections
 from loadtest.client import RequestRecord
 from loadtest.driver import DriveLimits
 from loadtest.metrics import Slo, summarize
-from loadtest.simulate import main as simulate_main, node_changes
+from loadtest.simulate import build_parser as simulate_parser, main as simulate_main, node_changes, plan as simulate_plan
 from loadtest.simulation.events import EventQueue
 from loadtest.simulation.world import NodeChange, Simulation, SimulationResult, SimulationSpec
 from loadtest.workloads import ArrivalSpec, WorkloadSpec
@@ -78,6 +78,8 @@ def test_every_request_ends_exactly_once_under_overload_with_small_kv_caches() -
     stats = [node.scheduler.stats() for node in simulation.nodes.values()]
     assert sum(s.preemptions for s in stats) == 0
     assert all(s.running == s.waiting == 0 for s in stats)
+    # 64 system prompts over caches of 400 blocks: new prompts evict older ones, and the result counts them.
+    assert result.counters["kv_blocks_evicted"] == sum(s.blocks_evicted for s in stats) > 0
     assert len(simulation.balancer.router.table) == 0 and len(simulation.balancer.router.queue) == 0
 
 
@@ -214,3 +216,14 @@ def test_a_warm_up_is_served_but_only_the_duration_after_it_is_measured(tmp_path
     assert warm["summary"]["requests"] == len(later)
     # Prefixes cached during the warm-up make later requests hit more often than the run's first ones.
     assert warm["summary"]["prefix_cache_hit_rate"] > whole["summary"]["prefix_cache_hit_rate"]
+
+
+def test_a_config_file_sets_the_balancer_of_every_run(tmp_path: Path) -> None:
+    path = tmp_path / "kvlane.toml"
+    path.write_text("[balancer.jffc_per_request]\nimposed_delay_weight = 4\n")
+    common = ["--policies", "jffc_per_request,round_robin", "--rate", "10", "--requests", "5"]
+    runs, _ = simulate_plan(simulate_parser().parse_args([*common, "--config", str(path)]))
+    assert [run.config.balancer.jffc_per_request.imposed_delay_weight for run in runs] == [4.0, 4.0]
+    assert [run.config.balancer.policy for run in runs] == ["jffc_per_request", "round_robin"]
+    runs, _ = simulate_plan(simulate_parser().parse_args(common))
+    assert {run.config.balancer.jffc_per_request.imposed_delay_weight for run in runs} == {2.0}

@@ -16,6 +16,7 @@ from contracts.messages import RouteRequest
 from services.balancer.chain_index import Decision
 from services.balancer.policies.base import Rotation
 from services.balancer.snapshot import ChainState, ClusterSnapshot
+from shared.config import JffcPerRequestSettings
 
 
 class Jffc:
@@ -72,7 +73,7 @@ class JffcPerRequest:
     # to prefill) over waiting briefly for another.
     bounds_backlog = True
 
-    def __init__(self, imposed_delay_weight: float = 1.0) -> None:
+    def __init__(self, imposed_delay_weight: float = JffcPerRequestSettings().imposed_delay_weight) -> None:
         self._imposed_weight = imposed_delay_weight
         self._rotation = Rotation()
 

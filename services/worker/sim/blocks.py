@@ -88,6 +88,8 @@ class BlockPool:
         self._blank: list[int] = list(range(num_blocks - 1, -1, -1))
         self._evictable: OrderedDict[int, None] = OrderedDict()
         self._num_used = 0
+        # Cached blocks reclaimed for new allocations, since the pool was made.
+        self.evicted = 0
         self._sequences: dict[str, _SequenceBlocks] = {}
         self._events: list[KvCacheEvent] | None = [] if record_events else None
 
@@ -261,6 +263,7 @@ class BlockPool:
             evicted_hash = self._hash_of_block[block_id]
             self._hash_of_block[block_id] = None
             del self._block_of_hash[evicted_hash]  # type: ignore[arg-type]
+            self.evicted += 1
             if self._events is not None:
                 self._events.append(KvCacheEvent("removed", evicted_hash))  # type: ignore[arg-type]
         else:

@@ -99,6 +99,7 @@ class SchedulerStats(msgspec.Struct):
     preemptions: int
     steps: int
     blocks_held: int = 0
+    blocks_evicted: int = 0
     # Requests whose prompt is not fully computed: the waiting ones, and running ones still prefilling in chunks.
     prefilling: int = 0
 
@@ -293,6 +294,7 @@ class SimScheduler:
             blocks_used=pool.num_used,
             blocks_held=self.held_blocks,
             blocks_cached=pool.num_cached,
+            blocks_evicted=pool.evicted,
             prefix_query_tokens=self._prefix_query_tokens,
             prefix_hit_tokens=self._prefix_hit_tokens,
             preemptions=self._preemptions,
