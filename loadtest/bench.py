@@ -85,6 +85,8 @@ def build_parser(prog: str = "kvlane bench", description: str = __doc__.split("\
     load.add_argument("--cv", type=float, default=1.0, help="gamma inter-arrival coefficient of variation (1 = Poisson)")
     load.add_argument("--concurrency", type=int, help="closed loop with this many clients instead of rates")
     load.add_argument("--duration", type=float, help="seconds of arrivals per run")
+    load.add_argument("--warmup", type=float, default=0.0, metavar="SECONDS",
+                      help="seconds of arrivals before --duration's, at the same load: served, not measured")
     load.add_argument("--requests", type=int, help=f"requests per run (default {DEFAULT_REQUESTS} without --duration)")
     load.add_argument("--request-timeout", type=float, default=120.0, help="seconds per request")
     load.add_argument("--max-run-time", type=float, default=DEFAULT_MAX_RUN_S, help="hard cap on one run's seconds")
@@ -134,6 +136,17 @@ def workload_for(args: argparse.Namespace, rate: float | None, max_requests: int
     )
 
 
+def with_warmup(args: argparse.Namespace) -> argparse.Namespace:
+    """`args` with the warm-up's seconds added to the arrivals (`--duration`); ValueError when it has none."""
+    if not args.warmup:
+        return args
+    if not math.isfinite(args.warmup) or args.warmup < 0:
+        raise ValueError("--warmup must be a number of seconds, 0 or more")
+    if args.duration is None or args.requests is not None:
+        raise ValueError("--warmup goes with --duration, not --requests")
+    return argparse.Namespace(**vars(args) | {"duration": args.warmup + args.duration})
+
+
 def max_requests_for(args: argparse.Namespace, rate: float | None) -> int:
     if args.requests is not None:
         return min(args.requests, MAX_REQUESTS)
@@ -151,6 +164,7 @@ def plan_runs(args: argparse.Namespace, log_root: Path) -> tuple[list[RunSpec], 
     mix = tuple(fleet_nodes(parse_fleet(args.fleet))) if args.fleet else ()
     fleet = FleetSpec(workers=len(mix) or args.workers, profile=args.profile, speed=args.speed, seed=args.seed,
                       max_model_len=args.max_model_len, num_blocks=args.num_blocks, mix=mix)
+    args = with_warmup(args)
     slo = Slo(ttft_s=args.ttft_slo_ms / 1000.0, tpot_s=args.tpot_slo_ms / 1000.0)
     issue_for = min(args.duration or args.max_run_time, args.max_run_time)
     limits = DriveLimits(issue_for_s=issue_for, hard_stop_s=issue_for + args.request_timeout + 5.0,
@@ -169,7 +183,8 @@ def plan_runs(args: argparse.Namespace, log_root: Path) -> tuple[list[RunSpec], 
         for policy in policies:
             if policy not in rejected:
                 name = f"{policy}-{'closed' if rate is None else f'r{rate:g}'}"
-                runs.append(RunSpec(policy, workload, fleet, slo, limits, args.request_timeout, log_root / name))
+                runs.append(RunSpec(policy, workload, fleet, slo, limits, args.request_timeout, log_root / name,
+                                    args.warmup))
     return runs, rejected
 
 
@@ -227,6 +242,7 @@ def main(argv: list[str] | None = None) -> int:
             "loads": [rate_label(r, args.concurrency) for r in dict.fromkeys(_rate_of(s) for s in runs)],
             "slo": {"ttft_ms": args.ttft_slo_ms, "tpot_ms": args.tpot_slo_ms},
             "request_timeout_s": args.request_timeout,
+            "warmup_s": args.warmup,
             "units": "wall-clock; simulated time = wall time x fleet.speed (engine time only)",
             "argv": list(sys.argv[1:] if argv is None else argv),
         },

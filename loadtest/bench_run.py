@@ -94,6 +94,7 @@ class RunSpec:
     limits: DriveLimits
     request_timeout_s: float
     log_dir: Path
+    warmup_s: float = 0.0  # requests the workload schedules before this are served but not measured
 
 
 # `--policies naive:round_robin`: the policy behind a plain load balancer, without kvlane's admission
@@ -174,6 +175,11 @@ def run_each(
     return results
 
 
+def after_warmup(records: list[RequestRecord], warmup_s: float) -> list[RequestRecord]:
+    """The records a run measures: those the workload scheduled once the warm-up was over."""
+    return [r for r in records if r.scheduled_s >= warmup_s]
+
+
 def run_once(spec: RunSpec, on_record: Callable[[RequestRecord], None]) -> dict[str, Any]:
     """Start the fleet, send the workload, stop the fleet; the run's metrics and records."""
     config = fleet_config(spec.fleet, spec.policy, spec.request_timeout_s)
@@ -192,14 +198,16 @@ def run_once(spec: RunSpec, on_record: Callable[[RequestRecord], None]) -> dict[
             fleet.stop()
         launcher.stop_all()
     worker_ids = spec.fleet.worker_ids()
+    counted = after_warmup(records, spec.warmup_s)
     return {
         "policy": spec.policy,
         "fleet_startup_s": startup_s,
         "processes_died": dead,
-        "summary": summarize(records, spec.slo, runs, worker_ids),
+        "summary": summarize(counted, spec.slo, runs, worker_ids),
+        "warmup_requests": len(records) - len(counted),
         # KV pulls the decode nodes made during the workload: requests prefilled on a prefill node.
         "kv_pulls": kv_pulls,
-        "records": [r.to_json() for r in records],
+        "records": [r.to_json() for r in counted],
         "log_dir": str(spec.log_dir),
     }
 

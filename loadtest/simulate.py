@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import math
 import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -32,9 +31,10 @@ from rich.console import Console
 
 from kvlane.fleet import with_overrides
 from kvlane.fleet_mix import FleetNode, NodeKind, describe, fleet_nodes, parse_fleet
-from loadtest.bench import RESULTS_DIR, build_parser as bench_parser, jsonable, loads, max_requests_for, workload_for
+from loadtest.bench import (RESULTS_DIR, build_parser as bench_parser, jsonable, loads, max_requests_for, with_warmup,
+                            workload_for)
 from loadtest.bench_report import print_report, rate_label, write_json, write_plots
-from loadtest.bench_run import FleetSpec, PlannedRun, policy_sections, run_each
+from loadtest.bench_run import FleetSpec, PlannedRun, after_warmup, policy_sections, run_each
 from loadtest.client import RequestRecord
 from loadtest.driver import DriveLimits
 from loadtest.metrics import Slo, summarize
@@ -66,9 +66,6 @@ class SimRun:
 def build_parser() -> argparse.ArgumentParser:
     parser = bench_parser("kvlane simulate", __doc__.split("\n\n")[0], live=False)
     sim = parser.add_argument_group("simulation")
-    sim.add_argument("--warmup", type=float, default=0.0, metavar="SECONDS",
-                     help="simulated seconds of arrivals before --duration's, at the same load: served, not measured "
-                          "(--fail and --join times count from the warm-up's start)")
     sim.add_argument("--config", type=Path, help="TOML configuration: its balancer, cache_manager, cluster, health "
                                                  "and worker.sim sections apply as they would live")
     sim.add_argument("--ingress-ms", type=float, default=Latencies.ingress_s * 1000,
@@ -94,9 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--decode", help="decode nodes d0..., PROFILE[@SPEED]:COUNT,... (with --prefill; --fleet adds aggregated ones)")
     sim.add_argument("--kv-link", help="link the KV travels over from prefill to decode nodes (default: worker.sim.kv_link)")
     sim.add_argument("--fail", action="append", default=[], metavar="T=WORKER",
-                     help="node WORKER fails at simulated second T (repeatable)")
+                     help="node WORKER fails at simulated second T, counted from the warm-up's start (repeatable)")
     sim.add_argument("--join", action="append", default=[], metavar="T=PROFILE[@SPEED]",
-                     help="a new node of PROFILE joins at simulated second T (repeatable)")
+                     help="a new node of PROFILE joins at simulated second T, as --fail (repeatable)")
     return parser
 
 
@@ -158,12 +155,7 @@ def plan(args: argparse.Namespace) -> tuple[list[SimRun], dict[str, Any]]:
         except KeyError as exc:
             raise ValueError(f"--kv-link: {exc.args[0]}") from None
         base = with_overrides(base, **{"worker.sim": {"kv_link": args.kv_link}})
-    if args.warmup:
-        if not math.isfinite(args.warmup) or args.warmup < 0:
-            raise ValueError("--warmup must be a number of seconds, 0 or more")
-        if args.duration is None or args.requests is not None:
-            raise ValueError("--warmup goes with --duration, not --requests")
-        args = argparse.Namespace(**vars(args) | {"duration": args.warmup + args.duration})
+    args = with_warmup(args)
     slo = Slo(ttft_s=args.ttft_slo_ms / 1000.0, tpot_s=args.tpot_slo_ms / 1000.0)
     issue_for = min(args.duration or args.max_run_time, args.max_run_time)
     limits = DriveLimits(issue_for_s=issue_for, hard_stop_s=issue_for + args.request_timeout + 5.0,
@@ -199,7 +191,7 @@ def run_one(run: SimRun, on_record: Callable[[RequestRecord], None]) -> dict[str
     spec = SimulationSpec(run.config, run.nodes, run.workload, run.limits, run.request_timeout_s, run.latencies, run.changes)
     result = Simulation(spec, on_record).run()
     worker_ids = [n.worker_id for n in run.nodes] + [c.worker_id for c in run.changes if c.profile]
-    measured = [r for r in result.records if r.scheduled_s >= run.warmup_s]
+    measured = after_warmup(result.records, run.warmup_s)
     return {
         "policy": run.policy,
         "summary": summarize(measured, run.slo, result.runs, worker_ids),

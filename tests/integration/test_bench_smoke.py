@@ -59,6 +59,31 @@ def test_bench_compares_two_policies_and_writes_results(tmp_path) -> None:
 def test_bench_rejects_contradictory_load_options(tmp_path) -> None:
     assert main(["--concurrency", "4", "--rate", "2", "--out", str(tmp_path), "--quiet"]) == 2
     assert main(["--policies", "round_robin", "--out", str(tmp_path), "--quiet"]) == 2  # no rate, no concurrency
+    # A warm-up comes before a --duration of arrivals, and lasts a number of seconds.
+    for warmup in (["--warmup", "5"], ["--warmup", "5", "--duration", "5", "--requests", "10"],
+                   ["--warmup", "-1", "--duration", "5"], ["--warmup", "nan", "--duration", "5"]):
+        assert main([*warmup, "--rate", "2", "--out", str(tmp_path), "--quiet"]) == 2, warmup
+
+
+@pytest.mark.skipif(not servers_available(), reason="needs nats-server and redis-server")
+@pytest.mark.timeout(120)
+def test_bench_serves_a_warm_up_and_measures_only_what_comes_after_it(tmp_path) -> None:
+    out = tmp_path / "out"
+    code = main([
+        "--policies", "jffc_per_request", "--workers", "1", "--profile", "zero", "--workload", "shared-prefix",
+        "--groups", "2", "--system-tokens", "128", "--question-tokens", "16", "--output-tokens", "4",
+        "--rate", "20", "--warmup", "1.5", "--duration", "1.5", "--seed", "3",
+        "--out", str(out), "--log-dir", str(tmp_path / "logs"), "--quiet",
+    ])
+    assert code == 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["parameters"]["warmup_s"] == 1.5
+    (run,) = results["runs"]
+    assert "error" not in run, run.get("error")
+    # Arrivals for 3 s at 20 req/s: the first 1.5 s served, left out; the rest counted, every one of them.
+    assert run["warmup_requests"] > 0 and run["records"]
+    assert all(r["scheduled_s"] >= 1.5 and r["status"] == 200 for r in run["records"])
+    assert run["summary"]["requests"] == run["summary"]["succeeded"] == len(run["records"])
 
 
 @pytest.mark.skipif(not servers_available(), reason="needs nats-server and redis-server")
