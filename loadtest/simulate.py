@@ -6,12 +6,12 @@ scheduler code, with the messages between them delayed by modelled
 latencies, and no NATS, Redis or subprocesses. A run is deterministic for
 its seed, and its latencies are simulated seconds, free of this machine's
 noise. Options, results.json layout, table and plots are `kvlane bench`'s,
-plus fleets of mixed node kinds, nodes that fail or join mid-run, the
-modelled latencies, and a warm-up: `--warmup S` runs S simulated seconds of
-arrivals before the `--duration` measured, so that caches and queues are
-past their start when measuring begins (a fleet starts with every cache
-empty; in a short run the first prefill of each prefix decides much of
-the result).
+plus fleets of mixed node kinds, nodes that fail or join mid-run, and the
+modelled latencies. `kvlane bench`'s `--warmup S` counts simulated seconds
+here: S seconds of arrivals before the `--duration` measured, so that
+caches and queues are past their start when measuring begins (a fleet
+starts with every cache empty; in a short run the first prefill of each
+prefix decides much of the result).
 
     kvlane simulate --fleet h100-80g-llama3-8b:8,a100-80g-llama3-8b:8 --rates 40,80 --duration 60
 """
