@@ -17,7 +17,9 @@ With `--at-knee`, round robin alone runs the sweep and every other policy
 only at its knee (a third of the runs; capacities are then not measured).
 With `--capacity`, each policy's capacity is instead searched for on its
 own (`search_capacity`): widened from the guess, then bisected to within
-`--resolution`, so that capacity ratios are not limited by a coarse grid.
+`--resolution`, so that capacity ratios are not limited by a coarse grid;
+with `--seeds N`, a probed rate's attainment is the mean over seeds 0 to
+N-1, so that one draw of arrivals near a cliff does not decide it.
 
 Everything is in simulated time. Writes `study.json` and `study.md` under
 `--out`.
@@ -211,14 +213,23 @@ def markdown(study: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n" + _conditions_note(study)
 
 
-def capacity_pair(base: list[str], policies: list[str], guess: float, resolution: float, where: Path) -> dict[str, Any]:
-    """Each policy's capacity searched on its own, and jffc_per_request's over round robin's and the best other's."""
+def capacity_pair(base: list[str], policies: list[str], guess: float, resolution: float, where: Path,
+                  seeds: int = 1) -> dict[str, Any]:
+    """Each policy's capacity searched on its own, and jffc_per_request's over round robin's and the best other's.
+
+    A rate's attainment is the mean over seeds 0 to `seeds - 1`: near a cliff one draw of arrivals can
+    decide it (docs/benchmarks.md).
+    """
 
     def attainment_of(policy: str) -> Callable[[float], float]:
         def attainment(rate: float) -> float:
-            results = run_simulate([*base, "--policies", policy, "--rate", f"{rate:.6g}",
-                                    "--out", str(where / policy.replace(":", "-") / f"{rate:.6g}")])
-            return next(r["summary"]["slo_attainment"] or 0.0 for r in results["runs"] if "summary" in r)
+            attained = []
+            for seed in range(seeds):
+                out = where / policy.replace(":", "-") / f"{rate:.6g}"
+                results = run_simulate([*base, "--policies", policy, "--rate", f"{rate:.6g}", "--seed", str(seed),
+                                        "--out", str(out if seeds == 1 else out / f"seed-{seed}")])
+                attained.append(next(r["summary"]["slo_attainment"] or 0.0 for r in results["runs"] if "summary" in r))
+            return sum(attained) / seeds
         return attainment
 
     searches = {policy: search_capacity(attainment_of(policy), guess, resolution) for policy in policies}
@@ -256,6 +267,8 @@ def _conditions_note(study: dict[str, Any]) -> str:
     notes = []
     if warmup := study.get("warmup_s", 0.0):
         notes.append(f"Each run measured after {warmup:g} simulated seconds of warm-up at its rate.")
+    if (seeds := study.get("seeds", 1)) > 1:
+        notes.append(f"Each rate's attainment is the mean over seeds 0-{seeds - 1}.")
     if config := study.get("config", ""):
         notes.append(f"Every run used this configuration (`--config`):\n\n```toml\n{config.strip()}\n```")
     return "".join(f"\n{note}\n" for note in notes)
@@ -268,12 +281,13 @@ def merge(directories: list[Path], out: Path) -> tuple[dict[str, Any], str]:
     pairs: list[dict[str, Any]] = []
     searched: dict[tuple[str, str], dict[str, Any]] = {}
     studies = [json.loads((directory / "study.json").read_text()) for directory in directories]
-    warmups = {study.get("warmup_s", 0.0) for study in studies}
-    if len(warmups) > 1:
-        raise ValueError(f"studies with different warm-ups ({', '.join(map(str, sorted(warmups)))} s) do not compare")
-    configs = {study.get("config", "") for study in studies}
-    if len(configs) > 1:
-        raise ValueError("studies run with different --config files do not compare")
+    conditions: dict[str, Any] = {}
+    # What every run of a study shared, with its value in studies from before it was recorded.
+    for key, before, what in (("warmup_s", 0.0, "warm-ups"), ("config", "", "--config files"), ("seeds", 1, "seed counts")):
+        values = {study.get(key, before) for study in studies}
+        if len(values) > 1:
+            raise ValueError(f"studies with different {what} ({', '.join(sorted(map(repr, values)))}) do not compare")
+        conditions[key] = values.pop()
     for study in studies:
         for pair in study["pairs"]:
             if "searches" in pair:
@@ -289,8 +303,8 @@ def merge(directories: list[Path], out: Path) -> tuple[dict[str, Any], str]:
     if searched and pairs:
         raise ValueError("capacity studies and rate sweeps summarize differently: merge them apart")
     capacity_pairs = [{**pair, "targets": capacity_targets(pair["capacity"])} for pair in searched.values()]
-    study = {"merged_from": [str(d) for d in directories], "num_blocks": NUM_BLOCKS, "warmup_s": warmups.pop(),
-             "config": configs.pop(), "pairs": pairs or capacity_pairs}
+    study = {"merged_from": [str(d) for d in directories], "num_blocks": NUM_BLOCKS, **conditions,
+             "pairs": pairs or capacity_pairs}
     text = capacity_markdown(study) if capacity_pairs else markdown(study)
     out.mkdir(parents=True, exist_ok=True)
     (out / "study.json").write_text(json.dumps(study, indent=1) + "\n")
@@ -319,6 +333,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="search each policy's capacity on its own (widen, then bisect) instead of a fixed sweep")
     parser.add_argument("--resolution", type=float, default=0.05,
                         help="with --capacity: stop when the bracket is narrower than this, relative")
+    parser.add_argument("--seeds", type=int, default=1,
+                        help="with --capacity: a rate's attainment is the mean over this many seeds (0, 1, ...)")
     parser.add_argument("--merge", type=Path, nargs="+", metavar="DIR",
                         help="run nothing: summarize again the studies in these --out directories, into --out")
     return parser
@@ -333,6 +349,10 @@ def main(argv: list[str] | None = None) -> int:
             print(exc, file=sys.stderr)
             return 2
         return 0
+    if args.seeds < 1 or (args.seeds > 1 and not args.capacity):
+        print(f"--seeds {args.seeds}: at least 1, and more only with --capacity (it averages a search's probes)",
+              file=sys.stderr)
+        return 2
     config_text = ""
     if args.config:
         try:
@@ -354,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
     if any(w.needs_trace for w in workloads) and not trace.exists():
         trace.write_text("".join(row.to_json() + "\n" for row in generate(TraceSpec(requests=60_000))))
     study: dict[str, Any] = {"policies": policies, "num_blocks": NUM_BLOCKS, "warmup_s": args.warmup,
-                             "config": config_text, "pairs": []}
+                             "config": config_text, "seeds": args.seeds, "pairs": []}
     for workload in workloads:
         for fleet in fleets:
             duration = args.duration / (2 if args.quick else 1)
@@ -368,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
             rates = ",".join(f"{guess * k:.4g}" for k in SWEEP)
             if args.capacity:
                 pair = {"workload": workload.name, "fleet": fleet.name,
-                        **capacity_pair(base, policies, guess, args.resolution, where / "capacity")}
+                        **capacity_pair(base, policies, guess, args.resolution, where / "capacity", args.seeds)}
                 study["pairs"].append(pair)
                 (out / "study.json").write_text(json.dumps(study, indent=1) + "\n")
                 (out / "study.md").write_text(capacity_markdown(study))

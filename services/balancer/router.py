@@ -76,7 +76,6 @@ class Router:
         self._queue_settings = queue_settings
         self._disaggregation = disaggregation or DisaggregationSettings()
         self.degradation = Degradation(degradation or DegradationSettings(), queue_settings.retry_after_s)
-        self._ttft_target_s = (degradation or DegradationSettings()).ttft_target_s
         # Queued request id -> younger requests of its class served before it (cache-aware dequeue).
         self._overtaken: dict[str, int] = {}
         self._known_workers: set[str] = set()
@@ -280,16 +279,17 @@ class Router:
     def overtake_bound(self) -> float:
         """How often younger requests may be served before a queued one: `cache_aware_max_skips`, or more under load.
 
-        Each overtake delays the request by about one departure, so up to the
-        TTFT target's worth of departures (`ttft_target_s` times the slots
-        freed per second) keeps its extra wait within that target at any
-        fleet size and rate. A fixed count meant ever less time as the fleet
-        grew (16 overtakes pass in 0.1 s at 160 departures per second), and
-        a long queue then served nearly everything as due, oldest first,
-        without regard to the cache.
+        Each overtake delays the request by about one departure, so up to
+        `cache_aware_max_delay_s` worth of departures (times the slots freed
+        per second) keeps its extra wait about that long at any fleet size
+        and rate. A fixed count meant ever less time as the fleet grew (16
+        overtakes pass in 0.1 s at 160 departures per second), and a long
+        queue then served nearly everything as due, oldest first, without
+        regard to the cache.
         """
         departures_per_s = self.degradation.departures.per_s(self.builder.clock())
-        return max(self._queue_settings.cache_aware_max_skips, self._ttft_target_s * departures_per_s)
+        settings = self._queue_settings
+        return max(settings.cache_aware_max_skips, settings.cache_aware_max_delay_s * departures_per_s)
 
     def _count_overtaken(self, served: QueuedRequest, order: Sequence[QueuedRequest]) -> None:
         """Every older request of `served`'s class still waiting has been overtaken once more."""

@@ -392,7 +392,8 @@ def _queued(r, request_id: str, hashes: list[int], at: float) -> None:
 
 
 def test_a_freed_slot_goes_to_the_queued_request_its_node_caches_unless_one_was_overtaken_too_often() -> None:
-    r = router(max_per_chain=1, queue=QueueSettings(cache_aware_max_skips=2))
+    # The count alone bounds overtakes here: the departures' worth (tests/unit/test_overtake_bound.py) stays below it.
+    r = router(max_per_chain=1, queue=QueueSettings(cache_aware_max_skips=2, cache_aware_max_delay_s=0.001))
     heartbeats = [heartbeat("w0"), heartbeat("w1")]
     r.table.reserve("running", r.builder.facts(heartbeats[0]).chain_id, 1, NOW_WALL + 60)  # w0 is full
     r.index.apply("w1", stored=[1, 2, 3, 4])

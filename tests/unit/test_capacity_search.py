@@ -36,13 +36,15 @@ def test_a_policy_that_never_attains_has_no_capacity():
     assert search.ceiling == 10.0 / 1.5**5
 
 
-def _capacity_study(directory: Path, capacity: dict[str, float], warmup_s: float | None = None, config: str = "") -> Path:
+def _capacity_study(directory: Path, capacity: dict[str, float], warmup_s: float | None = None, config: str = "",
+                    seeds: int | None = None) -> Path:
     searches = {p: {"capacity": c, "ceiling": c * 1.05, "probes": [[c, 0.95]]} for p, c in capacity.items()}
     pair = {"workload": "long-context", "fleet": "8 H100 + 8 A100", "resolution": 0.05, "capacity": capacity,
             "searches": searches, "targets": routing_study.capacity_targets(capacity)}
     directory.mkdir()
     study = {"policies": list(capacity), "pairs": [pair]} | ({} if warmup_s is None else {"warmup_s": warmup_s})
     study |= {"config": config} if config else {}  # a study from before --config has none
+    study |= {} if seeds is None else {"seeds": seeds}
     (directory / "study.json").write_text(json.dumps(study))
     return directory
 
@@ -122,3 +124,36 @@ def test_every_run_gets_the_config_file_and_the_study_keeps_its_text(tmp_path: P
     study = json.loads((out / "study.json").read_text())
     assert study["config"] == WEIGHT_4 and 150.0 / 1.05 <= study["pairs"][0]["capacity"]["jffc_per_request"] <= 150.0
     assert "imposed_delay_weight = 4" in (out / "study.md").read_text()
+
+
+def test_with_seeds_each_probe_runs_every_seed_and_attains_their_mean(tmp_path: Path, monkeypatch) -> None:
+    """Seed 0 keeps the SLO up to 150 req/s, seed 1 up to 120: between them the mean, 0.75, is not enough."""
+    outs: list[str] = []
+
+    def simulate(argv: list[str]) -> dict:
+        outs.append(argv[argv.index("--out") + 1])
+        rate, seed = float(argv[argv.index("--rate") + 1]), int(argv[argv.index("--seed") + 1])
+        return {"runs": [{"summary": {"slo_attainment": 1.0 if rate <= (150.0, 120.0)[seed] else 0.5}}]}
+
+    monkeypatch.setattr(routing_study, "run_simulate", simulate)
+    out = tmp_path / "study"
+    assert routing_study.main(["--capacity", "--seeds", "2", "--workloads", "long-context", "--fleets", "16m",
+                               "--policies", "jffc_per_request", "--out", str(out)]) == 0
+    study = json.loads((out / "study.json").read_text())
+    assert study["seeds"] == 2 and 120.0 / 1.05 <= study["pairs"][0]["capacity"]["jffc_per_request"] <= 120.0
+    assert len(outs) == len(set(outs)) and len(outs) % 2 == 0  # each seed's run keeps its own results
+    assert "mean over seeds 0-1" in (out / "study.md").read_text()
+
+
+@pytest.mark.parametrize("argv", [["--capacity", "--seeds", "0"], ["--seeds", "2"]])
+def test_seeds_below_one_or_without_a_capacity_search_exit_2(tmp_path: Path, capsys, argv: list[str]) -> None:
+    out = tmp_path / "study"
+    assert routing_study.main([*argv, "--workloads", "long-context", "--fleets", "16m", "--out", str(out)]) == 2
+    assert "--seeds" in capsys.readouterr().err and not out.exists()
+
+
+def test_studies_averaged_over_different_seed_counts_are_not_merged(tmp_path: Path) -> None:
+    one = _capacity_study(tmp_path / "one", {"jffc_per_request": 191.0})  # a study from before --seeds: one seed
+    four = _capacity_study(tmp_path / "four", {"prefix_affinity": 152.0}, seeds=4)
+    with pytest.raises(ValueError, match="different seed counts"):
+        routing_study.merge([one, four], tmp_path / "merged")

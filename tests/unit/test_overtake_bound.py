@@ -10,7 +10,7 @@ from tests.unit.balancer_fixtures import NOW_WALL, heartbeat, request, router
 
 
 def _router_at(now: float) -> Router:
-    r = router(max_per_chain=1, queue=QueueSettings(cache_aware_max_skips=2))
+    r = router(max_per_chain=1, queue=QueueSettings(cache_aware_max_skips=2, cache_aware_max_delay_s=0.5))
     r.builder.clock = lambda: now
     return r
 
@@ -20,13 +20,20 @@ def _depart(r: Router, count: int, over_s: float) -> None:
         r.degradation.departures.note(NOW_WALL - over_s + over_s * i / count)
 
 
-def test_the_bound_is_the_configured_count_until_slots_free_faster_than_it_per_ttft_target() -> None:
+def test_the_bound_is_the_configured_count_until_slots_free_faster_than_it_per_max_delay() -> None:
     r = _router_at(NOW_WALL)
     assert r.overtake_bound() == 2
-    _depart(r, 3, over_s=1.0)  # 3 per second: 1.5 within the 0.5 s target, under the floor
+    _depart(r, 3, over_s=1.0)  # 3 per second: 1.5 within the 0.5 s delay, under the floor
     assert r.overtake_bound() == 2
     _depart(r, 97, over_s=1.0)
     assert r.overtake_bound() == 0.5 * 100
+
+
+def test_by_default_a_queued_request_may_be_overtaken_for_two_seconds_of_departures() -> None:
+    r = router(max_per_chain=1)
+    r.builder.clock = lambda: NOW_WALL
+    _depart(r, 100, over_s=1.0)
+    assert r.overtake_bound() == 2.0 * 100
 
 
 def test_under_load_a_freed_slot_still_goes_to_the_request_its_node_caches_after_the_configured_count() -> None:
