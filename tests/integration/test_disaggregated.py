@@ -23,15 +23,12 @@ import msgspec
 import nats
 import openai
 import pytest
-import redis.asyncio as redis
 
 from contracts import subjects
 from contracts.balancer import BalancerStatus, BalancerStatusRequest
 from contracts.messages import (
-    EngineStats,
     GenerateRequest,
     Handoff,
-    Heartbeat,
     PrefillRequest,
     StreamMessage,
     TokenChunk,
@@ -40,11 +37,10 @@ from contracts.messages import (
 from kvlane.fleet import Fleet, with_overrides
 from shared.block_hash import chained_block_hashes
 from shared.bus import addressed_frames
-from shared.state import ClusterState
 from shared.tokenizer import SimTokenizer
 from tests.integration.conftest import MODEL, launch, until_status
 from tests.integration.test_faults import expected_text
-from tests.waiting import until
+from tests.heartbeats import fresh_stats, heartbeat_of, stats_of
 
 pytestmark = pytest.mark.integration
 
@@ -60,32 +56,6 @@ def disaggregated(cluster: dict | None = None, **worker: object) -> Callable:
         return with_overrides(config, worker=worker) if worker else config
 
     return tune
-
-
-async def heartbeat_of(fleet: Fleet, worker_id: str) -> Heartbeat:
-    client = redis.Redis.from_url(fleet.config.redis.url)
-    try:
-        live = await ClusterState(client, 10.0).live_heartbeats()
-    finally:
-        await client.aclose()
-    return next(h.heartbeat for h in live if h.heartbeat.registration.worker_id == worker_id)
-
-
-async def stats_of(fleet: Fleet, worker_id: str) -> EngineStats:
-    return (await heartbeat_of(fleet, worker_id)).stats
-
-
-async def fresh_stats(fleet: Fleet, worker_id: str) -> EngineStats:
-    """The stats of a heartbeat sent a full interval after this call: they reflect what had happened by the call."""
-    after = time.time() + fleet.config.cluster.heartbeat_interval_s
-    fresh: list[Heartbeat] = []
-
-    async def sent_after() -> bool:
-        fresh[:] = [await heartbeat_of(fleet, worker_id)]
-        return fresh[0].sent_at >= after
-
-    await until(sent_after, 10, f"no heartbeat from {worker_id} sent after {after:.2f}")
-    return fresh[0].stats
 
 
 async def complete(fleet: Fleet, prompt: str, seed: int, max_tokens: int = 12) -> str:
@@ -185,7 +155,7 @@ async def test_a_cached_long_prompt_stays_on_the_decode_node(pd_fleet: Fleet) ->
     """Conditional disaggregation counts the uncached part: a repeat of a prompt the decode node holds runs locally."""
     prompt = f"{LONG} repeated"
     await complete(pd_fleet, prompt, seed=7)  # remote: the decode node now holds the prompt's blocks
-    block_size = (await heartbeat_of(pd_fleet, "d0")).registration.block_size
+    block_size = (await heartbeat_of(pd_fleet.config.redis.url, "d0")).registration.block_size
     hashes = chained_block_hashes(SimTokenizer().encode(prompt), block_size)
     assert len(hashes) >= 2
 

@@ -21,14 +21,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
-import msgspec
 import pytest
-import redis.asyncio as redis
-
-from contracts import subjects
-from contracts.messages import Heartbeat
 
 from kvlane.launcher import free_port
+from tests.heartbeats import heartbeat_of
 from tests.integration.conftest import MODEL
 from tests.waiting import until
 from tests.integration.test_faults import expected_text, health_state
@@ -221,17 +217,6 @@ async def steady_streams(base_url: str, lanes: int, stop: asyncio.Event, load: S
         await asyncio.gather(*(lane() for _ in range(lanes)))
 
 
-async def node_heartbeat(redis_url: str, worker_id: str) -> Heartbeat:
-    """`worker_id`'s last heartbeat, as the fleet keeps it in Redis."""
-    client = redis.Redis.from_url(redis_url)
-    try:
-        raw = await client.get(subjects.node_key(worker_id))
-    finally:
-        await client.aclose()
-    assert raw is not None, f"no heartbeat of {worker_id} in Redis"
-    return msgspec.json.decode(raw, type=Heartbeat)
-
-
 async def metric_values(base_url: str, name: str) -> dict[str, float]:
     """Every sample of one metric on the ingress's /metrics, by its label text."""
     async with aiohttp.ClientSession() as session, session.get(f"{base_url}/metrics") as response:
@@ -245,7 +230,7 @@ async def test_a_worker_killed_under_streaming_load_is_restarted_and_no_stream_i
     ingress_pid = up.service_pid("ingress")
     bystanders = {worker_id: up.service_pid("worker", worker_id) for worker_id in ("w1", "w2")}
     victim = up.service_pid("worker", "w0")
-    killed_start = (await node_heartbeat(up.redis_url, "w0")).registration.started_at
+    killed_start = (await heartbeat_of(up.redis_url, "w0")).registration.started_at
     load, stop = StreamLoad(), asyncio.Event()
     streams = asyncio.create_task(steady_streams(up.base_url, STREAMS, stop, load))
 
@@ -262,7 +247,7 @@ async def test_a_worker_killed_under_streaming_load_is_restarted_and_no_stream_i
     assert up.service_pid("worker", "w0") == restarted != victim
 
     async def w0_serves_again() -> bool:
-        heartbeat = await node_heartbeat(up.redis_url, "w0")
+        heartbeat = await heartbeat_of(up.redis_url, "w0")
         return heartbeat.registration.started_at != killed_start and heartbeat.stats.running > 0
 
     await until(w0_serves_again, 60, "the restarted w0 running requests")

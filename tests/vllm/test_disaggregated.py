@@ -11,7 +11,6 @@ than two engines at once on a 2-core machine.
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,12 +18,12 @@ import msgspec
 import nats
 import openai
 import pytest
-import redis
 
 from contracts import subjects
-from contracts.messages import EngineStats, Handoff, Heartbeat, StreamMessage
+from contracts.messages import Handoff, StreamMessage
 from kvlane.fleet import Fleet, with_overrides
 from shared.bus import addressed_frames
+from tests.heartbeats import fresh_stats, stats_of
 from tests.vllm.conftest import BLOCK_SIZE, MODEL, reference_engine_args, run_json_module, running_fleet, vllm_fleet_config
 
 pytestmark = [pytest.mark.vllm, pytest.mark.integration]
@@ -57,18 +56,6 @@ def pd_fleet(reference: list[dict], tmp_path_factory: pytest.TempPathFactory, ti
         yield fleet
 
 
-def stats_of(fleet: Fleet, worker_id: str) -> EngineStats:
-    raw = redis.Redis.from_url(fleet.config.redis.url).get(subjects.node_key(worker_id))
-    assert raw, f"no heartbeat from {worker_id}"
-    return msgspec.json.decode(raw, type=Heartbeat).stats
-
-
-def fresh_stats(fleet: Fleet, worker_id: str) -> EngineStats:
-    # Two heartbeat intervals: the next heartbeat reflects what just happened.
-    time.sleep(2 * fleet.config.cluster.heartbeat_interval_s + 0.2)
-    return stats_of(fleet, worker_id)
-
-
 async def complete_watching_handoffs(fleet: Fleet, prompts: list[list[int]]) -> tuple[list, list[Handoff]]:
     handoffs: list[Handoff] = []
     frames = msgspec.msgpack.Decoder(StreamMessage)
@@ -92,7 +79,7 @@ async def complete_watching_handoffs(fleet: Fleet, prompts: list[list[int]]) -> 
 
 
 def test_long_prompts_are_pulled_by_the_decode_node_and_match_vllm_offline(pd_fleet: Fleet, reference: list[dict]) -> None:
-    before = stats_of(pd_fleet, "d0")
+    before = asyncio.run(stats_of(pd_fleet, "d0"))
     replies, handoffs = asyncio.run(complete_watching_handoffs(pd_fleet, LONG_PROMPTS))
     for reply, expected in zip(replies, reference[:len(LONG_PROMPTS)], strict=True):
         assert reply.choices[0].text == expected["text"]
@@ -100,7 +87,7 @@ def test_long_prompts_are_pulled_by_the_decode_node_and_match_vllm_offline(pd_fl
         assert reply.choices[0].finish_reason == expected["finish_reason"]
     assert [(h.prefill_worker_id, h.decode_worker_id, h.kv_tokens) for h in handoffs] == [
         ("p0", "d0", len(ids)) for ids in LONG_PROMPTS]
-    after = fresh_stats(pd_fleet, "d0")
+    after = asyncio.run(fresh_stats(pd_fleet, "d0"))
     assert after.kv_pulls - before.kv_pulls == len(LONG_PROMPTS)
     # The tiny model keeps 1 KiB of KV per token; NIXL moves whole blocks.
     blocks = sum(-(-len(ids) // BLOCK_SIZE) for ids in LONG_PROMPTS)
@@ -109,7 +96,7 @@ def test_long_prompts_are_pulled_by_the_decode_node_and_match_vllm_offline(pd_fl
 
 
 def test_a_short_prompt_is_prefilled_on_the_decode_node(pd_fleet: Fleet, reference: list[dict]) -> None:
-    before = stats_of(pd_fleet, "d0")
+    before = asyncio.run(stats_of(pd_fleet, "d0"))
     (reply,), handoffs = asyncio.run(complete_watching_handoffs(pd_fleet, [SHORT_PROMPT]))
     assert reply.choices[0].text == reference[-1]["text"] and not handoffs
-    assert fresh_stats(pd_fleet, "d0").kv_pulls == before.kv_pulls
+    assert asyncio.run(fresh_stats(pd_fleet, "d0")).kv_pulls == before.kv_pulls
