@@ -70,8 +70,14 @@ class FinishedWatch:
         finally:
             await nc.close()
 
+    def keeps(self, finished: RequestFinished) -> bool:
+        """Whether `events` takes this event (all of them here)."""
+        return True
+
     async def _on_message(self, msg) -> None:
         finished = self._decoder.decode(msg.data)
+        if not self.keeps(finished):
+            return
         async with self._arrived:
             self.events.append(finished)
             self._arrived.notify_all()

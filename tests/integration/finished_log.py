@@ -2,21 +2,20 @@
 
 from __future__ import annotations
 
-import contextlib
 from collections import Counter
-from collections.abc import AsyncIterator
+from contextlib import AbstractAsyncContextManager
 
-import msgspec
-import nats
-
-from contracts import subjects
 from contracts.messages import RequestFinished
 from kvlane.fleet import Fleet
+from loadtest.hangup import FinishedWatch
 
 
-class FinishedLog:
-    def __init__(self) -> None:
-        self.events: list[RequestFinished] = []
+class FinishedLog(FinishedWatch):
+    """The client requests that finished: health probes and pre-warm prefills are not client
+    traffic, and an aborted attempt was resumed and finishes again elsewhere."""
+
+    def keeps(self, finished: RequestFinished) -> bool:
+        return not finished.request_id.startswith(("probe-", "prewarm-")) and finished.finish_reason != "abort"
 
     def workers(self) -> Counter[str]:
         return Counter(e.worker_id for e in self.events)
@@ -25,25 +24,6 @@ class FinishedLog:
         return self.workers()[worker_id] / max(1, len(self.events))
 
 
-@contextlib.asynccontextmanager
-async def watch_finished(fleet: Fleet) -> AsyncIterator[FinishedLog]:
+def watch_finished(fleet: Fleet) -> AbstractAsyncContextManager[FinishedLog]:
     """`async with watch_finished(fleet) as log:`, subscribed on entry; its NATS client is closed on exit, failed or not."""
-    nc = await nats.connect(fleet.config.nats.url)
-    log = FinishedLog()
-    decoder = msgspec.msgpack.Decoder(RequestFinished)
-
-    async def on_finished(msg) -> None:
-        event = decoder.decode(msg.data)
-        # Health probes and pre-warm prefills are not client traffic; an
-        # aborted attempt was resumed and finishes again elsewhere.
-        if not event.request_id.startswith(("probe-", "prewarm-")) and event.finish_reason != "abort":
-            log.events.append(event)
-
-    await nc.subscribe(subjects.REQUEST_FINISHED, cb=on_finished)
-    # Twice, as `loadtest.hangup.FinishedWatch` does: nats-py can write a flush's PING ahead of the SUB still queued.
-    await nc.flush()
-    await nc.flush()
-    try:
-        yield log
-    finally:
-        await nc.close()
+    return FinishedLog.open(fleet.config.nats.url)  # type: ignore[return-value]
