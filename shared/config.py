@@ -175,6 +175,9 @@ class IngressSettings(Section):
     dispatch_attempts: PositiveInt = 3
     # Resumptions of a broken-off stream on another worker before giving up.
     migration_attempts: Annotated[int, Meta(ge=0)] = 2
+    # Of those, resumptions after the node running the request died (its process gone or restarted). A
+    # request that takes down whatever runs it would otherwise take `migration_attempts + 1` nodes down.
+    node_loss_resumes: Annotated[int, Meta(ge=0)] = 1
     # Resumptions after being preempted for a higher-priority request.
     preemption_resumes: Annotated[int, Meta(ge=0)] = 10
     # While waiting for a frame, how often to check that the worker is still alive.

@@ -516,7 +516,9 @@ class Simulation:
     def _worker_lost(self, flight: _Flight, worker_id: str) -> None:
         if flight.done or flight.worker_id != worker_id:
             return
-        if flight.migrations >= self._config.ingress.migration_attempts:
+        settings = self._config.ingress
+        # Every migration here follows a node's death: both bounds apply to the one count.
+        if flight.migrations >= min(settings.migration_attempts, settings.node_loss_resumes):
             self._fail(flight, "stream_error: worker_lost")
             return
         flight.migrations += 1

@@ -9,7 +9,10 @@ the request back because it is leaving: drain timeout, dead engine), the
 request resumes on another worker (or the same one, after a preemption)
 with the tokens already relayed as `resume_token_ids`: the client's stream
 goes on with no duplicated and no missing token, and its frames keep one
-sequence. At most `migration_attempts` resumptions; then an explicit error.
+sequence. At most `migration_attempts` resumptions, and of those at most
+`node_loss_resumes` after the node died under the request (a request that
+crashes its engine must not take the fleet down node by node); then an
+explicit error.
 
 The route request carries the worker's request (`hand_over`), and the
 balancer sends it on to the node it chose as it replies: the worker's
@@ -72,10 +75,11 @@ class StreamInterrupted(Exception):
     """The stream broke off; `culprit` is the node at fault (excluded next time) and `feedback` what it did.
 
     `restarted`: the culprit's process died and a new one runs under its id; that one is not excluded.
+    `node_lost`: the culprit's process died (restarted, or gone from the cluster).
     """
 
     def __init__(self, reason: str, feedback: FeedbackKind | None, culprit: str = "", preempted: bool = False,
-                 handed_back: bool = False, restarted: bool = False) -> None:
+                 handed_back: bool = False, restarted: bool = False, node_lost: bool = False) -> None:
         super().__init__(reason)
         self.reason = reason
         self.feedback = feedback
@@ -83,6 +87,7 @@ class StreamInterrupted(Exception):
         self.preempted = preempted
         self.handed_back = handed_back
         self.restarted = restarted
+        self.node_lost = node_lost or restarted
 
     @property
     def cause(self) -> str:
@@ -198,7 +203,7 @@ class Dispatcher:
         deadline = time.monotonic() + self._settings.request_timeout_s
         excluded: list[str] = []
         produced: list[int] = []
-        out_seq = handovers = refused = migrations = preemptions = 0
+        out_seq = handovers = refused = migrations = node_losses = preemptions = 0
         while True:
             attempt = _Attempt(self._tracer, trace_context, handovers + 1, request_id, len(produced))
             # Where the worker answers if the balancer sends the request on: listened to before it can.
@@ -276,8 +281,14 @@ class Dispatcher:
                         raise ApiError(
                             502, f"request failed after {migrations} resumptions: {exc.reason}", code="stream_interrupted"
                         ) from exc
+                    elif exc.node_lost and node_losses >= self._settings.node_loss_resumes:
+                        raise ApiError(
+                            502, f"request failed: {node_losses + 1} nodes died while running it, the last as {exc.reason}",
+                            code="stream_interrupted",
+                        ) from exc
                     else:
                         migrations += 1
+                        node_losses += exc.node_lost
                     if self._metrics is not None:
                         self._metrics.migrated(prepared.model, exc.cause)
                     if exc.culprit and not exc.restarted:
@@ -408,7 +419,7 @@ class Dispatcher:
                         continue
                     started_at = self._live_start(worker_id)
                     if started_at is None:
-                        raise StreamInterrupted(f"worker {worker_id} is gone", "timeout", worker_id) from None
+                        raise StreamInterrupted(f"worker {worker_id} is gone", "timeout", worker_id, node_lost=True) from None
                     # Later only: a view that has not yet heard the process that accepted still shows the one before.
                     if worker_id == accepted.worker_id and started_at > accepted.started_at > 0:
                         raise StreamInterrupted(f"worker {worker_id} restarted", "timeout", worker_id, restarted=True) from None

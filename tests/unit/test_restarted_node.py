@@ -8,15 +8,18 @@ heartbeat would have expired.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any
 
 import msgspec
+import pytest
 
 from contracts import subjects
 from contracts.health import NodeFeedback
 from contracts.messages import RouteDecision, RouteRequest, SamplingParams, TokenChunk, WorkerRegistration
 from services.ingress.dispatch import Dispatcher
+from services.ingress.errors import ApiError
 from services.ingress.prompts import PreparedRequest
 from services.worker.engines.sim import SimEngine
 from services.worker.service import WorkerService
@@ -136,3 +139,50 @@ async def test_a_view_that_has_not_yet_heard_the_accepting_process_does_not_take
     finally:
         await worker.drain(0.0)
     assert len(tokens) == MAX_TOKENS and len(routes) == 1
+
+
+async def run_on_a_node_that_dies_at(kills: tuple[int, ...], settings: IngressSettings) -> tuple[list[int], list[RouteRequest]]:
+    """A request on w0, whose process dies (and a new one starts under its id) as each of `kills` tokens is reached,
+    as if the request crashed every engine it ran on: the client's token counts, and the route requests."""
+    bus = LoopbackBus()
+    routes, streams = await a_fleet_without_workers(bus)
+    live = {"start": time.time() - 60}
+    dispatcher = Dispatcher(bus, streams, settings, live_start=lambda worker_id: live["start"],  # type: ignore[arg-type]
+                            max_queue_wait_s=1.0)
+    connections = [KillableBus(bus)]
+    first = await start_worker(connections[0], live["start"])
+    replacements: list[asyncio.Task] = []
+    tokens: list[int] = []
+    pending = list(kills)
+
+    def kill_and_restart(count: int) -> None:
+        tokens.append(count)
+        # At or past: a frame may carry more than one token.
+        if pending and count >= pending[0]:
+            pending.pop(0)
+            connections[-1].killed = True
+            live["start"] += 10
+            connections.append(KillableBus(bus))
+            replacements.append(bus.spawn(start_worker(connections[-1], live["start"])))
+
+    try:
+        await stream_tokens(dispatcher, "poison", kill_and_restart)
+    finally:
+        await first.drain(0.0)
+        for started in replacements:
+            await (await started).drain(0.0)
+    return tokens, routes
+
+
+async def test_a_request_whose_node_dies_under_it_twice_fails_rather_than_take_down_a_third() -> None:
+    with pytest.raises(ApiError) as failed:
+        await run_on_a_node_that_dies_at((3, 6), IngressSettings())
+    assert failed.value.status == 502 and failed.value.code == "stream_interrupted"
+    assert "2 nodes died while running it" in failed.value.message
+
+
+async def test_a_request_whose_node_died_once_is_resumed_and_with_a_higher_bound_twice() -> None:
+    tokens, routes = await run_on_a_node_that_dies_at((3,), IngressSettings())
+    assert tokens[-1] == MAX_TOKENS and len(routes) == 2
+    tokens, routes = await run_on_a_node_that_dies_at((3, 6), IngressSettings(node_loss_resumes=2))
+    assert tokens[-1] == MAX_TOKENS and len(routes) == 3
