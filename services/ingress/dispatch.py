@@ -151,6 +151,10 @@ class _Attempt:
         self.span.end()
 
 
+class RouteUnanswered(Exception):
+    """No balancer answered the route request in time (`Dispatcher._route`)."""
+
+
 class _HandOver(NamedTuple):
     """The worker's request, for the balancer to send on, and where the worker then answers."""
 
@@ -203,7 +207,7 @@ class Dispatcher:
         deadline = time.monotonic() + self._settings.request_timeout_s
         excluded: list[str] = []
         produced: list[int] = []
-        out_seq = handovers = refused = migrations = node_losses = preemptions = 0
+        out_seq = handovers = refused = migrations = node_losses = preemptions = unanswered = 0
         while True:
             attempt = _Attempt(self._tracer, trace_context, handovers + 1, request_id, len(produced))
             # Where the worker answers if the balancer sends the request on: listened to before it can.
@@ -215,7 +219,7 @@ class Dispatcher:
                 )
                 try:
                     decision = await self._route(request_id, prepared, deadline, excluded, len(produced), attempt.context,
-                                                 hand_over)
+                                                 hand_over, last_ask=unanswered > 0)
                 except asyncio.CancelledError as exc:
                     # The client left while its request was routed or queued: a slot and a lease may
                     # be reserved for it by now (and the request handed over); free them rather than
@@ -225,6 +229,13 @@ class Dispatcher:
                     attempt.failed(exc)
                     attempt.end()
                     raise
+                except RouteUnanswered as exc:
+                    # Asked again as a new attempt: a worker the silent balancer handed the request to answers and
+                    # streams to this attempt's reply slot and stream, closed by then, not into the next one's.
+                    unanswered += 1
+                    attempt.failed(exc)
+                    attempt.end()
+                    continue
                 except BaseException as exc:
                     attempt.failed(exc)
                     attempt.end()
@@ -305,8 +316,10 @@ class Dispatcher:
 
     async def _route(
         self, request_id: str, prepared: PreparedRequest, deadline: float, excluded: list[str], produced: int,
-        context: Context | None = None, hand_over: _HandOver | None = None,
+        context: Context | None = None, hand_over: _HandOver | None = None, last_ask: bool = False,
     ) -> RouteDecision:
+        """The balancer's decision; raises `ApiError`, or `RouteUnanswered` when no balancer answered in time,
+        unless this is the `last_ask`."""
         route = RouteRequest(
             request_id=request_id,
             model=prepared.model,
@@ -324,20 +337,17 @@ class Dispatcher:
         # `max_queue_wait_s` (then it answers 503 itself). No answer by then
         # means the balancer went away holding it: ask again, once.
         timeout = self._settings.route_timeout_s + min(self._max_queue_wait_s, route.timeout_s)
-        for attempt in (1, 2):
-            try:
-                reply = await self._bus.request(subjects.ROUTE, route, RouteReply, timeout, context=context)
-                break
-            except NoResponders as exc:
-                raise ApiError(503, "no balancer is running", code="balancer_unavailable", retry_after_s=1.0) from exc
-            except RequestTimeout as exc:
-                if attempt == 2:
-                    raise ApiError(503, f"routing failed: {exc}", code="balancer_unavailable", retry_after_s=1.0) from exc
-                log.warning("route_unanswered", request_id=request_id, timeout_s=round(timeout, 1))
-                # Whatever the silent balancer did with it, this ask's answer is the one the worker's reply follows.
-                route = msgspec.structs.replace(route, hand_over=None)
-            except BusError as exc:
+        try:
+            reply = await self._bus.request(subjects.ROUTE, route, RouteReply, timeout, context=context)
+        except NoResponders as exc:
+            raise ApiError(503, "no balancer is running", code="balancer_unavailable", retry_after_s=1.0) from exc
+        except RequestTimeout as exc:
+            if last_ask:
                 raise ApiError(503, f"routing failed: {exc}", code="balancer_unavailable", retry_after_s=1.0) from exc
+            log.warning("route_unanswered", request_id=request_id, timeout_s=round(timeout, 1))
+            raise RouteUnanswered(str(exc)) from exc
+        except BusError as exc:
+            raise ApiError(503, f"routing failed: {exc}", code="balancer_unavailable", retry_after_s=1.0) from exc
         if isinstance(reply, ErrorReply):
             raise ApiError.from_reply(reply)
         return reply
