@@ -294,7 +294,7 @@ class Dispatcher:
                         ) from exc
                     elif exc.node_lost and node_losses >= self._settings.node_loss_resumes:
                         raise ApiError(
-                            502, f"request failed: {node_losses + 1} nodes died while running it, the last as {exc.reason}",
+                            502, f"request failed: {node_losses + 1} nodes died while running it (the last: {exc.reason})",
                             code="stream_interrupted",
                         ) from exc
                     else:
@@ -335,7 +335,7 @@ class Dispatcher:
         )
         # The balancer may hold the request in its central queue, at most
         # `max_queue_wait_s` (then it answers 503 itself). No answer by then
-        # means the balancer went away holding it: ask again, once.
+        # means the balancer went away holding it: ask again, once in the request's life.
         timeout = self._settings.route_timeout_s + min(self._max_queue_wait_s, route.timeout_s)
         try:
             reply = await self._bus.request(subjects.ROUTE, route, RouteReply, timeout, context=context)
