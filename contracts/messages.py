@@ -204,6 +204,8 @@ class PrefillRequest(RequestToRun, tag="prefill", tag_field="type", kw_only=True
 class AbortRequest(Compact, tag="abort", tag_field="type"):
     request_id: RequestId
     reason: str = "client_disconnected"
+    # Only the run that streams there, one attempt of the request (empty: whichever runs under its id).
+    stream_to: OptionalSubject = ""
 
 
 WorkerRequest = GenerateRequest | PrefillRequest | AbortRequest

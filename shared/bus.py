@@ -182,22 +182,31 @@ class Bus:
         return await asyncio.shield(self._reply_inbox_ready)
 
     async def relaying_to(self, subject: str) -> str:
-        """A reply subject of this connection that passes NATS's *no responders* status on to `subject`.
+        """A reply subject of this connection that passes NATS's *no responders* status, and error replies,
+        on to `subject`.
 
         For a message this connection sends in another's name, to be answered at `subject`. NATS
         tells only the sender's own subscriptions that nobody listened; passed on, it tells the one
-        who waits, at once rather than at its timeout.
+        who waits, at once rather than at its timeout. So does an `ErrorReply` (the answerer could not
+        decode the message, or failed handling it); any other answer stops here.
         """
         return (self._reply_prefix or await self._reply_inbox()) + _RELAY + subject
 
     def _on_relayed(self, msg: Msg) -> None:
-        # Only NATS's own status passes, as a status and nothing more: whoever may answer this
+        # Only NATS's own status and error replies pass, re-encoded here: whoever may answer this
         # connection could otherwise have it publish anything to any subject it may publish to.
-        if not _is_no_responders(msg):
+        # An error is what a bus answers to a request it could not decode or handle; dropped, the
+        # one who waits would wait for its timeout and blame the answerer's silence.
+        target = msg.subject[len(self._reply_prefix) + len(_RELAY):]
+        if _is_no_responders(msg):
+            self.spawn(self._nc.publish(target, b"", headers={_STATUS_HEADER: _NO_RESPONDERS}))
+            return
+        try:
+            error = self._decoder(ErrorReply).decode(msg.data)
+        except msgspec.DecodeError:
             log.debug("relay_dropped", subject=msg.subject, size=len(msg.data))
             return
-        target = msg.subject[len(self._reply_prefix) + len(_RELAY):]
-        self.spawn(self._nc.publish(target, b"", headers={_STATUS_HEADER: _NO_RESPONDERS}))
+        self.spawn(self._nc.publish(target, self._encoder.encode(error)))
 
     def _on_reply(self, msg: Msg) -> None:
         waiting = self._awaited_replies.get(msg.subject[len(self._reply_prefix):])

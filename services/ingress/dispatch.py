@@ -211,8 +211,10 @@ class Dispatcher:
         while True:
             attempt = _Attempt(self._tracer, trace_context, handovers + 1, request_id, len(produced))
             # Where the worker answers if the balancer sends the request on: listened to before it can.
-            slot = await self._bus.reply_slot() if self._settings.balancer_hands_over else contextlib.nullcontext()
-            with slot as reply, self._streams.open(f"{request_id}-{handovers}") as stream:
+            reply = await self._bus.reply_slot() if self._settings.balancer_hands_over else None
+            with contextlib.ExitStack() as closing, self._streams.open(f"{request_id}-{handovers}") as stream:
+                if reply is not None:
+                    closing.callback(reply.close)
                 handovers += 1
                 hand_over = None if reply is None else _HandOver(
                     self._worker_request(request_id, prepared, None, stream, deadline, produced, accept_to=reply.subject), reply,
@@ -231,10 +233,13 @@ class Dispatcher:
                     raise
                 except RouteUnanswered as exc:
                     # Asked again as a new attempt: a worker the silent balancer handed the request to answers and
-                    # streams to this attempt's reply slot and stream, closed by then, not into the next one's.
+                    # streams to this attempt's reply slot and stream, not into the next one's; and is told to stop.
                     unanswered += 1
                     attempt.failed(exc)
                     attempt.end()
+                    if reply is not None:
+                        closing.pop_all()
+                        self._bus.spawn(self._abort_when_accepted(request_id, reply, stream.subject, deadline))
                     continue
                 except BaseException as exc:
                     attempt.failed(exc)
@@ -259,7 +264,7 @@ class Dispatcher:
                         # A node that was merely slow to accept may run it all the same.
                         settled = True
                         attempt.refused(refused_by)
-                        await self._abort(request_id, decision, "not_accepted", attempt.context)
+                        await self._abort(request_id, stream.subject, decision, "not_accepted", attempt.context)
                         excluded.append(refused_by)
                         refused += 1
                         if refused >= self._settings.dispatch_attempts:
@@ -281,7 +286,7 @@ class Dispatcher:
                 except StreamInterrupted as exc:
                     settled = True  # _abandon tells the workers
                     attempt.interrupted(exc)
-                    await self._abandon(request_id, decision, exc, accepted, attempt.context)
+                    await self._abandon(request_id, stream.subject, decision, exc, accepted, attempt.context)
                     # Preemptions are bounded apart from failures: a low-priority
                     # request may legitimately give way several times.
                     if exc.preempted:
@@ -311,8 +316,21 @@ class Dispatcher:
                     raise
                 finally:
                     if not settled:
-                        await self._abort(request_id, decision, "client_disconnected", attempt.context)
+                        await self._abort(request_id, stream.subject, decision, "client_disconnected", attempt.context)
                     attempt.end()
+
+    async def _abort_when_accepted(self, request_id: str, reply: ReplySlot, stream_to: str, deadline: float) -> None:
+        """Stop the run of an attempt whose route no balancer answered, once a worker says it took it over."""
+        with reply:
+            try:
+                accepted = await reply.wait(WorkerReply, max(0.0, deadline - time.monotonic()), subjects.ROUTE)
+            except BusError:
+                return  # nobody took it (or the request's time is up, and the worker stops it itself)
+        if isinstance(accepted, GenerateAccepted):
+            log.info("unanswered_route_handed_over", request_id=request_id, worker_id=accepted.worker_id)
+            with contextlib.suppress(Exception):
+                await self._bus.publish(subjects.worker_inbox(accepted.worker_id),
+                                        AbortRequest(request_id=request_id, reason="route_unanswered", stream_to=stream_to))
 
     async def _route(
         self, request_id: str, prepared: PreparedRequest, deadline: float, excluded: list[str], produced: int,
@@ -482,20 +500,23 @@ class Dispatcher:
                                _start_of(worker_id, accepted))
 
     async def _abandon(
-        self, request_id: str, decision: RouteDecision, interruption: StreamInterrupted, accepted: GenerateAccepted,
+        self, request_id: str, stream_to: str, decision: RouteDecision, interruption: StreamInterrupted, accepted: GenerateAccepted,
         context: Context | None = None,
     ) -> None:
         # Free the slots the old attempt may still hold (a stalled worker that
         # wakes up, for instance), and tell the health-prober what happened.
-        await self._abort(request_id, decision, "migrated", context)
+        await self._abort(request_id, stream_to, decision, "migrated", context)
         if interruption.feedback is not None:
             culprit = interruption.culprit or decision.worker_id
             await self._report(culprit, interruption.feedback, request_id, interruption.reason, _start_of(culprit, accepted))
 
-    async def _abort(self, request_id: str, decision: RouteDecision, reason: str, context: Context | None = None) -> None:
+    async def _abort(self, request_id: str, stream_to: str, decision: RouteDecision, reason: str,
+                     context: Context | None = None) -> None:
+        """Stop the attempt that streams to `stream_to` on the chain's nodes; not a later attempt of the request."""
+        abort = AbortRequest(request_id=request_id, reason=reason, stream_to=stream_to)
         for inbox in _inboxes(decision):
             with contextlib.suppress(Exception):
-                await self._bus.publish(inbox, AbortRequest(request_id=request_id, reason=reason), context=context)
+                await self._bus.publish(inbox, abort, context=context)
 
     async def _report(self, worker_id: str, kind: FeedbackKind, request_id: str, detail: str, started_at: float) -> None:
         """Tell the health-prober about the process of `worker_id` that started at `started_at` (0: not known)."""

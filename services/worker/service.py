@@ -108,11 +108,16 @@ class WorkerService:
         self._outbox = StreamOutbox(bus)
         self._kv_pull_failures = 0
         self._running: dict[str, asyncio.Task] = {}
+        # Where each running request streams: an ingress's attempt (several attempts of one request share its id).
+        self._streams: dict[str, str] = {}
+        # Every attempt of a request not yet ended here, the running one last: the engine knows a request id once.
+        self._attempts: dict[str, list[asyncio.Task]] = {}
         self.metrics = metrics or WorkerMetrics()
         self.metrics.count_in_flight(lambda: len(self._running))
         # Tokens generated so far per running request (lease renewals carry it).
         self._generated: dict[str, int] = {}
-        self._abort_reasons: dict[str, str] = {}
+        # Why a run was cancelled, by its task (attempts of one request share its id).
+        self._abort_reasons: dict[asyncio.Task, str] = {}
         self._draining = False
         # Why the engine died (None while it lives); set once, when the worker starts to leave.
         self._engine_death_cause: str | None = None
@@ -200,11 +205,8 @@ class WorkerService:
 
     async def _hand_back(self, tasks: set[asyncio.Task]) -> None:
         """Cancel these running requests, each ending with a `draining` error that sends it elsewhere."""
-        running = {task: request_id for request_id, task in self._running.items()}
         for task in tasks:
-            request_id = running.get(task)
-            if request_id is not None:
-                self._abort_reasons.setdefault(request_id, "draining")
+            self._abort_reasons.setdefault(task, "draining")
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
 
@@ -233,14 +235,14 @@ class WorkerService:
                 return None
             case GenerateRequest() | PrefillRequest():
                 return self._accept(message)
-            case AbortRequest(request_id=request_id):
+            case AbortRequest(request_id=request_id, stream_to=stream_to):
                 task = self._running.get(request_id)
-                if task is None:
-                    # It ended here before the abort came, or never ran here.
+                if task is None or (stream_to and stream_to != self._streams.get(request_id)):
+                    # It ended here before the abort came, never ran here, or what runs is a later attempt.
                     self._log.debug("abort_of_no_running_request", request_id=request_id, reason=message.reason)
                     return None
                 self._log.info("request_aborted", request_id=request_id, reason=message.reason)
-                self._abort_reasons[request_id] = message.reason
+                self._abort_reasons[task] = message.reason
                 # Soon, not now: a task cancelled before its first step never runs its body, so
                 # it would end without its final frame and RequestFinished (the slot and lease
                 # would stay taken). Its first step is already scheduled, and runs first.
@@ -263,7 +265,8 @@ class WorkerService:
             return ErrorReply(code="draining", message="worker is draining", status=503, retry_after_s=0)
         if request.model != self.registration.model:
             return ErrorReply(code="model_not_found", message=f"this worker serves {self.registration.model!r}", status=404)
-        if request.request_id in self._running:
+        earlier = self._running.get(request.request_id)
+        if earlier is not None and self._streams.get(request.request_id) == request.stream_to:
             return ErrorReply(code="duplicate_request", message=f"request {request.request_id} is already running", status=409)
         if request.timeout_s <= 0:
             return ErrorReply(code="deadline_exceeded", message="deadline passed before the worker got the request", status=504)
@@ -277,15 +280,35 @@ class WorkerService:
             self._engine.check(engine_request)
         except RequestRejected as exc:
             return ErrorReply(code="invalid_request", message=str(exc), status=400)
+        if earlier is not None:
+            # The same request for another stream: the ingress asked again (no balancer answered it in time, or
+            # it resumes it) and no longer reads the earlier attempt's stream, which gives way to this one.
+            self._log.info("request_superseded", request_id=request.request_id)
+            self._abort_reasons[earlier] = "superseded"
+            asyncio.get_running_loop().call_soon(earlier.cancel)  # soon: see the abort above
+        request_id = request.request_id
+        earlier_attempts = self._attempts.get(request_id, [])
         run = self._run if isinstance(request, GenerateRequest) else self._run_prefill
-        task = asyncio.create_task(run(request, engine_request, deadline))  # type: ignore[arg-type]
-        self._running[request.request_id] = task
-        task.add_done_callback(lambda _: self._running.pop(request.request_id, None))
+        task = asyncio.create_task(run(request, engine_request, deadline, after=list(earlier_attempts)))  # type: ignore[arg-type]
+        self._running[request_id], self._streams[request_id] = task, request.stream_to
+        self._attempts[request_id] = [*earlier_attempts, task]
+
+        def forget(done: asyncio.Task) -> None:
+            attempts = self._attempts[request_id]
+            attempts.remove(done)
+            if not attempts:
+                del self._attempts[request_id]
+            if self._running.get(request_id) is done:  # not an attempt that a later one superseded
+                del self._running[request_id], self._streams[request_id]
+
+        task.add_done_callback(forget)
         return GenerateAccepted(request_id=request.request_id, worker_id=self.registration.worker_id,
                                 started_at=self.registration.started_at)
 
-    async def _run(self, request: GenerateRequest, engine_request: EngineRequest, deadline: float) -> None:
-        """Run `request` here until it ends or `deadline` (on `time.monotonic`'s clock) passes."""
+    async def _run(self, request: GenerateRequest, engine_request: EngineRequest, deadline: float,
+                   after: list[asyncio.Task] | None = None) -> None:
+        """Run `request` here until it ends or `deadline` (on `time.monotonic`'s clock) passes; not before
+        the earlier attempts of it (`after`) have ended."""
         started = time.monotonic()
         first_token_at: float | None = None
         seq = cached_tokens = 0
@@ -313,6 +336,8 @@ class WorkerService:
 
         try:
             async with asyncio.timeout(deadline - time.monotonic()):
+                if after:
+                    await asyncio.wait(after)
                 await self._stream(engine_request, on_output)
             usage = Usage(len(request.prompt_token_ids), completion_tokens, cached_tokens)
             timings = Timings(first_token_s=None if first_token_at is None else first_token_at - started, finished_s=time.monotonic() - started)
@@ -325,7 +350,7 @@ class WorkerService:
             send(request.stream_to, ErrorReply(code="invalid_request", message=str(exc), status=400))
         except asyncio.CancelledError:
             outcome = "abort"
-            reason = self._abort_reasons.get(request.request_id, "aborted")
+            reason = self._abort_reasons.get(asyncio.current_task(), "aborted")
             span.set_attribute("kvlane.abort_reason", reason)
             send(request.stream_to, _abort_reply(reason))
         except Exception as exc:
@@ -341,7 +366,7 @@ class WorkerService:
             end_request_span(span, outcome, failure, completion_tokens, cached_tokens)
             otel_context.detach(trace_token)
             self._generated.pop(request.request_id, None)
-            self._abort_reasons.pop(request.request_id, None)
+            self._abort_reasons.pop(asyncio.current_task(), None)  # type: ignore[arg-type]
             await self._publish_finished(request, outcome, completion_tokens, cached_tokens, time.monotonic() - started)
 
     async def _stream(self, request: EngineRequest, on_output: Callable[[EngineOutput], None]) -> None:
@@ -355,7 +380,7 @@ class WorkerService:
         async with contextlib.aclosing(self._outputs(request)) as outputs:
             async for output in outputs:
                 on_output(output)
-                if (output.finish_reason is None and request.request_id in self._abort_reasons
+                if (output.finish_reason is None and asyncio.current_task() in self._abort_reasons
                         and asyncio.current_task().cancelling()):
                     # Cancelled, yet still running: a library swallowed the cancellation.
                     # Not before the cancel has landed: raising early, its late arrival
@@ -405,8 +430,10 @@ class WorkerService:
             if not released:
                 self._bus.spawn(self._puller.release(request.request_id, ref))
 
-    async def _run_prefill(self, request: PrefillRequest, engine_request: EngineRequest, deadline: float) -> None:
-        """Prefill, hand over to the decode node; a failure before that ends the request here."""
+    async def _run_prefill(self, request: PrefillRequest, engine_request: EngineRequest, deadline: float,
+                           after: list[asyncio.Task] | None = None) -> None:
+        """Prefill, hand over to the decode node; a failure before that ends the request here. Not before
+        the earlier attempts of it (`after`) have ended."""
         started = time.monotonic()
         handed_off = False
         outcome = "error"
@@ -416,6 +443,8 @@ class WorkerService:
         trace_token = otel_context.attach(trace.set_span_in_context(span))
         try:
             async with asyncio.timeout(deadline - time.monotonic()):
+                if after:
+                    await asyncio.wait(after)
                 ref = await self._engine.prefill(engine_request, self.registration.worker_id, self._settings.kv_hold_timeout_s)
                 self._holds.hold(request.request_id, ref)
                 handoff_attributes = {**kv_attributes(ref, self._kv_link), "kvlane.decode_worker.id": request.decode_worker_id,
@@ -436,7 +465,7 @@ class WorkerService:
             error = ErrorReply(code="invalid_request", message=str(exc), status=400)
         except asyncio.CancelledError:
             outcome = "abort"
-            reason = self._abort_reasons.get(request.request_id, "aborted")
+            reason = self._abort_reasons.get(asyncio.current_task(), "aborted")
             span.set_attribute("kvlane.abort_reason", reason)
             error = _abort_reply(reason)
         except Exception as exc:
@@ -451,7 +480,7 @@ class WorkerService:
             failed = None if handed_off or outcome == "abort" or error is None else error.code
             end_request_span(span, "handed_off" if handed_off else outcome, failed)
             otel_context.detach(trace_token)
-            self._abort_reasons.pop(request.request_id, None)
+            self._abort_reasons.pop(asyncio.current_task(), None)  # type: ignore[arg-type]
             self.metrics.handoffs.labels("handed_off" if handed_off else "failed").inc()
             if not handed_off:
                 self._holds.release(request.request_id)

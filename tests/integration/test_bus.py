@@ -91,6 +91,11 @@ async def test_a_reply_slot_takes_the_answer_to_a_request_another_connection_sen
         with pytest.raises(NoResponders):
             await slot.wait(RouteReply, 2, "t.nobody")
     with await client.reply_slot() as slot:
+        # Nor an error reply: a message the server cannot decode is refused at once, not at the client's timeout.
+        await middle.client.publish("t.route", b"\x93garbage", reply=await middle.relaying_to(slot.subject))
+        refused = await slot.wait(RouteReply, 2, "t.route")
+        assert isinstance(refused, ErrorReply) and refused.code == "bad_request" and refused.status == 400
+    with await client.reply_slot() as slot:
         # Nothing else: an answer sent to the relay stops there.
         await middle.publish("t.route", route("relayed"), reply=await middle.relaying_to(slot.subject))
         with pytest.raises(RequestTimeout):

@@ -7,7 +7,6 @@ bus that passes every message as msgpack bytes, as NATS would; only the ingress'
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import inspect
 import time
 import types
@@ -66,9 +65,9 @@ class LoopbackBus:
     async def publish(self, subject: str, message: msgspec.Struct, **_: object) -> None:
         await self._deliver(subject, message)
 
-    async def reply_slot(self) -> contextlib.closing:
+    async def reply_slot(self) -> types.SimpleNamespace:
         """Where a worker would answer a request the balancer sent on; this test's balancer never does."""
-        return contextlib.closing(types.SimpleNamespace(subject="_INBOX.loopback", close=lambda: None))
+        return types.SimpleNamespace(subject="_INBOX.loopback", close=lambda: None)
 
     async def _deliver(self, subject: str, message: msgspec.Struct) -> Any:
         data = msgspec.msgpack.encode(message)

@@ -237,10 +237,11 @@ class SimEngine:
             now = loop.time()
             started = step_end if step_end is not None and now - step_end < step_s else now
             outcome = self._scheduler.step()
+            stepped = dict(self._queues)
             step_s = outcome.duration_s / self._settings.speed
             step_end = started + step_s
             await asyncio.sleep(max(0.0, step_end - loop.time()))
-            self._deliver(outcome)
+            self._deliver(outcome, stepped)
             self._tokens_generated += len(outcome.emitted)
             if fail_after and self._tokens_generated >= fail_after:
                 self._die(f"sim engine died after {self._tokens_generated} tokens (sim.fail_after_tokens)")
@@ -261,13 +262,14 @@ class SimEngine:
         if self._death is not None:
             raise EngineDeadError(self._death)
 
-    def _deliver(self, outcome: StepOutcome) -> None:
+    def _deliver(self, outcome: StepOutcome, stepped: dict[str, asyncio.Queue]) -> None:
+        """Hand each request its token of the step; `stepped`: the requests' queues as the step began."""
         self._step_stats.observe(outcome)
         finished = {info.request_id: info.cached_prompt_tokens for info in outcome.finished_info}
         for request_id, token_id in outcome.emitted:
             queue = self._queues.get(request_id)
-            if queue is None:
-                continue
+            if queue is None or queue is not stepped.get(request_id):
+                continue  # aborted during the step; or since then added again, and the token is the earlier run's
             if request_id in finished:
                 queue.put_nowait((token_id, True, finished[request_id]))
             else:
