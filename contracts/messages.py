@@ -315,7 +315,8 @@ KvMessage = KvPull | KvRelease
 
 
 class RequestFinished(Struct, tag="finished", tag_field="type"):
-    """Published once per request the worker ran, however it ended.
+    """Published once per request the worker ran, however it ended (not for an attempt that a later attempt of
+    the same request took the place of on that worker: the request went on there).
 
     A map, not `Compact`: the load-test harness reads it by field name (`loadtest/events.py`), so that a
     field added later does not break a run.

@@ -283,6 +283,8 @@ class WorkerService:
         if earlier is not None:
             # The same request for another stream: the ingress asked again (no balancer answered it in time, or
             # it resumes it) and no longer reads the earlier attempt's stream, which gives way to this one.
+            # It publishes no `RequestFinished`: the request goes on here, and its slot and lease (held under its id)
+            # are the later attempt's now.
             self._log.info("request_superseded", request_id=request.request_id)
             self._abort_reasons[earlier] = "superseded"
             asyncio.get_running_loop().call_soon(earlier.cancel)  # soon: see the abort above
@@ -366,8 +368,8 @@ class WorkerService:
             end_request_span(span, outcome, failure, completion_tokens, cached_tokens)
             otel_context.detach(trace_token)
             self._generated.pop(request.request_id, None)
-            self._abort_reasons.pop(asyncio.current_task(), None)  # type: ignore[arg-type]
-            await self._publish_finished(request, outcome, completion_tokens, cached_tokens, time.monotonic() - started)
+            if self._abort_reasons.pop(asyncio.current_task(), None) != "superseded":  # type: ignore[arg-type]
+                await self._publish_finished(request, outcome, completion_tokens, cached_tokens, time.monotonic() - started)
 
     async def _stream(self, request: EngineRequest, on_output: Callable[[EngineOutput], None]) -> None:
         """Hand every output of `request` to `on_output`; return once the engine ended it."""
@@ -480,14 +482,15 @@ class WorkerService:
             failed = None if handed_off or outcome == "abort" or error is None else error.code
             end_request_span(span, "handed_off" if handed_off else outcome, failed)
             otel_context.detach(trace_token)
-            self._abort_reasons.pop(asyncio.current_task(), None)  # type: ignore[arg-type]
+            superseded = self._abort_reasons.pop(asyncio.current_task(), None) == "superseded"  # type: ignore[arg-type]
             self.metrics.handoffs.labels("handed_off" if handed_off else "failed").inc()
             if not handed_off:
                 self._holds.release(request.request_id)
                 if error is not None:
                     with contextlib.suppress(Exception):
                         await self._bus.publish(request.stream_to, error)
-                await self._publish_finished(request, outcome, 0, 0, time.monotonic() - started)
+                if not superseded:
+                    await self._publish_finished(request, outcome, 0, 0, time.monotonic() - started)
 
     async def _hand_to_decode(self, request: PrefillRequest, ref: KvRef, deadline: float) -> ErrorReply | None:
         """Give the request to its decode node; the error to end it with if that fails."""

@@ -113,7 +113,8 @@ async def test_a_silent_balancers_hand_over_is_stopped_and_kept_off_the_stream_o
         reference = await tokens_of(dispatcher, "reference")
         balancer.asks.clear()
         tokens = await tokens_of(dispatcher, "r1")
-        await until(lambda: len(ends(finished, "r1")) == 2, 30, lambda: f"both runs of r1 ending ({ends(finished, 'r1')})")
+        await until(lambda: ("length" in [end[1] for end in ends(finished, "r1")]), 30,
+                    lambda: f"r1 ending whole ({ends(finished, 'r1')})")
     finally:
         balancer.silence.set()
         for worker in workers:
@@ -121,10 +122,13 @@ async def test_a_silent_balancers_hand_over_is_stopped_and_kept_off_the_stream_o
     assert len(reference) == MAX_TOKENS and tokens == reference
     # Asked twice, and only twice: a third ask would be a resumption after frames out of sequence.
     assert [(a.request_id, a.exclude_workers) for a in balancer.asks] == [("r1", []), ("r1", [])]
-    # The silent balancer's hand-over did reach w0, which stopped it early; the second answer ran it whole.
-    first, second = ends(finished, "r1")
-    assert first[:2] == ("w0", "abort") and first[2] < MAX_TOKENS
-    assert second == (second_answer, "length", MAX_TOKENS)
+    # The silent balancer's hand-over did reach w0, which stopped it early; the second answer ran it whole. On w0
+    # itself the first run ends told to stop (and says so), or superseded by the second (and says nothing).
+    *stopped, whole = ends(finished, "r1")
+    assert whole == (second_answer, "length", MAX_TOKENS)
+    assert all(end[:2] == ("w0", "abort") and end[2] < MAX_TOKENS for end in stopped)
+    if second_answer != "w0":
+        assert len(stopped) == 1
 
 
 async def frames_of(stream: ReplyStream) -> list[object]:
@@ -172,8 +176,9 @@ async def test_a_worker_runs_one_attempt_of_a_request_at_a_time(buses: dict[str,
             third_frames = await frames_of(third)
         assert isinstance(third_frames[-1], StreamEnd) and third_frames[-1].finish_reason == "length"
         assert len(reference) == MAX_TOKENS and tokens(third_frames) == reference
-        await until(lambda: len(ends(finished, "r1")) == 3, 10, lambda: f"every run of r1 ending ({ends(finished, 'r1')})")
-        assert [e[:2] for e in ends(finished, "r1")] == [("w0", "abort"), ("w0", "abort"), ("w0", "length")]
+        await until(lambda: ends(finished, "r1"), 10, lambda: "r1 ending")
+        # The superseded runs said nothing: the request went on here, under the same slot and lease.
+        assert [e[:2] for e in ends(finished, "r1")] == [("w0", "length")]
         # An abort naming the stream of the attempt that runs stops it.
         with streams.open("r2-0") as third:
             request = msgspec.structs.replace(attempt(third), request_id="r2")
