@@ -21,10 +21,15 @@ processes sharing its port (`ingress.processes`), on the same balancer and
 worker: path A runs through each ingress in turn (`ingress`, then
 `ingress-2p`), so the counts compare within one run.
 
+With `--http-floor` path A also runs through `loadtest.http_floor`, an aiohttp
+server that answers from memory: what HTTP alone costs, and the most any
+ingress on aiohttp could serve here.
+
 Results are printed as tables and written as JSON. Everything the run
 started is stopped however it ends.
 
-    python -m loadtest.overhead [--requests N] [--concurrency C] [--duration S] [--ingress-processes 1,2] [--out PATH]
+    python -m loadtest.overhead [--requests N] [--concurrency C] [--duration S] [--ingress-processes 1,2] [--http-floor]
+                                [--out PATH]
 """
 
 from __future__ import annotations
@@ -62,7 +67,9 @@ from kvlane.fleet import Fleet, start_fleet, with_overrides
 from kvlane.launcher import Launcher, free_port
 from loadtest.machine import CpuMeter, machine_info
 from loadtest.metrics import latency_summary, percentile
-from loadtest.overhead_ingresses import HOST, IngressUnderTest, start_ingress, wait_all_serving, with_ingress_totals
+from loadtest.overhead_ingresses import (
+    HOST, IngressUnderTest, start_http_floor, start_ingress, wait_all_serving, with_ingress_totals,
+)
 from loadtest.overhead_report import http_paths, print_report
 from shared.bus import Bus, BusError, StreamReceiver
 from shared.config import KvlaneConfig, LoggingSettings, TracingSettings
@@ -95,6 +102,8 @@ class BenchOptions:
     # One more ingress, of one process, that sends each worker its request itself rather than letting
     # the balancer send it on (`ingress.balancer_hands_over = false`): the hand-over's worth, side by side.
     ingress_sends: bool = False
+    # One more path A, through loadtest/http_floor.py: HTTP alone, answered from memory (what bounds any ingress).
+    http_floor: bool = False
 
     def check(self) -> None:
         if self.requests < 1 or self.concurrency < 1 or self.warmup < 0 or self.max_tokens < 1:
@@ -431,6 +440,9 @@ def run_benchmark(options: BenchOptions, console: Console | None = None) -> dict
         if options.ingress_sends:
             _status(console, options, "starting an ingress that sends each worker its request itself")
             ingresses.append(start_ingress(launcher, fleet, 1, options.ready_timeout_s, sends=True))
+        if options.http_floor:
+            _status(console, options, "starting the HTTP floor (loadtest.http_floor)")
+            ingresses.append(start_http_floor(launcher, options.ready_timeout_s))
         measured = _run_async(measure(fleet, options, console, ingresses))
         dead = [p.name for p in [*fleet.services(), *(ingress.process for ingress in ingresses)] if not p.alive()]
         if dead:
@@ -471,7 +483,8 @@ def run_benchmark(options: BenchOptions, console: Console | None = None) -> dict
             "balancers": 1,
             "ingresses": len(ingresses),
             "ingress_processes": list(options.ingress_processes),
-            "ingress_paths": [{"path": i.name, "processes": i.processes, "balancer_hands_over": not i.sends} for i in ingresses],
+            "ingress_paths": [{"path": i.name, "processes": i.processes, "balancer_hands_over": not i.sends, "floor": i.floor}
+                              for i in ingresses],
             "client_event_loop": "uvloop",
             "interleaving": "A,B,A,B (A=ingress, B=direct)" if len(ingresses) == 1 else
                             f"A1..A{len(ingresses)},B,A1... (A=each ingress, B=direct)",
@@ -502,6 +515,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-dir", type=Path, help="keep the fleet's logs here (default: a temporary directory, removed after a clean run)")
     parser.add_argument("--ingress-sends", action="store_true",
                         help="also measure an ingress that sends each worker its request itself, rather than the balancer")
+    parser.add_argument("--http-floor", action="store_true",
+                        help="also measure an aiohttp server that answers from memory: the most requests/s any ingress on aiohttp "
+                             "could serve here")
     parser.add_argument("--ingress-processes", type=_counts, default=defaults.ingress_processes, metavar="N[,M...]",
                         help="one ingress of each count of processes sharing its port, measured in turn, e.g. 1,2 "
                              "(default: 1; more than 1 needs Linux)")
@@ -527,7 +543,7 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(LoggingSettings(format="console", level="error"), "loadtest")
     options = BenchOptions(requests=args.requests, concurrency=args.concurrency, duration_s=args.duration,
                            out=args.out, warmup=args.warmup, log_dir=args.log_dir, ingress_processes=args.ingress_processes,
-                           ingress_sends=args.ingress_sends)
+                           ingress_sends=args.ingress_sends, http_floor=args.http_floor)
     console = Console()
     try:
         options.check()

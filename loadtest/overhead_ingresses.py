@@ -1,10 +1,11 @@
 """The ingresses that `python -m loadtest.overhead` measures path A through: the fleet's own, and more on ports of
 their own in front of the same balancer and worker (several processes sharing a port, or one that sends each
-worker its request itself)."""
+worker its request itself); and the HTTP floor, a server that answers from memory (loadtest/http_floor.py)."""
 
 from __future__ import annotations
 
 import json
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -13,7 +14,7 @@ from typing import Any
 import psutil
 
 from kvlane.fleet import Fleet
-from kvlane.launcher import Launcher, LaunchError, Process, free_port, wait_ready
+from kvlane.launcher import Launcher, LaunchError, Process, free_port, port_open, wait_ready
 from shared.runner import READY_EVENT
 
 HOST = "127.0.0.1"
@@ -28,6 +29,7 @@ class IngressUnderTest:
     base_url: str
     process: Process  # the first of its processes, which starts the others
     sends: bool = False  # it sends each worker its request itself (`ingress.balancer_hands_over = false`)
+    floor: bool = False  # not an ingress: the HTTP floor, which answers from memory
 
     def measured(self) -> list[Any]:
         """Its processes for the CPU meter: the first, then the others as `<name>/<k>`."""
@@ -68,6 +70,18 @@ def start_ingress(launcher: Launcher, fleet: Fleet, processes: int, timeout_s: f
     wait_ready(ingress.base_url, timeout_s, [ingress.process])
     wait_all_serving(ingress, timeout_s)
     return ingress
+
+
+def start_http_floor(launcher: Launcher, timeout_s: float) -> IngressUnderTest:
+    """The HTTP floor (loadtest/http_floor.py) on a port of its own, measured as path A like an ingress."""
+    port = free_port()
+    process = launcher.spawn("http-floor", [sys.executable, "-m", "loadtest.http_floor", "--host", HOST, "--port", str(port)])
+    deadline = time.monotonic() + timeout_s
+    while not port_open(HOST, port):
+        if not process.alive() or time.monotonic() > deadline:
+            raise LaunchError(f"http-floor: not serving on port {port}:\n{process.log_tail()}")
+        time.sleep(0.05)
+    return IngressUnderTest("http-floor", 1, f"http://{HOST}:{port}", process, floor=True)
 
 
 def wait_all_serving(ingress: IngressUnderTest, timeout_s: float) -> None:

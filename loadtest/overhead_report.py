@@ -17,7 +17,7 @@ def _ingress_paths(results: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def http_paths(results: dict[str, Any]) -> list[str]:
-    """The ingress paths measured: `ingress`, then `ingress-<n>p` for each further count, and `ingress-sends`."""
+    """The ingress paths measured: `ingress`, then `ingress-<n>p` for each further count, `ingress-sends`, `http-floor`."""
     return [path["path"] for path in _ingress_paths(results)]
 
 
@@ -26,6 +26,8 @@ def _label(results: dict[str, Any], path: str) -> str:
     if len(paths) == 1:
         return "HTTP ingress"
     this = next(p for p in paths if p["path"] == path)
+    if this.get("floor"):
+        return f"{path} (aiohttp alone, answered from memory)"
     processes = this["processes"]
     sends = "" if this["balancer_hands_over"] else ", sends to the worker itself"
     return f"{path} ({processes} process{'es' if processes > 1 else ''}{sends})"
