@@ -180,11 +180,11 @@ async def test_a_worker_runs_one_attempt_of_a_request_at_a_time(buses: dict[str,
         # The superseded runs said nothing: the request went on here, under the same slot and lease.
         assert [e[:2] for e in ends(finished, "r1")] == [("w0", "length")]
         # An abort naming the stream of the attempt that runs stops it.
-        with streams.open("r2-0") as third:
-            request = msgspec.structs.replace(attempt(third), request_id="r2")
+        with streams.open("r2-0") as only:
+            request = msgspec.structs.replace(attempt(only), request_id="r2")
             assert isinstance(await ingress.request(inbox, request, WorkerReply, 5), GenerateAccepted)
-            await ingress.publish(inbox, AbortRequest("r2", "client_disconnected", stream_to=third.subject))
-            aborted = (await frames_of(third))[-1]
+            await ingress.publish(inbox, AbortRequest("r2", "client_disconnected", stream_to=only.subject))
+            aborted = (await frames_of(only))[-1]
         assert isinstance(aborted, ErrorReply) and aborted.code == "client_disconnected"
     finally:
         await worker.drain(0.0)
