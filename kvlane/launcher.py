@@ -238,7 +238,7 @@ class Launcher:
             argv += ["-c", str(config_file)]
         argv += extra_args or []
         process = self.spawn(name, argv)
-        self._wait_port(process, port)
+        self.wait_port(process, port)
         return process
 
     def start_redis(self, port: int, name: str = "redis-server", config_file: Path | None = None, tls: bool = False) -> Process:
@@ -247,13 +247,14 @@ class Launcher:
         argv = [find_redis_server(), *([str(config_file)] if config_file is not None else []), *ports, "--bind", "127.0.0.1",
                 "--save", "", "--appendonly", "no", "--dir", str(self.log_dir)]
         process = self.spawn(name, argv)
-        self._wait_port(process, port)
+        self.wait_port(process, port)
         return process
 
     def start_service(self, service: str, env: Mapping[str, str], name: str | None = None) -> Process:
         return self.spawn(name or service, [sys.executable, "-m", f"services.{service}"], env, announces_ready=True)
 
-    def _wait_port(self, process: Process, port: int, timeout: float = 15.0) -> None:
+    def wait_port(self, process: Process, port: int, timeout: float = 15.0) -> None:
+        """Until `process` accepts connections on `port` of 127.0.0.1; `LaunchError` if it exits or takes longer."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if port_open("127.0.0.1", port):

@@ -7,8 +7,7 @@ this, which bounds the ingress path's ratio to the direct one from above.
 
 It runs on uvloop like kvlane's services, parses the body as JSON (as any server of the API must) and
 answers a completion of `max_tokens` tokens of the shape the ingress returns (msgspec both ways, as the
-ingress decodes and encodes). Bad input gets a 400 in the
-OpenAI error shape.
+ingress decodes and encodes). Bad input gets a 400 in the OpenAI error shape.
 
     python -m loadtest.http_floor --port PORT [--host HOST]
 """

@@ -14,7 +14,7 @@ from typing import Any
 import psutil
 
 from kvlane.fleet import Fleet
-from kvlane.launcher import Launcher, LaunchError, Process, free_port, port_open, wait_ready
+from kvlane.launcher import Launcher, LaunchError, Process, free_port, wait_ready
 from shared.runner import READY_EVENT
 
 HOST = "127.0.0.1"
@@ -76,11 +76,7 @@ def start_http_floor(launcher: Launcher, timeout_s: float) -> IngressUnderTest:
     """The HTTP floor (loadtest/http_floor.py) on a port of its own, measured as path A like an ingress."""
     port = free_port()
     process = launcher.spawn("http-floor", [sys.executable, "-m", "loadtest.http_floor", "--host", HOST, "--port", str(port)])
-    deadline = time.monotonic() + timeout_s
-    while not port_open(HOST, port):
-        if not process.alive() or time.monotonic() > deadline:
-            raise LaunchError(f"http-floor: not serving on port {port}:\n{process.log_tail()}")
-        time.sleep(0.05)
+    launcher.wait_port(process, port, timeout_s)
     return IngressUnderTest("http-floor", 1, f"http://{HOST}:{port}", process, floor=True)
 
 
