@@ -1,4 +1,4 @@
-"""Admin messages of the balancer (`kvlane.v1.balancer.status`, msgpack request/reply)."""
+"""Admin messages of the balancer (`kvlane.v1.balancer.status`, msgpack request/reply), and its heartbeat."""
 
 from __future__ import annotations
 
@@ -15,6 +15,19 @@ class BalancerStatusRequest(Struct, tag="balancer_status_request", tag_field="ty
     # holds by this balancer's prefix index. Which node would serve this
     # prompt from cache, as the routing policies see it.
     block_hashes: list[int] = []
+
+
+class BalancerHeartbeat(Struct, tag="balancer_heartbeat", tag_field="type"):
+    """A balancer replica is alive and answers route requests on `subjects.balancer_route(balancer_id)`.
+
+    An ingress sends each route request to one replica it heard from lately; a replica it has not heard
+    from for `cluster.heartbeat_ttl_s` (frozen, partitioned, dead) gets no more, and the route requests
+    it holds are asked again elsewhere rather than after the route timeout.
+    """
+
+    balancer_id: str
+    # Sent once as the replica stops taking route requests: forget it at once.
+    stopping: bool = False
 
 
 class ChainStatus(Struct):

@@ -18,6 +18,8 @@ BALANCER_STATUS = f"{PREFIX}.balancer.status"
 BALANCER_ADMIN_QUEUE_GROUP = "kvlane-balancer-admin"
 # Every balancer replica answers here (no queue group): `kvlane status` shows them all.
 BALANCER_STATUS_ALL = f"{PREFIX}.balancer.status_all"
+# Each balancer replica says it is alive here, about once per `cluster.heartbeat_interval_s`.
+BALANCER_HEARTBEAT_ALL = f"{PREFIX}.balancer.heartbeat.*"
 
 HEARTBEAT_ALL = f"{PREFIX}.heartbeat.*"
 WORKER_LEFT = f"{PREFIX}.events.worker_left"
@@ -55,6 +57,15 @@ _TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 def is_valid_token(value: str) -> bool:
     """Whether `value` can stand alone as one NATS subject token (ids are used so)."""
     return bool(_TOKEN.match(value))
+
+
+def balancer_route(balancer_id: str) -> str:
+    """Where one balancer replica answers route requests, besides `ROUTE` (its queue group)."""
+    return f"{ROUTE}.{balancer_id}"
+
+
+def balancer_heartbeat(balancer_id: str) -> str:
+    return f"{PREFIX}.balancer.heartbeat.{balancer_id}"
 
 
 def heartbeat(worker_id: str) -> str:

@@ -121,7 +121,7 @@ class WireLog:
 
 def classify(subject: str, replies: dict[str, str], worker_inbox: str) -> str | None:
     """The stage a message on `subject` marks (None: not the request's own); `replies`: reply subjects awaited, by stage."""
-    if subject == subjects.ROUTE:
+    if subject == subjects.ROUTE or subject.startswith(f"{subjects.ROUTE}."):  # the queue group, or one replica
         return _ROUTE
     if subject == worker_inbox:
         return _HANDOVER

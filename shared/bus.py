@@ -14,7 +14,7 @@ import itertools
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import msgspec
 import nats
@@ -223,6 +223,7 @@ class Bus:
         concurrent: bool = False,
         traced: bool = True,
         at_once: bool = False,
+        span_name: str = "",
     ) -> Subscription:
         """Run `handler` for each message; its return value is the reply.
 
@@ -233,7 +234,9 @@ class Bus:
         (for high-rate frames such as streamed tokens). `at_once`: `handler`
         is a plain function, run in the connection's read loop as each
         message is parsed, with no span and no reply (for messages that only
-        wake a waiting task, such as streamed frames).
+        wake a waiting task, such as streamed frames). `span_name`: the
+        subject the handler's span names, where not `subject` (one name for
+        one kind of request, whichever subscription took it).
         """
         decoder = self._decoder(message_type)
         if at_once:
@@ -262,7 +265,8 @@ class Bus:
             if traced and (self._tracing or msg.headers):
                 # With tracing off, a caller's trace context still passes through the handler to what it sends.
                 context = self._telemetry.extract(msg.headers)
-                with self._telemetry.tracer.start_as_current_span(f"handle {subject}", context=context, kind=SpanKind.CONSUMER):
+                with self._telemetry.tracer.start_as_current_span(f"handle {span_name or subject}", context=context,
+                                                                  kind=SpanKind.CONSUMER):
                     await handle(message, msg)
             else:
                 await handle(message, msg)
@@ -373,6 +377,10 @@ class _AtOnce:
             log.exception("delivery_failed", subject=msg.subject)
 
 
+class _GivenUp(NamedTuple):
+    reason: str
+
+
 class ReplySlot:
     """One reply awaited on a connection's reply inbox (`Bus.reply_slot`)."""
 
@@ -392,12 +400,18 @@ class ReplySlot:
             expiry.cancel()
         if reply is None:
             raise RequestTimeout(f"{sent_to}: no reply within {timeout:.1f}s")
+        if isinstance(reply, _GivenUp):
+            raise RequestTimeout(f"{sent_to}: {reply.reason}")
         if _is_no_responders(reply):
             raise NoResponders(sent_to)
         try:
             return self._decoder(reply_type).decode(reply.data)
         except msgspec.DecodeError as exc:
             raise BusError(f"{sent_to}: undecodable reply: {exc}") from exc
+
+    def give_up(self, reason: str) -> None:
+        """End the wait now, as a `RequestTimeout` saying `reason` (the answerer is known to have gone silent)."""
+        _settle(self._waiting, _GivenUp(reason))
 
     def close(self) -> None:
         self._release()

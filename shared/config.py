@@ -180,7 +180,8 @@ class IngressSettings(Section):
     node_loss_resumes: Annotated[int, Meta(ge=0)] = 1
     # Resumptions after being preempted for a higher-priority request.
     preemption_resumes: Annotated[int, Meta(ge=0)] = 10
-    # While waiting for a frame, how often to check that the worker is still alive.
+    # While waiting for a frame, how often to check that the worker is still alive; and while waiting
+    # for a route, that the balancer replica asked is (services/ingress/balancers.py).
     liveness_check_s: PositiveFloat = 0.25
     # After a NATS reconnect, a stream silent this long is resumed (its frames were lost).
     reconnect_grace_s: PositiveFloat = 1.0

@@ -150,12 +150,15 @@ ROLES: dict[str, Role] = {
             service="ingress",
             summary="asks balancers for routes, sends requests and aborts to workers, serves the NATS API",
             publish=(
-                subjects.ROUTE, subjects.ROUTE_WITHDRAWN, subjects.worker_inbox(ANY), subjects.FEEDBACK,
-                subjects.REQUEST_SERVED,
+                subjects.ROUTE, subjects.balancer_route(ANY), subjects.ROUTE_WITHDRAWN, subjects.worker_inbox(ANY),
+                subjects.FEEDBACK, subjects.REQUEST_SERVED,
                 # /ready pings these.
                 subjects.BALANCER_STATUS, subjects.CACHE_REQUEST,
             ),
-            subscribe=(subjects.stream_inbox(ID), *WATCH_CLUSTER, *API_ENDPOINTS, *MICRO_DISCOVERY, INBOX),
+            subscribe=(
+                subjects.stream_inbox(ID), *WATCH_CLUSTER, subjects.BALANCER_HEARTBEAT_ALL, *API_ENDPOINTS, *MICRO_DISCOVERY,
+                INBOX,
+            ),
             # The OpenAI API over NATS and nats.micro discovery.
             answers=("client", "operator"),
             redis_keys=(
@@ -172,9 +175,9 @@ ROLES: dict[str, Role] = {
             service="balancer",
             summary="answers route requests and hands requests (and aborts) to workers; allocates KV from the ledger or "
                     "the cache-manager",
-            publish=(subjects.CACHE_REQUEST, subjects.CACHE_ROUTED, subjects.worker_inbox(ANY)),
+            publish=(subjects.CACHE_REQUEST, subjects.CACHE_ROUTED, subjects.worker_inbox(ANY), subjects.balancer_heartbeat(ANY)),
             subscribe=(
-                subjects.ROUTE, subjects.REQUEST_FINISHED, subjects.ROUTE_WITHDRAWN, subjects.KV_EVENTS_ALL,
+                subjects.ROUTE, subjects.balancer_route(ANY), subjects.REQUEST_FINISHED, subjects.ROUTE_WITHDRAWN, subjects.KV_EVENTS_ALL,
                 subjects.HEALTH_ALL, *WATCH_CLUSTER, subjects.BALANCER_STATUS, subjects.BALANCER_STATUS_ALL, INBOX,
             ),
             # Routes; statuses.

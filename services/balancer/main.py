@@ -68,7 +68,7 @@ async def main(config: KvlaneConfig, stop: asyncio.Event) -> None:
         metrics.track_degradation(router.degradation.counts)
         service = BalancerService(
             ctx.bus, ctx.view, router, store, settings, metrics, SlotRates(settings.slots), allocator, balancer_id,
-            tracer=ctx.telemetry.tracer,
+            tracer=ctx.telemetry.tracer, heartbeat_interval_s=config.cluster.heartbeat_interval_s,
         )
         # Heartbeats reach the balancer through the watcher that keeps `ctx.view`: decoded and recorded once.
         ctx.watcher.add_heartbeat_listener(service.heard)

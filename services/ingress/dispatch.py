@@ -51,13 +51,13 @@ from contracts.messages import (
     Handoff,
     PrefillRequest,
     RouteDecision,
-    RouteReply,
     RouteRequest,
     RouteWithdrawn,
     StreamEnd,
     TokenChunk,
     WorkerReply,
 )
+from services.ingress.balancers import RouteAsker
 from services.ingress.errors import ApiError
 from services.ingress.feedback import StreamSpeedNorms
 from services.ingress.metrics import IngressMetrics
@@ -182,8 +182,11 @@ class Dispatcher:
         norms: StreamSpeedNorms | None = None,
         metrics: IngressMetrics | None = None,
         tracer: Tracer | None = None,
+        routes: RouteAsker | None = None,
     ) -> None:
         self._bus = bus
+        # Without one that listens for balancer heartbeats: every route request to the balancers' queue group.
+        self._routes = routes or RouteAsker(bus)
         self._streams = streams
         self._settings = settings
         # When the process now live as a node started (`ClusterView.live_start`); None: that node is gone.
@@ -352,17 +355,17 @@ class Dispatcher:
             hand_over=hand_over.request if hand_over else None,
         )
         # The balancer may hold the request in its central queue, at most
-        # `max_queue_wait_s` (then it answers 503 itself). No answer by then
-        # means the balancer went away holding it: ask again, once in the request's life.
+        # `max_queue_wait_s` (then it answers 503 itself). No answer by then, or
+        # the replica fell silent, means it went away holding it: ask again, once in the request's life.
         timeout = self._settings.route_timeout_s + min(self._max_queue_wait_s, route.timeout_s)
         try:
-            reply = await self._bus.request(subjects.ROUTE, route, RouteReply, timeout, context=context)
+            reply = await self._routes.ask(route, timeout, context)
         except NoResponders as exc:
             raise ApiError(503, "no balancer is running", code="balancer_unavailable", retry_after_s=1.0) from exc
         except RequestTimeout as exc:
             if last_ask:
                 raise ApiError(503, f"routing failed: {exc}", code="balancer_unavailable", retry_after_s=1.0) from exc
-            log.warning("route_unanswered", request_id=request_id, timeout_s=round(timeout, 1))
+            log.warning("route_unanswered", request_id=request_id, error=str(exc))
             raise RouteUnanswered(str(exc)) from exc
         except BusError as exc:
             raise ApiError(503, f"routing failed: {exc}", code="balancer_unavailable", retry_after_s=1.0) from exc

@@ -16,6 +16,7 @@ from contracts.balancer import BalancerStatusReply, BalancerStatusRequest
 from contracts.cache import CacheReply, LookupRequest
 from services.ingress.app import COMPLETION_PATHS, IngressApp
 from services.ingress.auth import Authenticator
+from services.ingress.balancers import RouteAsker
 from services.ingress.completions import Completions
 from services.ingress.dispatch import Dispatcher
 from services.ingress.http_guard import HttpGuard
@@ -53,9 +54,10 @@ async def main(config: KvlaneConfig, stop: asyncio.Event) -> None:
         await streams.start()
         # The fleet's per-node metrics come from the heartbeats in `view`, read at each scrape.
         metrics = IngressMetrics(view)
+        routes = RouteAsker(bus, config.cluster.heartbeat_ttl_s, settings.liveness_check_s)
         dispatcher = Dispatcher(
             bus, streams, settings, lambda worker_id: view.live_start(worker_id, time.monotonic()), config.balancer.queue.max_wait_s,
-            metrics=metrics, tracer=ctx.telemetry.tracer,
+            metrics=metrics, tracer=ctx.telemetry.tracer, routes=routes,
         )
         dependencies = [Dependency("balancer", subjects.BALANCER_STATUS, BalancerStatusRequest(model="-"), BalancerStatusReply)]
         if config.balancer.allocate_kv:
@@ -85,6 +87,7 @@ async def main(config: KvlaneConfig, stop: asyncio.Event) -> None:
         preloading = Periodic("tokenizers", config.cluster.heartbeat_interval_s, completions.preload_tokenizers, immediately=True)
         siblings: SiblingProcesses | None = None
         try:
+            await routes.start()
             await runner.setup()
             # Several processes share the port: the kernel spreads connections over them.
             shares_port = bool(sibling_ids) or os.environ.get(SHARES_PORT_ENV) == "1"
@@ -103,6 +106,7 @@ async def main(config: KvlaneConfig, stop: asyncio.Event) -> None:
             await stop.wait()
         finally:
             await preloading.stop()
+            await routes.stop()
             # Both stop taking requests, then wait for those in flight.
             await asyncio.gather(nats_api.stop(settings.request_timeout_s), runner.cleanup(),
                                  *([siblings.stop(settings.request_timeout_s + 5.0)] if siblings is not None else []))

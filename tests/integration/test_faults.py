@@ -368,6 +368,43 @@ async def test_sigterm_each_service_in_turn_loses_nothing(tmp_path: Path) -> Non
         fleet.stop()
 
 
+async def test_a_frozen_balancer_replica_is_routed_around_and_used_again_when_it_wakes(tmp_path: Path) -> None:
+    fleet = launch(tmp_path, workers=2)
+    try:
+        port = free_port()
+        env = fleet.service_env("balancer", "1") | {"KVLANE__BALANCER__METRICS_PORT": str(port)}
+        replica = fleet.launcher.start_service("balancer", env, name="balancer-1")
+        fleet.balancers.append(replica)
+        wait_services_ready([replica])
+
+        async def decisions() -> float:
+            return await counter_total(f"http://127.0.0.1:{port}/metrics", "kvlane_balancer_decisions")
+
+        result, stop = LoadResult(), asyncio.Event()
+        load = asyncio.create_task(steady_load(fleet, stop, result, concurrency=4, max_tokens=40))
+        try:
+            await until(lambda: _at_least(decisions, 4), 30, "the second replica decides")
+            # Hung, not gone: its connection stands, and NATS still hands it its share of the queue group.
+            replica.signal(signal.SIGSTOP)
+            completed = result.completed
+            try:
+                # Before, each lane soon waited out a route timeout (35 s) on the frozen replica.
+                recovery = await until(lambda: result.completed >= completed + 20, 20, "requests complete while it is frozen")
+            finally:
+                replica.signal(signal.SIGCONT)
+            decided = await decisions()
+            woke = await until(lambda: _at_least(decisions, decided + 4), 30, "the woken replica decides again")
+        except BaseException:
+            load.cancel()  # no load left running against a stopped fleet
+            raise
+        await finish_load(load, stop)
+        print(result.report("one of two balancers SIGSTOP, SIGCONT once 20 more completed", recovery) +
+              f" deciding_again_after={woke:.2f}s")
+        result.assert_none_lost()
+    finally:
+        fleet.stop()
+
+
 # --- the cache-manager --------------------------------------------------------------------------
 
 # Per worker: without releases the ledger fills after about 40 of these requests (3 blocks each).

@@ -77,6 +77,7 @@ async def watching(fleet: Fleet) -> AsyncIterator[Watch]:
         watch.worker_requests.append(requests.decode(msg.data))
 
     await nc.subscribe(subjects.ROUTE, cb=on_route)
+    await nc.subscribe(subjects.balancer_route("*"), cb=on_route)  # where an ingress asks the replicas it hears
     await nc.subscribe("_INBOX.>", cb=on_reply)
     await nc.subscribe(f"{subjects.PREFIX}.worker.*.generate", cb=on_worker_request)
     await nc.flush()

@@ -1,0 +1,133 @@
+"""Which balancer replica a route request goes to: one heard from lately, in turn.
+
+Balancer replicas share a NATS queue group, and NATS hands a replica that
+froze (stopped, swapped out, cut off behind a stalled connection) its share
+of route requests for as long as its connection stands: each of them waited
+out the whole route timeout (`route_timeout_s` plus the longest queue wait)
+before it was asked again, and the ask again could meet the same replica.
+
+Each replica also answers on a subject of its own and says it is alive
+(`BalancerHeartbeat`). A route request goes to the replicas heard from within
+`cluster.heartbeat_ttl_s`, in turn; one that falls silent gets no more, and
+the route requests it holds end at once as unanswered (the dispatcher asks
+again, elsewhere). Until it has heard any replica (at start, or balancers
+that say nothing), an ingress sends to the queue group.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from nats.aio.msg import Msg
+from opentelemetry.context import Context
+
+from contracts import subjects
+from contracts.balancer import BalancerHeartbeat
+from contracts.messages import RouteReply, RouteRequest
+from shared.bus import Bus, NoResponders, ReplySlot
+from shared.periodic import Periodic
+
+
+class BalancerReplicas:
+    """The replicas heard from, and when; the caller says what time it is."""
+
+    def __init__(self, ttl_s: float) -> None:
+        self._ttl_s = ttl_s
+        self._heard: dict[str, float] = {}
+        # Said they are stopping, or found no longer listening: chosen no more, but still watched, since a
+        # route request sent just before may have been dropped unanswered.
+        self._leaving: dict[str, float] = {}
+        self._turn = 0
+
+    def heard(self, heartbeat: BalancerHeartbeat, now: float) -> None:
+        if heartbeat.stopping:
+            self._heard.pop(heartbeat.balancer_id, None)
+            self._leaving[heartbeat.balancer_id] = now
+        else:
+            self._heard[heartbeat.balancer_id] = now
+            self._leaving.pop(heartbeat.balancer_id, None)
+
+    def forget(self, balancer_id: str) -> None:
+        if (at := self._heard.pop(balancer_id, None)) is not None:
+            self._leaving[balancer_id] = at
+
+    def live(self, now: float) -> list[str]:
+        """The replicas heard from within the TTL."""
+        return [balancer_id for balancer_id, at in self._heard.items() if now - at <= self._ttl_s]
+
+    def choose(self, now: float) -> str | None:
+        """The next live replica in turn; None when none is."""
+        live = self.live(now)
+        if not live:
+            return None
+        self._turn += 1
+        return live[self._turn % len(live)]
+
+    def fallen_silent(self, now: float) -> list[str]:
+        """The replicas not heard from within the TTL, forgotten here: a heartbeat brings one back."""
+        silent = []
+        for replicas in (self._heard, self._leaving):
+            for balancer_id in [b for b, at in replicas.items() if now - at > self._ttl_s]:
+                del replicas[balancer_id]
+                silent.append(balancer_id)
+        return silent
+
+
+class RouteAsker:
+    """Asks a live balancer replica for a route (`ask`); gives up at once on those held by one that falls silent."""
+
+    def __init__(self, bus: Bus, ttl_s: float = 3.0, check_interval_s: float = 0.25,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._bus = bus
+        self._replicas = BalancerReplicas(ttl_s)
+        self._clock = clock
+        self._check_interval_s = check_interval_s
+        self._checks = Periodic("balancer-silence", check_interval_s, self._check)
+        self._last_check = clock()
+        # Per replica: the replies its route requests wait for.
+        self._waiting: dict[str, set[ReplySlot]] = {}
+
+    async def start(self) -> None:
+        await self._bus.subscribe(subjects.BALANCER_HEARTBEAT_ALL, BalancerHeartbeat, self._on_heartbeat,
+                                  traced=False, at_once=True)
+        self._last_check = self._clock()
+        self._checks.start()
+
+    async def stop(self) -> None:
+        await self._checks.stop()
+
+    def live_replicas(self) -> list[str]:
+        return self._replicas.live(self._clock())
+
+    def _on_heartbeat(self, heartbeat: BalancerHeartbeat, msg: Msg) -> None:
+        self._replicas.heard(heartbeat, self._clock())
+
+    async def ask(self, route: RouteRequest, timeout: float, context: Context | None = None) -> RouteReply:
+        """The route reply; raises as `Bus.request` does (`RequestTimeout` also when the replica fell silent)."""
+        while (balancer_id := self._replicas.choose(self._clock())) is not None:
+            subject = subjects.balancer_route(balancer_id)
+            waiting = self._waiting.setdefault(balancer_id, set())
+            with await self._bus.reply_slot() as slot:
+                waiting.add(slot)
+                if self._waiting.get(balancer_id) is not waiting:
+                    continue  # it fell silent just now, and this request was not among those given up
+                try:
+                    await self._bus.publish(subject, route, reply=slot.subject, context=context)
+                    return await slot.wait(RouteReply, timeout, subject)
+                except NoResponders:
+                    self._replicas.forget(balancer_id)  # it stopped taking routes: the next one, or the queue group
+                finally:
+                    waiting.discard(slot)
+        return await self._bus.request(subjects.ROUTE, route, RouteReply, timeout, context=context)
+
+    async def _check(self) -> None:
+        now = self._clock()
+        stalled = now - self._last_check > 2 * self._check_interval_s
+        self._last_check = now
+        if stalled:
+            # This process itself was held up: the heartbeats it missed may still wait unread in its socket.
+            return
+        for balancer_id in self._replicas.fallen_silent(now):
+            for slot in self._waiting.pop(balancer_id, ()):
+                slot.give_up(f"balancer {balancer_id} went silent")
