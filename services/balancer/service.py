@@ -30,7 +30,7 @@ from opentelemetry.trace import Span, Tracer
 from prometheus_client import Counter, Gauge
 
 from contracts import subjects
-from contracts.balancer import BalancerHeartbeat, BalancerStatusReply, BalancerStatusRequest
+from contracts.balancer import BalancerStatusReply, BalancerStatusRequest
 from contracts.health import HealthVerdict
 from contracts.messages import (
     AbortRequest,
@@ -47,6 +47,7 @@ from contracts.messages import (
 from services.balancer.allocation import KvAllocator, LeaseCall, Unleased
 from services.balancer.central_queue import QueuedRequest
 from services.balancer.metrics import BalancerMetrics
+from services.balancer.presence import ReplicaPresence
 from services.balancer.router import Placement, Queued, Router
 from services.balancer.slot_store import RedisSlotStore, SlotStore, worker_of
 from services.balancer.status import SlotRates, build_status
@@ -106,13 +107,11 @@ class BalancerService:
         self._drain_task: asyncio.Task | None = None
         self._drain_again = False
         self._ticker = Periodic("balancer-tick", settings.tick_interval_s, self.tick)
-        # Not from the tick: a tick waits on Redis, and a replica that answers routes must not seem silent.
-        self._heartbeats = Periodic("balancer-heartbeat", heartbeat_interval_s, self._say_alive, immediately=True)
+        self._presence = ReplicaPresence(bus, balancer_id, heartbeat_interval_s, self._on_route)
         self._fast_forwards_seen = 0
         # Each live chain's slot gauges (used, total): a label lookup per chain and tick costs more than the tick's reads.
         self._gauged_chains: dict[str, tuple[Gauge, Gauge]] = {}
         self._store_degraded = False
-        self._route_subscriptions: list = []
         # Routes without a KV lease: one log line per reason per interval, each saying how many it stands for.
         self._unleased_log = LogThrottle(_UNLEASED_LOG_EVERY_S)
         # Slots of finished requests are freed here at once and in the global store a batch at a time.
@@ -129,15 +128,7 @@ class BalancerService:
 
     async def start(self) -> None:
         bus = self._bus
-        # Queued requests hold their handler open, so each route request runs as its own task.
-        # The queue group's subject, and this replica's own: an ingress sends to a replica it heard from lately.
-        self._route_subscriptions = [
-            await bus.subscribe(
-                subjects.ROUTE, RouteRequest, self._on_route, queue=subjects.BALANCER_QUEUE_GROUP, concurrent=True
-            ),
-            await bus.subscribe(subjects.balancer_route(self._balancer_id), RouteRequest, self._on_route, concurrent=True,
-                                span_name=subjects.ROUTE),
-        ]
+        await self._presence.start()
         # These two only update memory (the release batch goes out later): handled as nats-py reads them.
         await bus.subscribe(subjects.REQUEST_FINISHED, RequestFinished, self._on_finished, traced=False, at_once=True)
         await bus.subscribe(subjects.ROUTE_WITHDRAWN, RouteWithdrawn, self._on_withdrawn)
@@ -149,18 +140,10 @@ class BalancerService:
         )
         await bus.subscribe(subjects.BALANCER_STATUS_ALL, BalancerStatusRequest, self._on_status)
         self._ticker.start()
-        self._heartbeats.start()
 
     async def stop(self) -> None:
         """Take no more route requests, then refuse every queued one (no client waits on a balancer that is going away)."""
-        await self._heartbeats.stop()
-        # Later route requests go to the other replicas; those sent here meanwhile find no responders, and an
-        # ingress that hears this sends no more.
-        for subscription in self._route_subscriptions:
-            with contextlib.suppress(Exception):
-                await subscription.unsubscribe()
-        with contextlib.suppress(Exception):
-            await self._say_alive(stopping=True)
+        await self._presence.stop()
         await self._ticker.stop()
         await self._finished.close()
         if self._allocator is not None:
@@ -168,10 +151,6 @@ class BalancerService:
         for request_id in list(self._waiters):
             self.router.queue.remove(request_id)
             self._resolve(request_id, self.router.refusal("balancer_stopping", "the balancer is shutting down"))
-
-    async def _say_alive(self, stopping: bool = False) -> None:
-        await self._bus.publish(subjects.balancer_heartbeat(self._balancer_id),
-                                BalancerHeartbeat(self._balancer_id, stopping), traced=False)
 
     # --- routing -------------------------------------------------------------------
 
