@@ -109,6 +109,16 @@ class JffcPerRequestSettings(Section):
     # the prefill a cached prefix saves the node (docs/benchmarks.md, "The
     # delay imposed on requests that join later").
     imposed_delay_weight: Annotated[float, Meta(ge=0.0)] = 2.0
+    # A request waits in the central queue for a busy node that caches at
+    # least this share of its prompt more than any free node does, rather
+    # than prefill that share again elsewhere; for at most
+    # `queue.cache_aware_max_delay_s` or its overtake bound. 0 never waits.
+    # JFFC alone never waits for a busy chain; with cached prompts of
+    # thousands of tokens the prefill repeated elsewhere slowed whole
+    # batches and evicted other conversations' histories, and under load the
+    # caching node frees a slot about as soon (docs/benchmarks.md, "Waiting
+    # for the node that caches the prompt").
+    cache_hold_share: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.25
 
 
 class DisaggregationSettings(Section):

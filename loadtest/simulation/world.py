@@ -196,6 +196,7 @@ class Simulation:
                                 time.perf_counter() - started,
                                 self.counters | {"route_decisions": self.balancer.decisions,
                                                  "kv_refusals": self.balancer.kv_refusals,
+                                                 "cache_holds": self.balancer.router.cache_holds,
                                                  "lease_preemptions": self._allocator.preemptions if self._allocator else 0,
                                                  "kv_blocks_evicted": self._blocks_evicted()},
                                 self.scaler.timeline if self.scaler is not None else None)

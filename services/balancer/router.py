@@ -78,28 +78,32 @@ class Router:
         self.degradation = Degradation(degradation or DegradationSettings(), queue_settings.retry_after_s)
         # Queued request id -> younger requests of its class served before it (cache-aware dequeue).
         self._overtaken: dict[str, int] = {}
+        # Decisions that left a request waiting for a busy node caching its prompt (`holds_for_cache`).
+        self.cache_holds = 0
         self._known_workers: set[str] = set()
         # Policies that can choose from columns decide on the chain index; the others on a snapshot.
         self.chains = ChainIndex(builder, table) if use_index else None
 
     def place(self, request: RouteRequest, heartbeats: Sequence[Heartbeat], expires_at: float,
-              backlog_bound: float = math.inf) -> Placement | None:
+              backlog_bound: float = math.inf, may_hold: bool = False) -> Placement | None:
         """Choose a chain with a free slot and reserve it locally until `expires_at`; None when the policy finds none.
 
         Chains with more than `backlog_bound` seconds of prefill backlog are left out (`backlog_bound_s`),
         less the prefill their cached prefix of the prompt saves: elsewhere the request would prefill it.
+        With `may_hold`, None also when the request is to wait for a busy node caching its prompt (`holds_for_cache`).
         """
         cached = self.index.match(request.block_hashes) if request.block_hashes else {}
         # Synced whatever the policy, so that the index stays current if the policy changes.
         if self.chains is not None and self.chains.sync(heartbeats) and hasattr(self.policy, "choose_indexed"):
             try:
-                return self._place_indexed(request, cached, expires_at, backlog_bound)
+                return self._place_indexed(request, cached, expires_at, backlog_bound, may_hold)
             except Unindexable:
                 pass
         snapshot = self.builder.snapshot(request, heartbeats, self.table.used, cached)
         prefill_for: dict[str, ChainState] = {}
         if any(c.node.role == "decode" for c in snapshot.chains):
             snapshot, prefill_for = self._with_prefill_nodes(request, snapshot, heartbeats, cached)
+        best_cached = max((c.cached_blocks for c in snapshot.chains), default=0)
         if backlog_bound < math.inf:
             # Waiting instead ends in a prefill of the whole prompt, at best on the fastest node (`Decision.limit_backlog`).
             # A two-node chain's wait is its prefill node's, already in `remote_prefill_s`.
@@ -107,6 +111,10 @@ class Router:
             snapshot = msgspec.structs.replace(snapshot, chains=tuple(
                 c for c in snapshot.chains
                 if c.remote_prefill_s is not None or c.first_token_wait_s(request.prompt_tokens) <= bound))
+        # Two-node chains prefill on another node, whose cache the decode chains' figures do not show.
+        if may_hold and not prefill_for and self.holds_for_cache(
+                request, best_cached, max((c.cached_blocks for c in snapshot.free()), default=0)):
+            return None
         fast_forwards = getattr(self.policy, "fast_forwards", 0)
         chain = self.policy.choose(request, snapshot)
         if chain is None:
@@ -120,12 +128,16 @@ class Router:
         return Placement(request, chain, expires_at, prefill, fast_forward=getattr(self.policy, "fast_forwards", 0) > fast_forwards)
 
     def _place_indexed(self, request: RouteRequest, cached: Mapping[str, int], expires_at: float,
-                       backlog_bound: float) -> Placement | None:
+                       backlog_bound: float, may_hold: bool) -> Placement | None:
         """`place` on the chain index: only aggregated nodes, so no prefill node to pair."""
         assert self.chains is not None
         decision = self.chains.decision(request, cached)
+        best_cached = max((blocks for row, blocks in decision.cached.items() if decision.eligible[row]), default=0)
         if backlog_bound < math.inf:
             decision.limit_backlog(backlog_bound, request.prompt_tokens)
+        if may_hold and self.holds_for_cache(
+                request, best_cached, max((blocks for row, blocks in decision.cached.items() if decision.free[row]), default=0)):
+            return None
         fast_forwards = getattr(self.policy, "fast_forwards", 0)
         row = self.policy.choose_indexed(request, decision)  # type: ignore[attr-defined]
         if row is None:
@@ -135,6 +147,25 @@ class Router:
             raise RuntimeError(f"policy {self.policy.name} chose full chain {chain.chain_id}")
         self.builder.note_sent(chain, request)
         return Placement(request, chain, expires_at, None, fast_forward=getattr(self.policy, "fast_forwards", 0) > fast_forwards)
+
+    def holds_for_cache(self, request: RouteRequest, best_cached: int, best_free_cached: int) -> bool:
+        """Whether `request` waits for a busy node that caches its prompt rather than take a free one that caches less.
+
+        `best_cached`: the most leading prompt blocks any node the request may
+        take caches; `best_free_cached`: the most a node it may take now caches.
+        A policy's `cache_hold_share` (0: never) is the share of the prompt
+        that must separate the two. Prefilling that part again elsewhere
+        costs the whole fleet: the prefill delays every request in that
+        node's batch, and a prompt copied there evicts others' prefixes,
+        whose next turns then miss too. Waiting costs no compute, and under
+        load a slot on the caching node frees about as soon as one elsewhere;
+        the caller bounds the wait (`may_hold` in `place`).
+        """
+        share = getattr(self.policy, "cache_hold_share", 0.0)
+        if not share or not request.block_hashes or best_cached - best_free_cached < share * len(request.block_hashes):
+            return False
+        self.cache_holds += 1
+        return True
 
     def backlog_bound_s(self, request: RouteRequest, now: float) -> float:
         """The most prefill backlog a free chain may have to take `request` now (`Degradation.backlog_bound_s`).
@@ -189,7 +220,7 @@ class Router:
         self.queue.remove(request.request_id)
         # The time left the request arrived with, as a moment on this balancer's clock.
         request_deadline = now + request.timeout_s
-        placement = self.place(request, heartbeats, request_deadline, self.backlog_bound_s(request, now))
+        placement = self.place(request, heartbeats, request_deadline, self.backlog_bound_s(request, now), may_hold=True)
         if placement is not None:
             return placement
         deadline = min(request_deadline, now + self._queue_settings.max_wait_s)
@@ -221,6 +252,7 @@ class Router:
             return heartbeats
 
         order = self.dequeue_order(heartbeats_of)
+        now, bound = self.builder.clock(), self.overtake_bound()
         for entry in order:
             model = entry.request.model
             if model in exhausted:
@@ -229,8 +261,11 @@ class Router:
             if not self._any_free(entry.request, heartbeats):
                 exhausted.add(model)
                 continue
+            # A request waits for its cache no longer than it may be overtaken (`dequeue_order`).
+            may_hold = (now - entry.enqueued_at < self._queue_settings.cache_aware_max_delay_s
+                        and self._overtaken.get(entry.request_id, 0) < bound)
             placement = self.place(entry.request, heartbeats, entry.enqueued_at + entry.request.timeout_s,
-                                   self.backlog_bound_s(entry.request, self.builder.clock()))
+                                   self.backlog_bound_s(entry.request, now), may_hold)
             if placement is not None:
                 self.queue.remove(entry.request_id)
                 self._count_overtaken(entry, order)

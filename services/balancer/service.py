@@ -109,6 +109,7 @@ class BalancerService:
         self._ticker = Periodic("balancer-tick", settings.tick_interval_s, self.tick)
         self._presence = ReplicaPresence(bus, balancer_id, heartbeat_interval_s, self._on_route)
         self._fast_forwards_seen = 0
+        self._cache_holds_seen = 0
         # Each live chain's slot gauges (used, total): a label lookup per chain and tick costs more than the tick's reads.
         self._gauged_chains: dict[str, tuple[Gauge, Gauge]] = {}
         self._store_degraded = False
@@ -500,6 +501,8 @@ class BalancerService:
         fast_forwards = getattr(self.router.policy, "fast_forwards", 0)
         self._metrics.fast_forwards.inc(fast_forwards - self._fast_forwards_seen)
         self._fast_forwards_seen = fast_forwards
+        self._metrics.cache_holds.inc(self.router.cache_holds - self._cache_holds_seen)
+        self._cache_holds_seen = self.router.cache_holds
         self._metrics.queue_length.set(len(self.router.queue))
         for chain_id in self._gauged_chains.keys() - live_chains.keys():
             del self._gauged_chains[chain_id]

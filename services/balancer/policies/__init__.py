@@ -33,7 +33,7 @@ def make_policy(name: str, settings: BalancerSettings) -> RoutingPolicy:
         case "jffc":
             return Jffc()
         case "jffc_per_request":
-            return JffcPerRequest(settings.jffc_per_request.imposed_delay_weight)
+            return JffcPerRequest(settings.jffc_per_request.imposed_delay_weight, settings.jffc_per_request.cache_hold_share)
     raise ValueError(f"unknown routing policy {name!r} (known: {', '.join(POLICY_NAMES)})")
 
 

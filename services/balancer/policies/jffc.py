@@ -2,10 +2,11 @@
 
 Both only ever pick a chain with a free slot (None otherwise: the request
 waits in the central queue), which keeps JFFC work-conserving; that is what
-its throughput optimality rests on. Waiting for a busy chain that would be
-faster for this request (say, the one holding its cache) is deliberately
-not done: a wrong estimate of when that chain frees would leave the request
-waiting beside an idle slot.
+its throughput optimality rests on. Waiting for a busy chain because it
+would be faster for this request is not done on an estimate of when that
+chain frees: a wrong one would leave the request waiting beside an idle
+slot. The one wait there is, jffc_per_request's for a busy chain that
+caches much more of the prompt, is bounded in time, not estimated.
 """
 
 from __future__ import annotations
@@ -57,6 +58,9 @@ class JffcPerRequest:
     own step time and measured speed. A two-node chain is costed as two
     nodes: the prefill node's backlog and prompt, then the KV transfer over
     the link (`remote_prefill_s`), then decode on the decode node.
+    The router keeps a request waiting, briefly, for a busy chain that
+    caches much more of its prompt than any free one (`cache_hold_share`,
+    `Router.holds_for_cache`): the one exception to free chains only.
     Imposed delay: what its prefill and decode steps add to the requests
     already running there (`StepModel.imposed_seconds`), times
     `imposed_delay_weight`; without it a request takes the node where it
@@ -73,8 +77,11 @@ class JffcPerRequest:
     # to prefill) over waiting briefly for another.
     bounds_backlog = True
 
-    def __init__(self, imposed_delay_weight: float = JffcPerRequestSettings().imposed_delay_weight) -> None:
+    def __init__(self, imposed_delay_weight: float = JffcPerRequestSettings().imposed_delay_weight,
+                 cache_hold_share: float = JffcPerRequestSettings().cache_hold_share) -> None:
         self._imposed_weight = imposed_delay_weight
+        # The router leaves a request queued for a busy node caching this much more of its prompt (`Router.holds_for_cache`).
+        self.cache_hold_share = cache_hold_share
         self._rotation = Rotation()
 
     def choose(self, request: RouteRequest, snapshot: ClusterSnapshot) -> ChainState | None:

@@ -1,0 +1,105 @@
+"""A request waits, for a bounded time, for a busy node caching its prompt (`Router.holds_for_cache`).
+
+Two nodes of one slot each: w0 caches the request's whole prompt but is
+full, w1 is free and caches none or some of it. Each test runs on the
+chain index and on the snapshot path, which must decide alike.
+"""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from services.balancer.central_queue import CentralQueue
+from services.balancer.policies import make_policy
+from services.balancer.router import Placement, Queued, Router
+from services.balancer.slot_table import SlotTable
+from services.balancer.snapshot import SnapshotBuilder
+from services.balancer.trackers import QueueGrowth, SpeedTracker
+from shared.config import BalancerSettings, JffcPerRequestSettings, QueueSettings, SlotSettings
+from shared.prefix_index import PrefixIndex
+from tests.unit.balancer_fixtures import NOW_WALL, TINY, heartbeat, request
+
+PROMPT = list(range(1, 9))  # 8 blocks
+HEARTBEATS = [heartbeat("w0"), heartbeat("w1")]
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = NOW_WALL
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _router(clock: Clock, use_index: bool, policy: str = "jffc_per_request", share: float = 0.25,
+            free_node_caches: int = 0) -> Router:
+    s = BalancerSettings(policy=policy, slots=SlotSettings(max_per_chain=1),  # type: ignore[arg-type]
+                         jffc_per_request=JffcPerRequestSettings(cache_hold_share=share),
+                         queue=QueueSettings(cache_aware_max_delay_s=2.0))
+    builder = SnapshotBuilder(s, SpeedTracker(TINY, s.speed.smoothing, s.speed.equal_within), QueueGrowth(s.speed.smoothing),
+                              clock=clock)
+    r = Router(make_policy(policy, s), builder, PrefixIndex(), SlotTable(), CentralQueue(64), s.queue, use_index=use_index)
+    r.index.apply("w0", stored=PROMPT)
+    if free_node_caches:
+        r.index.apply("w1", stored=PROMPT[:free_node_caches])
+    r.table.reserve("running", r.builder.facts(HEARTBEATS[0]).chain_id, 1, NOW_WALL + 60)  # w0 is full
+    return r
+
+
+def _admit(r: Router, clock: Clock) -> Placement | Queued:
+    outcome = r.admit(msgspec.structs.replace(request("r", prompt=128), block_hashes=PROMPT), HEARTBEATS, clock.now)
+    assert isinstance(outcome, Placement | Queued)
+    return outcome
+
+
+def _placed(r: Router) -> list[tuple[str, str]]:
+    return [(entry.request_id, p.chain.worker_id) for entry, p in r.dispatch_queued(lambda model: HEARTBEATS)]
+
+
+@pytest.mark.parametrize("use_index", [True, False])
+def test_a_request_waits_for_the_busy_node_caching_its_prompt_and_takes_it_when_it_frees(use_index: bool) -> None:
+    clock = Clock()
+    r = _router(clock, use_index)
+    assert isinstance(_admit(r, clock), Queued)
+    assert r.cache_holds == 1
+    clock.now += 0.5
+    assert _placed(r) == []  # still held: w1 is free but caches nothing of it
+    r.finished("running", "w0")
+    assert _placed(r) == [("r", "w0")]
+
+
+@pytest.mark.parametrize("use_index", [True, False])
+def test_the_wait_ends_after_the_cache_aware_delay_bound_on_whichever_node_is_free(use_index: bool) -> None:
+    clock = Clock()
+    r = _router(clock, use_index)
+    assert isinstance(_admit(r, clock), Queued)
+    clock.now += 2.01
+    assert _placed(r) == [("r", "w1")]
+
+
+@pytest.mark.parametrize("use_index", [True, False])
+@pytest.mark.parametrize("share, free_node_caches", [
+    (0.0, 0),  # holding is off
+    (0.25, 7),  # the free node caches all but 1/8 of the prompt: less than the share to gain by waiting
+])
+def test_no_wait_when_off_or_when_a_free_node_caches_nearly_as_much(use_index: bool, share: float, free_node_caches: int) -> None:
+    clock = Clock()
+    r = _router(clock, use_index, share=share, free_node_caches=free_node_caches)
+    placed = _admit(r, clock)
+    assert isinstance(placed, Placement) and placed.chain.worker_id == "w1"
+    assert r.cache_holds == 0
+
+
+@pytest.mark.parametrize("policy", ["round_robin", "least_loaded", "prefix_affinity", "kv_cost", "jffc"])
+def test_only_jffc_per_request_waits_for_a_cache(policy: str) -> None:
+    clock = Clock()
+    placed = _admit(_router(clock, True, policy=policy), clock)
+    assert isinstance(placed, Placement) and placed.chain.worker_id == "w1"
+
+
+def test_a_request_that_no_node_caches_is_never_held() -> None:
+    clock = Clock()
+    r = _router(clock, True)
+    outcome = r.admit(msgspec.structs.replace(request("r", prompt=128), block_hashes=[90, 91]), HEARTBEATS, clock.now)
+    assert isinstance(outcome, Placement) and outcome.chain.worker_id == "w1"
