@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from typing import TypeVar
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import msgspec
@@ -31,6 +32,7 @@ from shared.config import DegradationSettings, DisaggregationSettings, QueueSett
 from shared.prefix_index import PrefixIndex
 
 HeartbeatsFor = Callable[[str], Sequence[Heartbeat]]
+K = TypeVar("K")
 
 
 class Placement(Struct, frozen=True):
@@ -103,7 +105,8 @@ class Router:
         prefill_for: dict[str, ChainState] = {}
         if any(c.node.role == "decode" for c in snapshot.chains):
             snapshot, prefill_for = self._with_prefill_nodes(request, snapshot, heartbeats, cached)
-        best_cached = max((c.cached_blocks for c in snapshot.chains), default=0)
+        holding = may_hold and getattr(self.policy, "cache_hold_share", 0.0) > 0
+        eligible = {c.chain_id: c.cached_blocks for c in snapshot.chains if c.cached_blocks} if holding else {}
         if backlog_bound < math.inf:
             # Waiting instead ends in a prefill of the whole prompt, at best on the fastest node (`Decision.limit_backlog`).
             # A two-node chain's wait is its prefill node's, already in `remote_prefill_s`.
@@ -112,9 +115,10 @@ class Router:
                 c for c in snapshot.chains
                 if c.remote_prefill_s is not None or c.first_token_wait_s(request.prompt_tokens) <= bound))
         # Two-node chains prefill on another node, whose cache the decode chains' figures do not show.
-        if may_hold and not prefill_for and self.holds_for_cache(
-                request, best_cached, max((c.cached_blocks for c in snapshot.free()), default=0)):
-            return None
+        if eligible and not prefill_for:
+            free = {c.chain_id for c in snapshot.free()}
+            if self.holds_for_cache(request, eligible, lambda chain_id: True, free.__contains__):
+                return None
         fast_forwards = getattr(self.policy, "fast_forwards", 0)
         chain = self.policy.choose(request, snapshot)
         if chain is None:
@@ -132,11 +136,9 @@ class Router:
         """`place` on the chain index: only aggregated nodes, so no prefill node to pair."""
         assert self.chains is not None
         decision = self.chains.decision(request, cached)
-        best_cached = max((blocks for row, blocks in decision.cached.items() if decision.eligible[row]), default=0)
         if backlog_bound < math.inf:
             decision.limit_backlog(backlog_bound, request.prompt_tokens)
-        if may_hold and self.holds_for_cache(
-                request, best_cached, max((blocks for row, blocks in decision.cached.items() if decision.free[row]), default=0)):
+        if may_hold and self.holds_for_cache(request, decision.cached, decision.eligible.item, decision.free.item):
             return None
         fast_forwards = getattr(self.policy, "fast_forwards", 0)
         row = self.policy.choose_indexed(request, decision)  # type: ignore[attr-defined]
@@ -148,13 +150,15 @@ class Router:
         self.builder.note_sent(chain, request)
         return Placement(request, chain, expires_at, None, fast_forward=getattr(self.policy, "fast_forwards", 0) > fast_forwards)
 
-    def holds_for_cache(self, request: RouteRequest, best_cached: int, best_free_cached: int) -> bool:
+    def holds_for_cache(self, request: RouteRequest, cached: Mapping[K, int], eligible: Callable[[K], bool],
+                        free: Callable[[K], bool]) -> bool:
         """Whether `request` waits for a busy node that caches its prompt rather than take a free one that caches less.
 
-        `best_cached`: the most leading prompt blocks any node the request may
-        take caches; `best_free_cached`: the most a node it may take now caches.
-        A policy's `cache_hold_share` (0: never) is the share of the prompt
-        that must separate the two. Prefilling that part again elsewhere
+        `cached`: leading prompt blocks per chain (row) that holds any;
+        `eligible`: whether the request may take that chain at all, `free`:
+        whether it may take it now. A policy's `cache_hold_share` (0: never)
+        is the share of the prompt by which the best eligible chain must
+        cache more than the best free one. Prefilling that part again elsewhere
         costs the whole fleet: the prefill delays every request in that
         node's batch, and a prompt copied there evicts others' prefixes,
         whose next turns then miss too. Waiting costs no compute, and under
@@ -162,7 +166,15 @@ class Router:
         the caller bounds the wait (`may_hold` in `place`).
         """
         share = getattr(self.policy, "cache_hold_share", 0.0)
-        if not share or not request.block_hashes or best_cached - best_free_cached < share * len(request.block_hashes):
+        if not share or not cached or not request.block_hashes:
+            return False
+        bar = share * len(request.block_hashes)
+        # Mostly the chain caching the most is free: a free one within `bar` of the most cached settles it at once.
+        most = max(cached.values())
+        if most < bar or any(free(key) for key, blocks in cached.items() if blocks > most - bar):
+            return False
+        best = max((blocks for key, blocks in cached.items() if eligible(key)), default=0)
+        if best < bar or any(free(key) for key, blocks in cached.items() if blocks > best - bar):
             return False
         self.cache_holds += 1
         return True
