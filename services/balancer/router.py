@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import itertools
 import math
-from typing import TypeVar
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import TypeVar
 
 import msgspec
 
@@ -106,7 +106,7 @@ class Router:
         if any(c.node.role == "decode" for c in snapshot.chains):
             snapshot, prefill_for = self._with_prefill_nodes(request, snapshot, heartbeats, cached)
         holding = may_hold and getattr(self.policy, "cache_hold_share", 0.0) > 0
-        eligible = {c.chain_id: c.cached_blocks for c in snapshot.chains if c.cached_blocks} if holding else {}
+        cached_chains = {c.chain_id: c.cached_blocks for c in snapshot.chains if c.cached_blocks} if holding else {}
         if backlog_bound < math.inf:
             # Waiting instead ends in a prefill of the whole prompt, at best on the fastest node (`Decision.limit_backlog`).
             # A two-node chain's wait is its prefill node's, already in `remote_prefill_s`.
@@ -115,9 +115,10 @@ class Router:
                 c for c in snapshot.chains
                 if c.remote_prefill_s is not None or c.first_token_wait_s(request.prompt_tokens) <= bound))
         # Two-node chains prefill on another node, whose cache the decode chains' figures do not show.
-        if eligible and not prefill_for:
+        if cached_chains and not prefill_for:
             free = {c.chain_id for c in snapshot.free()}
-            if self.holds_for_cache(request, eligible, lambda chain_id: True, free.__contains__):
+            # Every chain still in the snapshot before the backlog bound is one the request may take.
+            if self.holds_for_cache(request, cached_chains, lambda chain_id: True, free.__contains__):
                 return None
         fast_forwards = getattr(self.policy, "fast_forwards", 0)
         chain = self.policy.choose(request, snapshot)
@@ -275,7 +276,7 @@ class Router:
                 continue
             # A request waits for its cache no longer than it may be overtaken (`dequeue_order`).
             may_hold = (now - entry.enqueued_at < self._queue_settings.cache_aware_max_delay_s
-                        and self._overtaken.get(entry.request_id, 0) < bound)
+                        and not self._overdue(entry, bound))
             placement = self.place(entry.request, heartbeats, entry.enqueued_at + entry.request.timeout_s,
                                    self.backlog_bound_s(entry.request, now), may_hold)
             if placement is not None:
@@ -315,8 +316,8 @@ class Router:
         ordered: list[QueuedRequest] = []
         for _, group in itertools.groupby(entries, key=lambda e: e.request.priority):
             waiting = list(group)
-            due = [e for e in waiting if self._overtaken.get(e.request_id, 0) >= bound]
-            rest = [e for e in waiting if self._overtaken.get(e.request_id, 0) < bound]
+            due = [e for e in waiting if self._overdue(e, bound)]
+            rest = [e for e in waiting if not self._overdue(e, bound)]
             window, tail = rest[: settings.cache_aware_window], rest[settings.cache_aware_window :]
             scores = {e.request_id: cached_share(e) for e in window}
             window.sort(key=lambda e: -scores[e.request_id])  # stable: ties stay oldest first
@@ -337,6 +338,10 @@ class Router:
         departures_per_s = self.degradation.departures.per_s(self.builder.clock())
         settings = self._queue_settings
         return max(settings.cache_aware_max_skips, settings.cache_aware_max_delay_s * departures_per_s)
+
+    def _overdue(self, entry: QueuedRequest, bound: float) -> bool:
+        """Younger requests have overtaken `entry` as often as `bound` allows: it goes first, and waits for no cache."""
+        return self._overtaken.get(entry.request_id, 0) >= bound
 
     def _count_overtaken(self, served: QueuedRequest, order: Sequence[QueuedRequest]) -> None:
         """Every older request of `served`'s class still waiting has been overtaken once more."""

@@ -10,15 +10,9 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from services.balancer.central_queue import CentralQueue
-from services.balancer.policies import make_policy
 from services.balancer.router import Placement, Queued, Router
-from services.balancer.slot_table import SlotTable
-from services.balancer.snapshot import SnapshotBuilder
-from services.balancer.trackers import QueueGrowth, SpeedTracker
-from shared.config import BalancerSettings, JffcPerRequestSettings, QueueSettings, SlotSettings
-from shared.prefix_index import PrefixIndex
-from tests.unit.balancer_fixtures import NOW_WALL, TINY, heartbeat, request
+from shared.config import JffcPerRequestSettings, QueueSettings
+from tests.unit.balancer_fixtures import NOW_WALL, heartbeat, request, router
 
 PROMPT = list(range(1, 9))  # 8 blocks
 HEARTBEATS = [heartbeat("w0"), heartbeat("w1")]
@@ -34,12 +28,8 @@ class Clock:
 
 def _router(clock: Clock, use_index: bool, policy: str = "jffc_per_request", share: float = 0.25,
             free_node_caches: int = 0) -> Router:
-    s = BalancerSettings(policy=policy, slots=SlotSettings(max_per_chain=1),  # type: ignore[arg-type]
-                         jffc_per_request=JffcPerRequestSettings(cache_hold_share=share),
-                         queue=QueueSettings(cache_aware_max_delay_s=2.0))
-    builder = SnapshotBuilder(s, SpeedTracker(TINY, s.speed.smoothing, s.speed.equal_within), QueueGrowth(s.speed.smoothing),
-                              clock=clock)
-    r = Router(make_policy(policy, s), builder, PrefixIndex(), SlotTable(), CentralQueue(64), s.queue, use_index=use_index)
+    r = router(policy, queue=QueueSettings(cache_aware_max_delay_s=2.0), jffc=JffcPerRequestSettings(cache_hold_share=share),
+               clock=clock, use_index=use_index, max_per_chain=1)
     r.index.apply("w0", stored=PROMPT)
     if free_node_caches:
         r.index.apply("w1", stored=PROMPT[:free_node_caches])
