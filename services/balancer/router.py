@@ -233,11 +233,18 @@ class Router:
         self.queue.remove(request.request_id)
         # The time left the request arrived with, as a moment on this balancer's clock.
         request_deadline = now + request.timeout_s
-        placement = self.place(request, heartbeats, request_deadline, self.backlog_bound_s(request, now), may_hold=True)
+        backlog_bound, holds = self.backlog_bound_s(request, now), self.cache_holds
+        placement = self.place(request, heartbeats, request_deadline, backlog_bound, may_hold=True)
+        if placement is None and self.cache_holds > holds and self.queue.full:
+            # Held for its cache, it has a free chain: it takes that rather than be refused for want of room.
+            self.cache_holds = holds
+            placement = self.place(request, heartbeats, request_deadline, backlog_bound)
         if placement is not None:
             return placement
         deadline = min(request_deadline, now + self._queue_settings.max_wait_s)
-        waiting = self.degradation.before_queueing(request, self.queue, deadline, now)
+        # A request held for its cache waits by choice, not for want of a slot: nothing to shed or shorten.
+        held = self.cache_holds > holds
+        waiting = request if held else self.degradation.before_queueing(request, self.queue, deadline, now)
         if isinstance(waiting, ErrorReply):
             return waiting
         evicted = self.degradation.make_room(waiting, self.queue) if self.queue.full else None

@@ -15,7 +15,7 @@ from services.balancer.slot_table import SlotTable
 from services.balancer.snapshot import ChainState, ClusterSnapshot, NodeFacts, SnapshotBuilder
 from services.balancer.speed import StepModel
 from services.balancer.trackers import QueueGrowth, SpeedTracker
-from shared.config import BalancerSettings, JffcPerRequestSettings, QueueSettings, SlotSettings
+from shared.config import BalancerSettings, DegradationSettings, JffcPerRequestSettings, QueueSettings, SlotSettings
 from shared.prefix_index import PrefixIndex
 
 NOW_WALL = 1_700_000_000.0
@@ -94,11 +94,11 @@ def settings(policy: str = "jffc_per_request", **slots: object) -> BalancerSetti
 
 def router(policy: str = "jffc_per_request", queue_length: int = 64, queue: QueueSettings | None = None,
            jffc: JffcPerRequestSettings | None = None, clock: Callable[[], float] = time.time, use_index: bool = True,
-           **slots: object) -> Router:
+           degradation: DegradationSettings | None = None, **slots: object) -> Router:
     s = settings(policy, **slots)
     if jffc is not None:
         s = msgspec.structs.replace(s, jffc_per_request=jffc)
     builder = SnapshotBuilder(s, SpeedTracker(TINY, s.speed.smoothing, s.speed.equal_within), QueueGrowth(s.speed.smoothing),
                               clock=clock)
     return Router(make_policy(policy, s), builder, PrefixIndex(), SlotTable(), CentralQueue(queue_length), queue or s.queue,
-                  use_index=use_index)
+                  degradation=degradation, use_index=use_index)

@@ -11,7 +11,7 @@ import msgspec
 import pytest
 
 from services.balancer.router import Placement, Queued, Router
-from shared.config import JffcPerRequestSettings, QueueSettings
+from shared.config import DegradationSettings, JffcPerRequestSettings, QueueSettings
 from tests.unit.balancer_fixtures import NOW_WALL, heartbeat, request, router
 
 PROMPT = list(range(1, 9))  # 8 blocks
@@ -27,9 +27,10 @@ class Clock:
 
 
 def _router(clock: Clock, use_index: bool, policy: str = "jffc_per_request", share: float = 0.25,
-            free_node_caches: int = 0) -> Router:
-    r = router(policy, queue=QueueSettings(cache_aware_max_delay_s=2.0), jffc=JffcPerRequestSettings(cache_hold_share=share),
-               clock=clock, use_index=use_index, max_per_chain=1)
+            free_node_caches: int = 0, queue_length: int = 64, degradation: DegradationSettings | None = None) -> Router:
+    r = router(policy, queue_length=queue_length, queue=QueueSettings(cache_aware_max_delay_s=2.0),
+               jffc=JffcPerRequestSettings(cache_hold_share=share), clock=clock, use_index=use_index,
+               degradation=degradation, max_per_chain=1)
     r.index.apply("w0", stored=PROMPT)
     if free_node_caches:
         r.index.apply("w1", stored=PROMPT[:free_node_caches])
@@ -93,3 +94,23 @@ def test_a_request_that_no_node_caches_is_never_held() -> None:
     r = _router(clock, True)
     outcome = r.admit(msgspec.structs.replace(request("r", prompt=128), block_hashes=[90, 91]), HEARTBEATS, clock.now)
     assert isinstance(outcome, Placement) and outcome.chain.worker_id == "w1"
+
+
+@pytest.mark.parametrize("use_index", [True, False])
+def test_a_held_request_takes_the_free_node_rather_than_be_refused_by_a_full_queue(use_index: bool) -> None:
+    clock = Clock()
+    r = _router(clock, use_index, queue_length=0)
+    placed = _admit(r, clock)
+    assert isinstance(placed, Placement) and placed.chain.worker_id == "w1"
+    assert r.cache_holds == 0
+
+
+@pytest.mark.parametrize("use_index", [True, False])
+def test_a_held_request_is_not_shortened_as_if_the_fleet_were_overloaded(use_index: bool) -> None:
+    # No departures measured yet: the queue's predicted wait is unbounded, which shortens any request that
+    # queues for want of a slot; a held one has a free slot and keeps its max_tokens.
+    clock = Clock()
+    r = _router(clock, use_index, degradation=DegradationSettings(reduce_max_tokens=True, below_priority=5))
+    queued = r.admit(msgspec.structs.replace(request("r", prompt=128, output=64), block_hashes=PROMPT), HEARTBEATS, clock.now)
+    assert isinstance(queued, Queued) and queued.entry.request.max_tokens == 64
+    assert r.degradation.counts["max_tokens"] == 0
