@@ -118,7 +118,7 @@ class Router:
         if cached_chains and not prefill_for:
             free = {c.chain_id for c in snapshot.free()}
             # Every chain still in the snapshot before the backlog bound is one the request may take.
-            if self.holds_for_cache(request, cached_chains, lambda chain_id: True, free.__contains__):
+            if self.holds_for_cache(request, cached_chains, None, free.__contains__):
                 return None
         fast_forwards = getattr(self.policy, "fast_forwards", 0)
         chain = self.policy.choose(request, snapshot)
@@ -151,12 +151,12 @@ class Router:
         self.builder.note_sent(chain, request)
         return Placement(request, chain, expires_at, None, fast_forward=getattr(self.policy, "fast_forwards", 0) > fast_forwards)
 
-    def holds_for_cache(self, request: RouteRequest, cached: Mapping[K, int], eligible: Callable[[K], bool],
+    def holds_for_cache(self, request: RouteRequest, cached: Mapping[K, int], eligible: Callable[[K], bool] | None,
                         free: Callable[[K], bool]) -> bool:
         """Whether `request` waits for a busy node that caches its prompt rather than take a free one that caches less.
 
         `cached`: leading prompt blocks per chain (row) that holds any;
-        `eligible`: whether the request may take that chain at all, `free`:
+        `eligible`: whether the request may take that chain at all (None: every one may), `free`:
         whether it may take it now. A policy's `cache_hold_share` (0: never)
         is the share of the prompt by which the best eligible chain must
         cache more than the best free one. Prefilling that part again elsewhere
@@ -174,9 +174,10 @@ class Router:
         most = max(cached.values())
         if most < bar or any(free(key) for key, blocks in cached.items() if blocks > most - bar):
             return False
-        best = max((blocks for key, blocks in cached.items() if eligible(key)), default=0)
-        if best < bar or any(free(key) for key, blocks in cached.items() if blocks > best - bar):
-            return False
+        if eligible is not None:  # the most cached chain may be one the request may not take
+            best = max((blocks for key, blocks in cached.items() if eligible(key)), default=0)
+            if best < bar or any(free(key) for key, blocks in cached.items() if blocks > best - bar):
+                return False
         self.cache_holds += 1
         return True
 
@@ -271,8 +272,8 @@ class Router:
                 heartbeats = heartbeats_cache[model] = heartbeats_for(model)
             return heartbeats
 
-        order = self.dequeue_order(heartbeats_of)
         now, bound = self.builder.clock(), self.overtake_bound()
+        order = self.dequeue_order(heartbeats_of, bound)
         for entry in order:
             model = entry.request.model
             if model in exhausted:
@@ -292,11 +293,11 @@ class Router:
                 placed.append((entry, placement))
         return placed
 
-    def dequeue_order(self, heartbeats_for: HeartbeatsFor) -> list[QueuedRequest]:
+    def dequeue_order(self, heartbeats_for: HeartbeatsFor, bound: float | None = None) -> list[QueuedRequest]:
         """Queued requests in the order freed slots go to them.
 
         Oldest first; or, with `queue.cache_aware_dequeue`, per priority
-        class: the requests overtaken `overtake_bound` times, oldest first;
+        class: the requests overtaken `bound` times (default: `overtake_bound`), oldest first;
         then the oldest `cache_aware_window` others, those whose prompt
         prefix a node with a free slot caches best first (ties: oldest); then
         the rest, oldest first. Under load, slots free one at a time, and the
@@ -319,7 +320,8 @@ class Router:
             cached = self.index.match(request.block_hashes)
             return max((cached.get(w, 0) for w in free), default=0) / len(request.block_hashes)
 
-        bound = self.overtake_bound()
+        if bound is None:
+            bound = self.overtake_bound()
         ordered: list[QueuedRequest] = []
         for _, group in itertools.groupby(entries, key=lambda e: e.request.priority):
             waiting = list(group)
