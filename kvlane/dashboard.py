@@ -135,14 +135,20 @@ def build_dashboard() -> DashboardBuilder:
     layout.row("Routing and health")
     layout.panel("Route decisions", "reqps", [
         (f"sum by (policy, outcome) (rate(kvlane_balancer_decisions_total{RATE}))", "{{policy}} {{outcome}}"),
-    ], "Route requests by policy and outcome: placed at once, queued then placed, refused.")
+    ], "Route requests by policy and outcome: placed at once, queued then placed, refused.", width=6)
+    layout.panel("Balancer replicas", "short", [
+        ("min(kvlane_ingress_balancer_replicas)", "heard by every ingress"),
+        (f"sum(rate(kvlane_ingress_balancer_silences_total{RATE}))", "found silent per second"),
+        (f"sum(rate(kvlane_ingress_routes_given_up_total{RATE}))", "routes asked again per second"),
+    ], "Balancer replicas the ingresses route to (the fewest any ingress hears), replicas that fell silent, "
+       "and the route requests those held, asked again of another replica.", width=6)
     layout.panel("Node health", "short", [
         ("sum by (state) (max by (worker, state) (kvlane_health_node_state))", "{{state}}"),
-    ], "Nodes in each health state (the health-prober's verdicts).")
+    ], "Nodes in each health state (the health-prober's verdicts).", width=6)
     layout.panel("Probe latency", "s", [
         *_quantiles("kvlane_health_probe_seconds", "", (0.5, 0.99)),
         (f'sum by (result) (rate(kvlane_health_probes_total{{result!="ok"}}{RATE}))', "bad probes: {{result}}"),
-    ], "One-token canary probes, straight to each node.")
+    ], "One-token canary probes, straight to each node.", width=6)
 
     layout.row("Prefill/decode transfer")
     layout.panel("KV pulled", "Bps", [

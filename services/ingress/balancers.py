@@ -19,14 +19,18 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+import structlog
 from nats.aio.msg import Msg
 from opentelemetry.context import Context
 
 from contracts import subjects
 from contracts.balancer import BalancerHeartbeat
 from contracts.messages import RouteReply, RouteRequest
+from services.ingress.metrics import IngressMetrics
 from shared.bus import Bus, NoResponders, ReplySlot
 from shared.periodic import Periodic
+
+log = structlog.get_logger("kvlane.ingress")
 
 
 class BalancerReplicas:
@@ -78,8 +82,9 @@ class RouteAsker:
     """Asks a live balancer replica for a route (`ask`); gives up at once on those held by one that falls silent."""
 
     def __init__(self, bus: Bus, ttl_s: float = 3.0, check_interval_s: float = 0.25,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, metrics: IngressMetrics | None = None) -> None:
         self._bus = bus
+        self._metrics = metrics
         self._replicas = BalancerReplicas(ttl_s)
         self._clock = clock
         self._check_interval_s = check_interval_s
@@ -129,5 +134,11 @@ class RouteAsker:
             # This process itself was held up: the heartbeats it missed may still wait unread in its socket.
             return
         for balancer_id in self._replicas.fallen_silent(now):
-            for slot in self._waiting.pop(balancer_id, ()):
+            held = self._waiting.pop(balancer_id, set())
+            for slot in held:
                 slot.give_up(f"balancer {balancer_id} went silent")
+            log.warning("balancer_silent", balancer_id=balancer_id, routes_given_up=len(held))
+            if self._metrics is not None:
+                self._metrics.balancer_silent(len(held))
+        if self._metrics is not None:
+            self._metrics.balancer_replicas(len(self._replicas.live(now)))

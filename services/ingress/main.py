@@ -54,7 +54,7 @@ async def main(config: KvlaneConfig, stop: asyncio.Event) -> None:
         await streams.start()
         # The fleet's per-node metrics come from the heartbeats in `view`, read at each scrape.
         metrics = IngressMetrics(view)
-        routes = RouteAsker(bus, config.cluster.heartbeat_ttl_s, settings.liveness_check_s)
+        routes = RouteAsker(bus, config.cluster.heartbeat_ttl_s, settings.liveness_check_s, metrics=metrics)
         dispatcher = Dispatcher(
             bus, streams, settings, lambda worker_id: view.live_start(worker_id, time.monotonic()), config.balancer.queue.max_wait_s,
             metrics=metrics, tracer=ctx.telemetry.tracer, routes=routes,

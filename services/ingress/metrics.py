@@ -102,6 +102,20 @@ class IngressMetrics:
             "Broken-off streams resumed on a node, by cause (preempted, handed_back, error, timeout, reconnect).", [*MODEL, "cause"],
             registry=r,
         )
+        # The balancer replicas this ingress sends route requests to (`RouteAsker`); in multiprocess mode the
+        # fewest any live process hears, so that one process deaf to a replica still shows.
+        self._balancer_replicas = Gauge(
+            "kvlane_ingress_balancer_replicas", "Balancer replicas heard from within the heartbeat TTL", registry=r,
+            multiprocess_mode="livemin",
+        )
+        self._balancer_silences = Counter(
+            "kvlane_ingress_balancer_silences", "Balancer replicas found silent for the heartbeat TTL", registry=r,
+        )
+        self._routes_given_up = Counter(
+            "kvlane_ingress_routes_given_up",
+            "Route requests given up because the balancer replica holding them fell silent (each is asked again once)",
+            registry=r,
+        )
         # What a scrape serves: these metrics, or in multiprocess mode those of every process.
         self._exposed = r
         if shared_dir := os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
@@ -145,6 +159,13 @@ class IngressMetrics:
 
     def migrated(self, model: str, cause: str) -> None:
         self._series(self._migrations, model, cause).inc()
+
+    def balancer_replicas(self, live: int) -> None:
+        self._balancer_replicas.set(live)
+
+    def balancer_silent(self, routes_given_up: int) -> None:
+        self._balancer_silences.inc()
+        self._routes_given_up.inc(routes_given_up)
 
     def tenant_request(self, tenant: str, status: int, end: StreamEnd | None = None) -> None:
         """A completion request ended with `status` (its HTTP status; 499: the caller left); `end`: its usage, if it finished."""

@@ -390,6 +390,10 @@ async def test_a_frozen_balancer_replica_is_routed_around_and_used_again_when_it
             try:
                 # Before, each lane soon waited out a route timeout (35 s) on the frozen replica.
                 recovery = await until(lambda: result.completed >= completed + 20, 20, "requests complete while it is frozen")
+                # The ingress says so: the replica fell silent (and what it held was asked again).
+                await until(lambda: _at_least(lambda: counter_total(f"{fleet.base_url}/metrics",
+                                                                    "kvlane_ingress_balancer_silences"), 1),
+                            10, "the ingress counts the frozen replica silent")
             finally:
                 replica.signal(signal.SIGCONT)
             decided = await decisions()

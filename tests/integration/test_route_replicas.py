@@ -19,6 +19,7 @@ from contracts import subjects
 from contracts.balancer import BalancerHeartbeat
 from contracts.messages import RouteDecision, RouteRequest
 from services.ingress.balancers import RouteAsker
+from services.ingress.metrics import IngressMetrics
 from shared.bus import Bus, RequestTimeout
 from tests.integration.test_bus import connect, nats_server, route  # noqa: F401 (a fixture)
 from tests.waiting import until
@@ -84,15 +85,16 @@ class Replica:
 
 
 @pytest.fixture
-async def fleet(nats_server) -> AsyncIterator[tuple[RouteAsker, Replica, Replica]]:  # noqa: F811
+async def fleet(nats_server) -> AsyncIterator[tuple[RouteAsker, Replica, Replica, IngressMetrics]]:  # noqa: F811
     _, port = nats_server
     buses = [(await connect(port, name))[0] for name in ("ingress", "b-a", "b-b")]
-    asker = RouteAsker(buses[0], ttl_s=TTL_S, check_interval_s=0.05)
+    metrics = IngressMetrics()
+    asker = RouteAsker(buses[0], ttl_s=TTL_S, check_interval_s=0.05, metrics=metrics)
     await asker.start()
     replicas = Replica(buses[1], "b-a"), Replica(buses[2], "b-b")
     for replica in replicas:
         await replica.start()
-    yield asker, *replicas
+    yield asker, *replicas, metrics
     await asker.stop()
     for replica in replicas:
         await replica.close()
@@ -113,8 +115,10 @@ async def both_heard(asker: RouteAsker) -> bool:
 
 
 async def test_requests_go_to_each_replica_in_turn_and_those_a_frozen_one_holds_are_given_up_at_once(fleet) -> None:
-    asker, a, b = fleet
+    asker, a, b, metrics = fleet
+    metric = metrics.registry.get_sample_value
     await until(lambda: both_heard(asker), 10, "both replicas chosen")
+    await until(lambda: metric("kvlane_ingress_balancer_replicas") == 2, 10, "two replicas in the metric")
     assert [await ask(asker, f"r{k}") for k in range(4)] in (["b-a", "b-b"] * 2, ["b-b", "b-a"] * 2)
 
     b.frozen, b.beating = True, False
@@ -127,15 +131,18 @@ async def test_requests_go_to_each_replica_in_turn_and_those_a_frozen_one_holds_
     assert sorted(b.held) == sorted(f"f{k}" for k, o in enumerate(outcomes) if isinstance(o, RequestTimeout))
     assert all(o == "b-a" for o in outcomes if not isinstance(o, RequestTimeout)), outcomes
     assert time.monotonic() - frozen_at < ROUTE_TIMEOUT_S / 3
-    # Silent, it gets nothing more.
+    # Silent, it gets nothing more; operators see it went silent and what it held.
     assert [await ask(asker, f"s{k}") for k in range(4)] == ["b-a"] * 4
+    assert metric("kvlane_ingress_balancer_silences_total") == 1
+    assert metric("kvlane_ingress_routes_given_up_total") == len(given_up)
+    assert metric("kvlane_ingress_balancer_replicas") == 1
 
     b.frozen, b.beating = False, True  # awake again: heard, and chosen again
     await until(lambda: both_heard(asker), 10, "b chosen again once it beats")
 
 
 async def test_a_stopping_replica_is_forgotten_and_one_that_stopped_answering_is_passed_over(fleet) -> None:
-    asker, a, b = fleet
+    asker, a, b, _ = fleet
     await until(lambda: both_heard(asker), 10, "both replicas chosen")
     await b.say_stopping()
     await until(lambda: b.balancer_id not in asker.live_replicas(), 10, "b forgotten")
@@ -153,7 +160,7 @@ async def test_a_stopping_replica_is_forgotten_and_one_that_stopped_answering_is
 
 
 async def test_requests_a_stopping_replica_dropped_are_given_up_once_it_has_been_silent_for_the_ttl(fleet) -> None:
-    asker, a, b = fleet
+    asker, a, b, _ = fleet
     await until(lambda: both_heard(asker), 10, "both replicas chosen")
     b.frozen = True
     held = asyncio.gather(*(ask(asker, f"h{k}") for k in range(4)), return_exceptions=True)
@@ -167,7 +174,7 @@ async def test_requests_a_stopping_replica_dropped_are_given_up_once_it_has_been
 
 
 async def test_with_no_replica_heard_from_requests_go_to_the_queue_group(fleet) -> None:
-    asker, a, b = fleet
+    asker, a, b, _ = fleet
     for replica in (a, b):
         await replica.say_stopping()
     await until(lambda: not asker.live_replicas(), 10, "both forgotten")
