@@ -41,7 +41,7 @@ class BalancerMetrics:
         )
         self.fast_forwards = Counter("kvlane_balancer_fast_forwards_total", "Score policy fast-forwards to the cache node", registry=r)
         self.cache_holds = Counter("kvlane_balancer_cache_holds_total",
-                                   "Decisions that kept a request queued for a busy node caching more of its prompt", registry=r)
+                                   "Requests kept queued for a busy node caching more of their prompt (each counted once)", registry=r)
         self.arrival_rate = Gauge("kvlane_balancer_arrival_rate", "Route requests per second (moving average)", registry=r)
         self.unleased_routes = Counter(
             "kvlane_balancer_unleased_routes_total",

@@ -80,8 +80,10 @@ class Router:
         self.degradation = Degradation(degradation or DegradationSettings(), queue_settings.retry_after_s)
         # Queued request id -> younger requests of its class served before it (cache-aware dequeue).
         self._overtaken: dict[str, int] = {}
-        # Decisions that left a request waiting for a busy node caching its prompt (`holds_for_cache`).
+        # Requests left waiting for a busy node caching their prompt (`holds_for_cache`): counted once each,
+        # however often a queued one is held again; and those of them still queued.
         self.cache_holds = 0
+        self._held: set[str] = set()
         self._known_workers: set[str] = set()
         # Policies that can choose from columns decide on the chain index; the others on a snapshot.
         self.chains = ChainIndex(builder, table) if use_index else None
@@ -178,7 +180,9 @@ class Router:
             best = max((blocks for key, blocks in cached.items() if eligible(key)), default=0)
             if best < bar or any(free(key) for key, blocks in cached.items() if blocks > best - bar):
                 return False
-        self.cache_holds += 1
+        if request.request_id not in self._held:
+            self._held.add(request.request_id)
+            self.cache_holds += 1
         return True
 
     def backlog_bound_s(self, request: RouteRequest, now: float) -> float:
@@ -232,19 +236,22 @@ class Router:
         # chosen worker) gives back whatever the earlier attempt held.
         self.table.release(request.request_id)
         self.queue.remove(request.request_id)
+        self._held.discard(request.request_id)
         # The time left the request arrived with, as a moment on this balancer's clock.
         request_deadline = now + request.timeout_s
-        backlog_bound, holds = self.backlog_bound_s(request, now), self.cache_holds
+        backlog_bound = self.backlog_bound_s(request, now)
         placement = self.place(request, heartbeats, request_deadline, backlog_bound, may_hold=True)
-        if placement is None and self.cache_holds > holds and self.queue.full:
+        held = request.request_id in self._held
+        if placement is None and held and self.queue.full:
             # Held for its cache, it has a free chain: it takes that rather than be refused for want of room.
-            self.cache_holds = holds
+            self._held.discard(request.request_id)
+            self.cache_holds -= 1
+            held = False
             placement = self.place(request, heartbeats, request_deadline, backlog_bound)
         if placement is not None:
             return placement
         deadline = min(request_deadline, now + self._queue_settings.max_wait_s)
         # A request held for its cache waits by choice, not for want of a slot: nothing to shed or shorten.
-        held = self.cache_holds > holds
         waiting = request if held else self.degradation.before_queueing(request, self.queue, deadline, now)
         if isinstance(waiting, ErrorReply):
             return waiting
@@ -273,6 +280,7 @@ class Router:
             return heartbeats
 
         now, bound = self.builder.clock(), self.overtake_bound()
+        self._held = {r for r in self._held if r in self.queue}
         order = self.dequeue_order(heartbeats_of, bound)
         for entry in order:
             model = entry.request.model
@@ -289,6 +297,7 @@ class Router:
                                    self.backlog_bound_s(entry.request, now), may_hold)
             if placement is not None:
                 self.queue.remove(entry.request_id)
+                self._held.discard(entry.request_id)
                 self._count_overtaken(entry, order)
                 placed.append((entry, placement))
         return placed
