@@ -239,19 +239,14 @@ class Router:
         self._held.discard(request.request_id)
         # The time left the request arrived with, as a moment on this balancer's clock.
         request_deadline = now + request.timeout_s
-        backlog_bound = self.backlog_bound_s(request, now)
-        placement = self.place(request, heartbeats, request_deadline, backlog_bound, may_hold=True)
-        held = request.request_id in self._held
-        if placement is None and held and self.queue.full:
-            # Held for its cache, it has a free chain: it takes that rather than be refused for want of room.
-            self._held.discard(request.request_id)
-            self.cache_holds -= 1
-            held = False
-            placement = self.place(request, heartbeats, request_deadline, backlog_bound)
+        # With no room to wait, a request that could be held for its cache takes a free chain instead of a refusal.
+        placement = self.place(request, heartbeats, request_deadline, self.backlog_bound_s(request, now),
+                               may_hold=not self.queue.full)
         if placement is not None:
             return placement
         deadline = min(request_deadline, now + self._queue_settings.max_wait_s)
         # A request held for its cache waits by choice, not for want of a slot: nothing to shed or shorten.
+        held = request.request_id in self._held
         waiting = request if held else self.degradation.before_queueing(request, self.queue, deadline, now)
         if isinstance(waiting, ErrorReply):
             return waiting
