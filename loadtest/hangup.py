@@ -115,6 +115,8 @@ class HangUp:
     completion_tokens: int | None  # of the aborted attempt
     ended_before_hang_up: bool
     seconds_to_finish: float | None
+    # The worker's own time on the attempt reported (`RequestFinished.duration_s`).
+    seconds_on_worker: float | None = None
 
     def verdict(self, max_tokens: int, stall_s: float = math.inf) -> str:
         """`aborted` (every attempt stopped early), `ended_first` (it ran to its end before the
@@ -125,7 +127,10 @@ class HangUp:
         ran_to_end = any(reason in ("length", "stop") for reason in reasons)
         if "abort" in reasons and not ran_to_end and (self.completion_tokens or 0) < max_tokens:
             return "aborted"
-        if self.ended_before_hang_up and len(reasons) == 1 and ran_to_end:
+        # The worker took the request after the client sent it, so one it ran for no longer than the
+        # client took to hang up may have ended before the hang-up, whenever its event came.
+        ran_within = self.seconds_on_worker is not None and self.seconds_on_worker <= self.seconds_to_hang_up
+        if (self.ended_before_hang_up or ran_within) and len(reasons) == 1 and ran_to_end:
             return "ended_first"
         if self.seconds_to_hang_up > stall_s:
             return "stalled"
@@ -169,6 +174,7 @@ async def hang_up(session: aiohttp.ClientSession, base_url: str, watch: Finished
         completion_tokens=None if last is None else last.usage.completion_tokens,
         ended_before_hang_up=ended_before,
         seconds_to_finish=None if last is None else round(time.monotonic() - hung_up_at, 3),
+        seconds_on_worker=None if last is None else round(last.duration_s, 3),
     )
 
 
