@@ -58,6 +58,10 @@ class Workload:
     # Requests (conversations, for multi-turn) per second one H100 node serves within the SLO, roughly.
     rate_per_node: float
     needs_trace: bool = False
+    # Seconds of arrivals served before the measured ones unless `--warmup` says otherwise: for
+    # conversations, one conversation's life, before which the load itself is still rising (every
+    # conversation started so far is still running) and a run measures how a burst is absorbed.
+    warmup_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -79,7 +83,7 @@ WORKLOADS = [
                                "--question-tokens", "128", "--output-tokens", "256"), 12.5),
     Workload("multi-turn", ("--workload", "multi-turn", "--groups", "32", "--system-tokens", "1024", "--turns", "6",
                             "--question-tokens", "256", "--output-tokens", "256", "--think-time", "5",
-                            "--max-model-len", "8192"), 2.5),
+                            "--max-model-len", "8192"), 2.5, warmup_s=60.0),
     Workload("long-context", ("--workload", "long-context", "--long-share", "0.05", "--max-model-len", "32768"), 16.0),
     Workload("trace", ("--workload", "trace", "--max-model-len", "16384"), 3.0, needs_trace=True),
 ]
@@ -265,7 +269,13 @@ def capacity_markdown(study: dict[str, Any]) -> str:
 def _conditions_note(study: dict[str, Any]) -> str:
     """What every run shared beyond the defaults: a warm-up, a configuration file."""
     notes = []
-    if warmup := study.get("warmup_s", 0.0):
+    warmup = study.get("warmup_s", 0.0)
+    if warmup is None:
+        own = sorted({(pair["workload"], pair.get("warmup_s", 0.0)) for pair in study["pairs"] if pair.get("warmup_s")})
+        if own:
+            notes.append("Runs measured after their workload's warm-up at their rate: "
+                         + ", ".join(f"{name} {seconds:g} s" for name, seconds in own) + ".")
+    elif warmup:
         notes.append(f"Each run measured after {warmup:g} simulated seconds of warm-up at its rate.")
     if (seeds := study.get("seeds", 1)) > 1:
         notes.append(f"Each rate's attainment is the mean over seeds 0-{seeds - 1}.")
@@ -292,13 +302,15 @@ def merge(directories: list[Path], out: Path) -> tuple[dict[str, Any], str]:
         for pair in study["pairs"]:
             if "searches" in pair:
                 merged = searched.setdefault((pair["workload"], pair["fleet"]), {
-                    "workload": pair["workload"], "fleet": pair["fleet"], "resolution": pair["resolution"],
+                    "workload": pair["workload"], "fleet": pair["fleet"], "warmup_s": pair.get("warmup_s", 0.0),
+                    "resolution": pair["resolution"],
                     "capacity": {}, "searches": {}})
                 merged["capacity"].update(pair["capacity"])
                 merged["searches"].update(pair["searches"])
                 continue
             results = json.loads(Path(pair["results"]).read_text())
-            pairs.append({"workload": pair["workload"], "fleet": pair["fleet"], "results": pair["results"],
+            pairs.append({"workload": pair["workload"], "fleet": pair["fleet"], "warmup_s": pair.get("warmup_s", 0.0),
+                          "results": pair["results"],
                           **summarize_pair(results, fleets[pair["fleet"]].mixed)})
     if searched and pairs:
         raise ValueError("capacity studies and rate sweeps summarize differently: merge them apart")
@@ -320,8 +332,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--fleets", help="comma-separated subset of fleet sizes: 16,16m,64m,256m")
     parser.add_argument("--policies", default=",".join(POLICIES))
     parser.add_argument("--duration", type=float, default=20.0, help="simulated seconds of arrivals per run")
-    parser.add_argument("--warmup", type=float, default=0.0,
-                        help="simulated seconds of arrivals before those, served and not measured (kvlane simulate --warmup)")
+    parser.add_argument("--warmup", type=float,
+                        help="simulated seconds of arrivals before those, served and not measured (kvlane simulate --warmup); "
+                             "default: each workload's own (multi-turn 60, the others 0)")
     parser.add_argument("--config", type=Path,
                         help="TOML configuration for every run (kvlane simulate --config); study.json keeps its text")
     parser.add_argument("--rate-per-node", type=float,
@@ -378,8 +391,9 @@ def main(argv: list[str] | None = None) -> int:
     for workload in workloads:
         for fleet in fleets:
             duration = args.duration / (2 if args.quick else 1)
+            warmup = workload.warmup_s if args.warmup is None else args.warmup
             base = ["--fleet", fleet.spec, "--num-blocks", str(NUM_BLOCKS), "--duration", f"{duration:g}",
-                    "--warmup", f"{args.warmup:g}", *workload.args, *SLO,
+                    "--warmup", f"{warmup:g}", *workload.args, *SLO,
                     *(["--config", str(args.config)] if args.config else [])]
             if workload.needs_trace:
                 base += ["--trace", str(trace)]
@@ -387,7 +401,7 @@ def main(argv: list[str] | None = None) -> int:
             guess = (args.rate_per_node or workload.rate_per_node) * fleet.h100_equivalent
             rates = ",".join(f"{guess * k:.4g}" for k in SWEEP)
             if args.capacity:
-                pair = {"workload": workload.name, "fleet": fleet.name,
+                pair = {"workload": workload.name, "fleet": fleet.name, "warmup_s": warmup,
                         **capacity_pair(base, policies, guess, args.resolution, where / "capacity", args.seeds)}
                 study["pairs"].append(pair)
                 (out / "study.json").write_text(json.dumps(study, indent=1) + "\n")
@@ -405,7 +419,7 @@ def main(argv: list[str] | None = None) -> int:
                 (where / "results.json").write_text(json.dumps(results, indent=1) + "\n")
             else:
                 results = run_simulate([*base, "--policies", ",".join(policies), "--rates", rates, "--out", str(where)])
-            pair = {"workload": workload.name, "fleet": fleet.name, "results": str(where / "results.json"),
+            pair = {"workload": workload.name, "fleet": fleet.name, "warmup_s": warmup, "results": str(where / "results.json"),
                     **summarize_pair(results, fleet.mixed)}
             study["pairs"].append(pair)
             (out / "study.json").write_text(json.dumps(study, indent=1) + "\n")

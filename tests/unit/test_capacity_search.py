@@ -157,3 +157,30 @@ def test_studies_averaged_over_different_seed_counts_are_not_merged(tmp_path: Pa
     four = _capacity_study(tmp_path / "four", {"prefix_affinity": 152.0}, seeds=4)
     with pytest.raises(ValueError, match="different seed counts"):
         routing_study.merge([one, four], tmp_path / "merged")
+
+
+def test_conversations_are_measured_after_their_own_warm_up_unless_one_is_given(tmp_path: Path, monkeypatch) -> None:
+    """Multi-turn load rises for a conversation's life: its runs are warmed up by default, long contexts not;
+    `--warmup` sets every workload's."""
+    warmups: dict[str, set[str]] = {}
+
+    def simulate(argv: list[str]) -> dict:
+        workload = argv[argv.index("--workload") + 1]
+        warmups.setdefault(workload, set()).add(argv[argv.index("--warmup") + 1])
+        return {"runs": [{"summary": {"slo_attainment": 1.0 if float(argv[argv.index("--rate") + 1]) <= 30.0 else 0.5}}]}
+
+    monkeypatch.setattr(routing_study, "run_simulate", simulate)
+    out = tmp_path / "study"
+    assert routing_study.main(["--capacity", "--workloads", "multi-turn,long-context", "--fleets", "16m",
+                               "--policies", "jffc_per_request", "--out", str(out)]) == 0
+    assert warmups == {"multi-turn": {"60"}, "long-context": {"0"}}
+    study = json.loads((out / "study.json").read_text())
+    assert study["warmup_s"] is None and [p["warmup_s"] for p in study["pairs"]] == [60.0, 0.0]
+    assert "after their workload's warm-up at their rate: multi-turn 60 s." in (out / "study.md").read_text()
+    merged, text = routing_study.merge([out], tmp_path / "merged")
+    assert merged["pairs"][0]["warmup_s"] == 60.0 and "multi-turn 60 s" in text
+
+    warmups.clear()
+    assert routing_study.main(["--capacity", "--workloads", "multi-turn,long-context", "--fleets", "16m",
+                               "--policies", "jffc_per_request", "--warmup", "10", "--out", str(tmp_path / "given")]) == 0
+    assert warmups == {"multi-turn": {"10"}, "long-context": {"10"}}
