@@ -3,7 +3,9 @@
 For each (workload, fleet) pair, every policy runs at rates around a guess
 of round robin's capacity (0.8x to 1.4x; one `kvlane simulate` sweep, with
 its own results.json and goodput-versus-rate plot), each run `--duration`
-simulated seconds of arrivals, so that it reaches a steady state. The knee
+simulated seconds of arrivals, so that it reaches a steady state; multi-turn
+after a warm-up of one conversation's life as well (`Workload.warmup_s`),
+since until then its load still rises. The knee
 is the lowest swept rate at which round robin's SLO attainment falls below
 90%. Reported per pair:
 
