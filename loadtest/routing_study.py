@@ -273,7 +273,7 @@ def _conditions_note(study: dict[str, Any]) -> str:
     notes = []
     warmup = study.get("warmup_s", 0.0)
     if warmup is None:
-        own = sorted({(pair["workload"], pair.get("warmup_s", 0.0)) for pair in study["pairs"] if pair.get("warmup_s")})
+        own = sorted({(pair["workload"], pair["warmup_s"]) for pair in study["pairs"] if pair.get("warmup_s")})
         if own:
             notes.append("Runs measured after their workload's warm-up at their rate: "
                          + ", ".join(f"{name} {seconds:g} s" for name, seconds in own) + ".")
@@ -302,17 +302,17 @@ def merge(directories: list[Path], out: Path) -> tuple[dict[str, Any], str]:
         conditions[key] = values.pop()
     for study in studies:
         for pair in study["pairs"]:
+            # A study from before pairs kept their own warm-up had one for all its runs.
+            warmup = pair.get("warmup_s", study.get("warmup_s", 0.0))
             if "searches" in pair:
                 merged = searched.setdefault((pair["workload"], pair["fleet"]), {
-                    "workload": pair["workload"], "fleet": pair["fleet"], "warmup_s": pair.get("warmup_s", 0.0),
-                    "resolution": pair["resolution"],
+                    "workload": pair["workload"], "fleet": pair["fleet"], "warmup_s": warmup, "resolution": pair["resolution"],
                     "capacity": {}, "searches": {}})
                 merged["capacity"].update(pair["capacity"])
                 merged["searches"].update(pair["searches"])
                 continue
             results = json.loads(Path(pair["results"]).read_text())
-            pairs.append({"workload": pair["workload"], "fleet": pair["fleet"], "warmup_s": pair.get("warmup_s", 0.0),
-                          "results": pair["results"],
+            pairs.append({"workload": pair["workload"], "fleet": pair["fleet"], "warmup_s": warmup, "results": pair["results"],
                           **summarize_pair(results, fleets[pair["fleet"]].mixed)})
     if searched and pairs:
         raise ValueError("capacity studies and rate sweeps summarize differently: merge them apart")

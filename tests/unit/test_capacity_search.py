@@ -58,6 +58,7 @@ def test_studies_measured_after_different_warm_ups_are_not_merged(tmp_path: Path
     also_warm = _capacity_study(tmp_path / "also-warm", {"jffc_per_request": 186.0}, warmup_s=40.0)
     study, text = routing_study.merge([warm, also_warm], tmp_path / "merged")
     assert study["warmup_s"] == 40.0 and study["pairs"][0]["targets"]["capacity_vs_round_robin"] == pytest.approx(186 / 156)
+    assert study["pairs"][0]["warmup_s"] == 40.0  # the study's, for pairs from before each kept its own
     assert "after 40 simulated seconds of warm-up" in text
     assert "warm-up" not in routing_study.merge([cold], tmp_path / "cold-only")[1]
 
