@@ -39,11 +39,13 @@ from loadtest.client import RequestRecord
 from loadtest.driver import DriveLimits
 from loadtest.metrics import Slo, summarize
 from loadtest.machine import machine_info
+from loadtest.simulation.ceiling import NodeKind as CeilingKind, PrefixOracle, Served, throughput_ceiling
 from loadtest.simulation.calibration import per_request_ms, read_delays, spreads_ms
 from loadtest.simulation.delays import Latencies
 from loadtest.simulation.world import NodeChange, Simulation, SimulationSpec, result_summary
 from loadtest.workloads import WorkloadSpec
 from shared.kv_links import get_link
+from shared.step_profile import get_profile
 from shared.config import ConfigError, KvlaneConfig, load_config
 
 UNITS = "simulated time: every latency and rate is in simulated seconds (the fleet ran in virtual time)"
@@ -61,6 +63,7 @@ class SimRun:
     latencies: Latencies
     changes: tuple[NodeChange, ...]
     warmup_s: float = 0.0  # requests the workload schedules before this are served but not measured
+    ceiling: bool = False  # also bound what any routing could serve of this workload on this fleet
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -90,6 +93,10 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--prefill", help="prefill nodes p0..., PROFILE[@SPEED]:COUNT,... (a disaggregated fleet, with --decode)")
     sim.add_argument("--decode", help="decode nodes d0..., PROFILE[@SPEED]:COUNT,... (with --prefill; --fleet adds aggregated ones)")
     sim.add_argument("--kv-link", help="link the KV travels over from prefill to decode nodes (default: worker.sim.kv_link)")
+    sim.add_argument("--ceiling", action="store_true",
+                     help="also report each run's throughput ceiling: the most requests per second any routing could "
+                          "serve of its workload on its fleet (loadtest/simulation/ceiling.py; aggregated fleets "
+                          "without --fail or --join)")
     sim.add_argument("--fail", action="append", default=[], metavar="T=WORKER",
                      help="node WORKER fails at simulated second T, counted from the warm-up's start (repeatable)")
     sim.add_argument("--join", action="append", default=[], metavar="T=PROFILE[@SPEED]",
@@ -145,6 +152,8 @@ def plan(args: argparse.Namespace) -> tuple[list[SimRun], dict[str, Any]]:
     fleet = FleetSpec(workers=len(nodes), profile=kinds[0].profile, seed=args.seed, max_model_len=args.max_model_len,
                       num_blocks=args.num_blocks)
     changes = node_changes(args.fail, args.join, len(nodes))
+    if args.ceiling and (args.prefill or changes):
+        raise ValueError("--ceiling bounds a fleet of aggregated nodes that stays as it is: not with --prefill, --fail or --join")
     unknown = [c.worker_id for c in changes if not c.profile and c.worker_id not in {n.worker_id for n in nodes}]
     if unknown:
         raise ValueError(f"--fail names nodes the fleet does not have: {', '.join(unknown)}")
@@ -174,7 +183,7 @@ def plan(args: argparse.Namespace) -> tuple[list[SimRun], dict[str, Any]]:
             except (msgspec.ValidationError, KeyError, TypeError) as exc:
                 raise ValueError(f"policy {policy!r}: {exc}") from None
             runs.append(SimRun(policy, workload, config, nodes, slo, limits, args.request_timeout, latencies, changes,
-                               args.warmup))
+                               args.warmup, args.ceiling))
     fleet_info = jsonable(fleet.sim_settings()) | {"workers": len(nodes), "nodes": _describe(args, kinds),
                                                     "mix": [msgspec.to_builtins(n) for n in nodes]}
     return runs, fleet_info
@@ -189,15 +198,38 @@ def _describe(args: argparse.Namespace, kinds: list[NodeKind]) -> str:
 
 def run_one(run: SimRun, on_record: Callable[[RequestRecord], None]) -> dict[str, Any]:
     spec = SimulationSpec(run.config, run.nodes, run.workload, run.limits, run.request_timeout_s, run.latencies, run.changes)
-    result = Simulation(spec, on_record).run()
+    oracle = PrefixOracle(run.config.worker.sim.block_size) if run.ceiling else None
+    result = Simulation(spec, on_record, oracle).run()
     worker_ids = [n.worker_id for n in run.nodes] + [c.worker_id for c in run.changes if c.profile]
     measured = after_warmup(result.records, run.warmup_s)
-    return {
+    outcome = {
         "policy": run.policy,
         "summary": summarize(measured, run.slo, result.runs, worker_ids),
         "simulation": result_summary(result) | {"warmup_requests": len(result.records) - len(measured)},
         "records": [r.to_json() for r in measured],
     }
+    if oracle is not None:
+        turns = len(result.records) / max(1, len({r.session_id for r in result.records}))
+        # In the workload's order, not the order they ended: the same requests give the same figure.
+        served = sorted((s for s in result.served if s.scheduled_s >= run.warmup_s), key=lambda s: (s.scheduled_s, s.request_id))
+        outcome["ceiling"] = ceiling_summary(run, served, turns)
+    return outcome
+
+
+def ceiling_summary(run: SimRun, served: list[Served], requests_per_session: float) -> dict[str, Any]:
+    """The run's throughput ceiling, in requests and in the workload's own arrivals (sessions) per second."""
+    sim = run.config.worker.sim
+    counts: dict[tuple[str, float], int] = {}
+    for node in run.nodes:
+        counts[node.profile, node.speed] = counts.get((node.profile, node.speed), 0) + 1
+    kinds = [CeilingKind(get_profile(profile), speed, sim.max_num_seqs, count, run.latencies.step_overhead_s)
+             for (profile, speed), count in counts.items()]
+    if not served:
+        return {"requests": 0}
+    requests_per_s = throughput_ceiling(kinds, served)
+    return {"requests": len(served), "requests_per_s": requests_per_s, "requests_per_session": requests_per_session,
+            "sessions_per_s": requests_per_s / requests_per_session,
+            "uncached_share": sum(s.uncached_tokens for s in served) / sum(s.prompt_tokens for s in served)}
 
 
 def _rate_of(run: SimRun) -> float | None:
@@ -252,6 +284,12 @@ def main(argv: list[str] | None = None) -> int:
     plots = write_plots(results, out_dir)
     if not args.quiet:
         print_report(results, console)
+        for run in results["runs"]:
+            bound = run.get("ceiling", {})
+            if bound.get("requests"):
+                console.print(f"{run['policy']} at {rate_label(run.get('rate'), run.get('concurrency'))}: throughput "
+                              f"ceiling {bound['requests_per_s']:.1f} req/s, {bound['sessions_per_s']:.1f} sessions/s "
+                              f"(uncached share of prompt tokens at best {bound['uncached_share']:.2f})")
         events = sum(r["simulation"]["events"] for r in results["runs"] if "simulation" in r)
         wall = sum(r["simulation"]["wall_s"] for r in results["runs"] if "simulation" in r)
         console.print(f"{events} simulated events in {wall:.1f} s ({events / wall if wall else 0:.0f} events/s); "

@@ -55,6 +55,7 @@ class SimNode:
         # A KV-event batch is scheduled (the simulation sends one per interval in which the node stepped).
         self.kv_batch_due = False
         self._step_stats = StepStats(self.scheduler, events.now)
+        self.busy_s = 0.0  # simulated seconds it spent stepping
 
     def add(self, request: SimRequest) -> None:
         """Queue a request (ValueError when the engine can never run it) and make sure a step comes."""
@@ -88,6 +89,7 @@ class SimNode:
         duration = outcome.duration_s / self.speed
         if duration > 0:
             duration += self._step_overhead_s
+        self.busy_s += duration
         self._step_ends_at = self._events.now + duration
         self._events.after(duration, self._deliver, outcome)
 

@@ -37,6 +37,7 @@ from loadtest.client import RequestRecord
 from loadtest.driver import CANCELLED, DriveLimits, request_body
 from loadtest.metrics import WorkerRun
 from loadtest.simulation.balancer import SimBalancer
+from loadtest.simulation.ceiling import PrefixOracle, Served
 from loadtest.simulation.delays import Delays, Latencies
 from loadtest.simulation.events import EventQueue
 from loadtest.simulation.ledger import MemoryLedger, SimAllocator
@@ -90,6 +91,8 @@ class SimulationResult:
     wall_s: float
     counters: dict[str, int] = field(default_factory=dict)
     scaling: ScalingTimeline | None = None
+    # Requests served to their end, as the throughput ceiling sees them (with a `PrefixOracle` only).
+    served: list[Served] = field(default_factory=list)
 
     @property
     def events_per_s(self) -> float:
@@ -129,8 +132,12 @@ class _Flight:
 
 
 class Simulation:
-    def __init__(self, spec: SimulationSpec, on_record: Callable[[RequestRecord], None] = lambda record: None) -> None:
+    def __init__(self, spec: SimulationSpec, on_record: Callable[[RequestRecord], None] = lambda record: None,
+                 oracle: PrefixOracle | None = None) -> None:
         self._spec = spec
+        # Sees every prompt and output, for the throughput ceiling (`SimulationResult.served`).
+        self._oracle = oracle
+        self._served: list[Served] = []
         self._config = spec.config
         self._lat = spec.latencies
         self._delay = Delays(spec.latencies, spec.workload.seed, lambda: len(self._flights))
@@ -199,7 +206,7 @@ class Simulation:
                                                  "cache_holds": self.balancer.router.cache_holds,
                                                  "lease_preemptions": self._allocator.preemptions if self._allocator else 0,
                                                  "kv_blocks_evicted": self._blocks_evicted()},
-                                self.scaler.timeline if self.scaler is not None else None)
+                                self.scaler.timeline if self.scaler is not None else None, self._served)
 
     def _all_done(self) -> bool:
         return self._arrivals_done and self._open_sessions == 0
@@ -382,6 +389,8 @@ class Simulation:
             return
         flight = _Flight(record, session, turn, history, prepared)
         record.prompt_tokens = len(prepared.prompt_token_ids)
+        if self._oracle is not None:
+            self._oracle.started(record.request_id, prepared.block_hashes, record.prompt_tokens)
         self._flights[record.request_id] = flight
         self._events.after(self._spec.request_timeout_s, self._time_out, flight)
         flight.delays = self._delay.for_request()
@@ -551,6 +560,12 @@ class Simulation:
         record = flight.record
         del self._flights[record.request_id or ""]
         record.text = "".join(self._tokenizer.token_text(t) for t in flight.output)
+        if self._oracle is not None:
+            prepared = flight.prepared
+            served = self._oracle.ended(record.request_id or "", record.scheduled_s, prepared.prompt_token_ids,
+                                        prepared.block_hashes, flight.output)
+            if record.ok:
+                self._served.append(served)
         self._on_record(record)
         if self.scaler is not None:
             self.scaler.served(record)

@@ -52,7 +52,7 @@ def _capacity_study(directory: Path, capacity: dict[str, float], warmup_s: float
 def test_studies_measured_after_different_warm_ups_are_not_merged(tmp_path: Path) -> None:
     cold = _capacity_study(tmp_path / "cold", {"jffc_per_request": 186.0})  # a study from before warm-ups: none
     warm = _capacity_study(tmp_path / "warm", {"round_robin": 156.0}, warmup_s=40.0)
-    with pytest.raises(ValueError, match="different warm-ups"):
+    with pytest.raises(ValueError, match=r"long-context on 8 H100 \+ 8 A100: .* different warm-ups \(0 s, 40 s\)"):
         routing_study.merge([cold, warm], tmp_path / "merged")
     assert routing_study.main(["--merge", str(cold), str(warm), "--out", str(tmp_path / "merged")]) == 2
     also_warm = _capacity_study(tmp_path / "also-warm", {"jffc_per_request": 186.0}, warmup_s=40.0)
@@ -61,6 +61,19 @@ def test_studies_measured_after_different_warm_ups_are_not_merged(tmp_path: Path
     assert study["pairs"][0]["warmup_s"] == 40.0  # the study's, for pairs from before each kept its own
     assert "after 40 simulated seconds of warm-up" in text
     assert "warm-up" not in routing_study.merge([cold], tmp_path / "cold-only")[1]
+
+
+def test_a_workload_s_own_warm_up_merges_with_the_same_warm_up_given_explicitly(tmp_path: Path) -> None:
+    # One study run with each workload's own warm-up (the study's is None), one with `--warmup 40`: the same runs.
+    own = _capacity_study(tmp_path / "own", {"jffc_per_request": 186.0}, warmup_s=None)
+    study = json.loads((own / "study.json").read_text())
+    study["warmup_s"], study["pairs"][0]["warmup_s"] = None, 40.0
+    (own / "study.json").write_text(json.dumps(study))
+    given = _capacity_study(tmp_path / "given", {"round_robin": 156.0}, warmup_s=40.0)
+    merged, text = routing_study.merge([own, given], tmp_path / "merged")
+    assert merged["warmup_s"] is None and merged["pairs"][0]["warmup_s"] == 40.0
+    assert merged["pairs"][0]["targets"]["capacity_vs_round_robin"] == pytest.approx(186 / 156)
+    assert "long-context 40 s" in text
 
 
 def test_capacity_studies_of_separate_policies_merge_into_one_comparison(tmp_path: Path) -> None:
@@ -185,3 +198,30 @@ def test_conversations_are_measured_after_their_own_warm_up_unless_one_is_given(
     assert routing_study.main(["--capacity", "--workloads", "multi-turn,long-context", "--fleets", "16m",
                                "--policies", "jffc_per_request", "--warmup", "10", "--out", str(tmp_path / "given")]) == 0
     assert warmups == {"multi-turn": {"10"}, "long-context": {"10"}}
+
+
+def test_a_rate_attains_only_if_the_last_quarter_of_its_arrivals_does_too_unless_the_whole_run_is_asked(
+        tmp_path: Path, monkeypatch) -> None:
+    """Above 100 req/s the run keeps 95% within the SLO, but its last arrivals fall behind (a transient)."""
+
+    def simulate(argv: list[str]) -> dict:
+        rate = float(argv[argv.index("--rate") + 1])
+        late = 1.0 if rate <= 100.0 else 0.6
+        return {"runs": [{"summary": {"slo_attainment": 0.95 if rate <= 150.0 else 0.5, "slo_attainment_late": late}}]}
+
+    monkeypatch.setattr(routing_study, "run_simulate", simulate)
+    common = ["--capacity", "--workloads", "long-context", "--fleets", "16m", "--policies", "jffc_per_request",
+              "--resolution", "0.02"]
+    assert routing_study.main([*common, "--out", str(tmp_path / "sustained")]) == 0
+    assert routing_study.main([*common, "--whole-run", "--out", str(tmp_path / "whole")]) == 0
+    sustained = json.loads((tmp_path / "sustained" / "study.json").read_text())
+    whole = json.loads((tmp_path / "whole" / "study.json").read_text())
+    assert 98.0 <= sustained["pairs"][0]["capacity"]["jffc_per_request"] <= 100.0
+    assert 147.0 <= whole["pairs"][0]["capacity"]["jffc_per_request"] <= 150.0
+    assert sustained["attainment"] == routing_study.SUSTAINED and whole["attainment"] == routing_study.WHOLE_RUN
+    assert "last quarter of its arrivals" in (tmp_path / "sustained" / "study.md").read_text()
+    with pytest.raises(ValueError, match="different attainment measures"):
+        routing_study.merge([tmp_path / "sustained", tmp_path / "whole"], tmp_path / "merged")
+    # A summary from before the late figure was kept: the whole run's.
+    assert routing_study.sustained_attainment({"slo_attainment": 0.93}) == 0.93
+    assert routing_study.sustained_attainment({"slo_attainment": None, "slo_attainment_late": 0.5}) == 0.0

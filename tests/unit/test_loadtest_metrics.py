@@ -12,6 +12,7 @@ from loadtest.metrics import (
     WorkerRun,
     coefficient_of_variation,
     inter_token_s,
+    late_attainment,
     meets_slo,
     percentile,
     summarize,
@@ -131,3 +132,20 @@ def test_client_refuses_non_local_targets(url: str) -> None:
     with pytest.raises(ValueError, match="only http://127.0.0.1"):
         check_local(url)
     assert check_local("http://127.0.0.1:8000/") == "http://127.0.0.1:8000"
+
+
+def test_late_attainment_counts_the_last_quarter_of_the_arrivals_and_not_the_fleet_emptying() -> None:
+    # Sessions arrive from 0 to 10 s; a fleet falling behind misses the SLO from 8 s on.
+    records = [_record(t / 2, t / 2 + (0.9 if t / 2 >= 8 else 0.1), 3, 0.01, request_id=f"s{t}") for t in range(21)]
+    # Later turns scheduled after the last arrival meet an emptying fleet: left out, however they fared.
+    later = [_record(10.5 + t, 10.6 + t, 3, 0.01, request_id=f"t{t}") for t in range(10)]
+    for record in later:
+        record.turn = 1
+    whole = summarize(records + later, SLO)
+    assert whole["slo_attainment"] == pytest.approx(26 / 31)
+    # From 7.5 s to 10 s: 7.5 meets it, 8.0 to 10.0 do not.
+    assert late_attainment(records + later, SLO) == pytest.approx(1 / 6)
+    assert whole["slo_attainment_late"] == pytest.approx(1 / 6)
+    assert late_attainment(records, SLO, share=1.0) == pytest.approx(16 / 21)
+    assert late_attainment(later, SLO) is None  # no session arrived among these
+    assert late_attainment([], SLO) is None

@@ -184,6 +184,8 @@ def test_fleet_values_name_nodes_in_order() -> None:
     ["--warmup", "5", "--duration", "5", "--requests", "10", "--rate", "1"],
     ["--warmup", "-1", "--duration", "5", "--rate", "1"],
     ["--warmup", "nan", "--duration", "5", "--rate", "1"],
+    ["--ceiling", "--fail", "1=w0", "--rate", "1"],  # the ceiling bounds a fleet that stays as it is
+    ["--ceiling", "--prefill", f"{H100}:1", "--decode", f"{H100}:1", "--rate", "1"],
 ])
 def test_simulate_refuses_bad_options_with_exit_2(argv: list[str], tmp_path: Path) -> None:
     assert simulate_main([*argv, "--out", str(tmp_path), "--quiet"]) == 2
@@ -216,6 +218,22 @@ def test_a_warm_up_is_served_but_only_the_duration_after_it_is_measured(tmp_path
     assert warm["summary"]["requests"] == len(later)
     # Prefixes cached during the warm-up make later requests hit more often than the run's first ones.
     assert warm["summary"]["prefix_cache_hit_rate"] > whole["summary"]["prefix_cache_hit_rate"]
+
+
+def test_the_ceiling_is_measured_on_the_requests_after_the_warm_up_and_the_same_for_every_policy(tmp_path: Path) -> None:
+    argv = ["--policies", "round_robin,jffc_per_request", "--rate", "20", "--workload", "multi-turn", "--groups", "4",
+            "--turns", "3", "--think-time", "1", "--duration", "6", "--warmup", "3", "--ceiling", "--quiet",
+            "--out", str(tmp_path)]
+    assert simulate_main(argv) == 0
+    first, second = json.loads((tmp_path / "results.json").read_text())["runs"]
+    assert first["ceiling"] == second["ceiling"]  # the same requests, whichever policy served them
+    ceiling = first["ceiling"]
+    assert ceiling["requests"] == first["summary"]["succeeded"] == len(first["records"])
+    assert ceiling["requests_per_session"] == pytest.approx(3.0, abs=0.2)
+    assert ceiling["sessions_per_s"] == pytest.approx(ceiling["requests_per_s"] / ceiling["requests_per_session"])
+    # Later turns find their history computed: at most the new question and the template stay uncached.
+    assert 0.0 < ceiling["uncached_share"] < 0.5
+    assert "ceiling" not in json.loads((tmp_path / "results.json").read_text())["runs"][0]["summary"]
 
 
 def test_a_config_file_sets_the_balancer_of_every_run(tmp_path: Path) -> None:
