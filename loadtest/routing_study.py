@@ -242,7 +242,7 @@ def capacity_pair(base: list[str], policies: list[str], guess: float, resolution
                 results = run_simulate([*base, "--policies", policy, "--rate", f"{rate:.6g}", "--seed", str(seed),
                                         "--out", str(out if seeds == 1 else out / f"seed-{seed}")])
                 summary = next(r["summary"] for r in results["runs"] if "summary" in r)
-                attained.append(summary["slo_attainment"] or 0.0 if whole_run else sustained_attainment(summary))
+                attained.append((summary["slo_attainment"] or 0.0) if whole_run else sustained_attainment(summary))
             return sum(attained) / seeds
         return attainment
 

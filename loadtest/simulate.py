@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import sys
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -39,7 +40,7 @@ from loadtest.client import RequestRecord
 from loadtest.driver import DriveLimits
 from loadtest.metrics import Slo, summarize
 from loadtest.machine import machine_info
-from loadtest.simulation.ceiling import NodeKind as CeilingKind, PrefixOracle, Served, throughput_ceiling
+from loadtest.simulation.ceiling import NodeCost, PrefixOracle, Served, throughput_ceiling
 from loadtest.simulation.calibration import per_request_ms, read_delays, spreads_ms
 from loadtest.simulation.delays import Latencies
 from loadtest.simulation.world import NodeChange, Simulation, SimulationSpec, result_summary
@@ -218,14 +219,12 @@ def run_one(run: SimRun, on_record: Callable[[RequestRecord], None]) -> dict[str
 
 def ceiling_summary(run: SimRun, served: list[Served], requests_per_session: float) -> dict[str, Any]:
     """The run's throughput ceiling, in requests and in the workload's own arrivals (sessions) per second."""
-    sim = run.config.worker.sim
-    counts: dict[tuple[str, float], int] = {}
-    for node in run.nodes:
-        counts[node.profile, node.speed] = counts.get((node.profile, node.speed), 0) + 1
-    kinds = [CeilingKind(get_profile(profile), speed, sim.max_num_seqs, count, run.latencies.step_overhead_s)
-             for (profile, speed), count in counts.items()]
     if not served:
         return {"requests": 0}
+    sim = run.config.worker.sim
+    counts = Counter((node.profile, node.speed) for node in run.nodes)
+    kinds = [NodeCost(get_profile(profile), speed, sim.max_num_seqs, count, run.latencies.step_overhead_s)
+             for (profile, speed), count in counts.items()]
     requests_per_s = throughput_ceiling(kinds, served)
     return {"requests": len(served), "requests_per_s": requests_per_s, "requests_per_session": requests_per_session,
             "sessions_per_s": requests_per_s / requests_per_session,

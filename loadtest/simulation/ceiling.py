@@ -50,8 +50,8 @@ class Served:
 
 
 @dataclass(frozen=True)
-class NodeKind:
-    """Nodes that cost a request alike."""
+class NodeCost:
+    """A kind of node, as the ceiling costs it: its step-time terms, batch bound and how many there are."""
 
     profile: StepTimeProfile
     speed: float
@@ -90,7 +90,7 @@ class PrefixOracle:
         return Served(request_id, scheduled_s, len(prompt_token_ids), self._uncached.pop(request_id), len(output))
 
 
-def request_seconds(kind: NodeKind, request: Served) -> float:
+def request_seconds(kind: NodeCost, request: Served) -> float:
     """A floor on the seconds one node of `kind` is busy with `request` (see the module doc)."""
     p, length, out = kind.profile, request.prompt_tokens, request.output_tokens
     # Its last prefill chunk attends the whole prompt and emits the first token; decode step j attends length + j.
@@ -101,7 +101,7 @@ def request_seconds(kind: NodeKind, request: Served) -> float:
     return own + fixed
 
 
-def throughput_ceiling(kinds: Sequence[NodeKind], requests: Iterable[Served]) -> float:
+def throughput_ceiling(kinds: Sequence[NodeCost], requests: Iterable[Served]) -> float:
     """Requests per second: the highest rate of `requests` (their mix, as given) the fleet of `kinds` could sustain."""
     kinds = [k for k in kinds if k.count > 0]
     if not kinds:

@@ -11,7 +11,7 @@ from kvlane.fleet import with_overrides
 from kvlane.fleet_mix import fleet_nodes, parse_fleet
 from loadtest.bench_run import policy_sections
 from loadtest.driver import DriveLimits
-from loadtest.simulation.ceiling import NodeKind, PrefixOracle, Served, request_seconds, throughput_ceiling
+from loadtest.simulation.ceiling import NodeCost, PrefixOracle, Served, request_seconds, throughput_ceiling
 from loadtest.simulation.world import Simulation, SimulationSpec
 from loadtest.workloads import ArrivalSpec, WorkloadSpec
 from services.worker.sim import SimRequest
@@ -44,13 +44,13 @@ def test_a_lone_request_costs_its_floor_and_the_one_step_it_may_share_beyond_the
     for length, out in ((1, 1), (40, 1), (100, 7), (513, 64)):
         engine = scheduler(max_num_seqs=1)
         engine.add(SimRequest("r", list(range(length)), out))
-        kind = NodeKind(PROFILE, speed=1.0, max_num_seqs=1, count=1)
+        kind = NodeCost(PROFILE, speed=1.0, max_num_seqs=1, count=1)
         floor = request_seconds(kind, Served("r", 0.0, length, length, out))
         assert busy_seconds(engine) == pytest.approx(floor + PROFILE.a, rel=1e-12)
     # Speed divides the profile's time, and the step overhead is paid with the fixed cost.
-    slow = NodeKind(PROFILE, speed=0.5, max_num_seqs=1, count=1, step_overhead_s=1e-3)
+    slow = NodeCost(PROFILE, speed=0.5, max_num_seqs=1, count=1, step_overhead_s=1e-3)
     served = Served("r", 0.0, 100, 100, 7)
-    assert request_seconds(slow, served) == pytest.approx(2 * request_seconds(NodeKind(PROFILE, 1.0, 1, 1), served) + 6e-3)
+    assert request_seconds(slow, served) == pytest.approx(2 * request_seconds(NodeCost(PROFILE, 1.0, 1, 1), served) + 6e-3)
 
 
 prompts = st.lists(st.tuples(st.integers(0, 3), st.integers(1, 300), st.integers(1, 40)), min_size=1, max_size=30)
@@ -71,7 +71,7 @@ def test_a_node_is_busy_at_least_the_floors_of_what_it_serves(requests: list[tup
         served.append(oracle.ended(str(index), 0.0, prompt, chained_block_hashes(prompt, BLOCK), []))
         engine.add(SimRequest(str(index), prompt, out))
     served = [Served("r", 0.0, s.prompt_tokens, s.uncached_tokens, out) for s, (_, _, out) in zip(served, requests)]
-    kind = NodeKind(PROFILE, 1.0, seqs, 1)
+    kind = NodeCost(PROFILE, 1.0, seqs, 1)
     floor = sum(request_seconds(kind, s) for s in served)
     assert busy_seconds(engine) >= floor * (1 - 1e-9)
 
@@ -120,8 +120,8 @@ requests_strategy = st.lists(st.tuples(st.integers(1, 4000), st.integers(1, 4000
 @given(requests_strategy, st.integers(1, 5), st.integers(1, 5), st.floats(0.2, 1.0))
 def test_the_ceiling_of_two_kinds_is_the_exact_split(requests: list[tuple[int, int, int]], fast: int, slow: int,
                                                      speed: float) -> None:
-    kinds = [NodeKind(get_profile("h100-80g-llama3-8b"), 1.0, 64, fast),
-             NodeKind(get_profile("a100-80g-llama3-8b"), speed, 64, slow)]
+    kinds = [NodeCost(get_profile("h100-80g-llama3-8b"), 1.0, 64, fast),
+             NodeCost(get_profile("a100-80g-llama3-8b"), speed, 64, slow)]
     served = [Served("r", 0.0, length, min(length, uncached), out) for length, uncached, out in requests]
     seconds = [(request_seconds(kinds[0], s), request_seconds(kinds[1], s)) for s in served]
     exact = exact_two_kind_rate(seconds, (fast, slow))
@@ -132,16 +132,16 @@ def test_the_ceiling_of_two_kinds_is_the_exact_split(requests: list[tuple[int, i
 
 
 def test_one_kind_is_its_nodes_over_the_mean_floor_and_bad_fleets_are_refused() -> None:
-    kind = NodeKind(get_profile("h100-80g-llama3-8b"), 1.0, 64, 4)
+    kind = NodeCost(get_profile("h100-80g-llama3-8b"), 1.0, 64, 4)
     served = [Served("r", 0.0, 2000, 100, 200), Served("r", 0.0, 500, 500, 50)]
     mean = sum(request_seconds(kind, s) for s in served) / 2
     assert throughput_ceiling([kind], served) == pytest.approx(4 / mean)
     # Three kinds: still an upper bound on the two-kind fleet it contains, and close to the pooled one.
-    third = NodeKind(get_profile("a100-80g-llama3-8b"), 1.0, 64, 2)
-    assert throughput_ceiling([kind, third, NodeKind(get_profile("a100-80g-llama3-8b"), 0.5, 64, 1)], served) > \
+    third = NodeCost(get_profile("a100-80g-llama3-8b"), 1.0, 64, 2)
+    assert throughput_ceiling([kind, third, NodeCost(get_profile("a100-80g-llama3-8b"), 0.5, 64, 1)], served) > \
         throughput_ceiling([kind, third], served)
     with pytest.raises(ValueError, match="at least one node"):
-        throughput_ceiling([NodeKind(get_profile("h100-80g-llama3-8b"), 1.0, 64, 0)], served)
+        throughput_ceiling([NodeCost(get_profile("h100-80g-llama3-8b"), 1.0, 64, 0)], served)
     with pytest.raises(ValueError, match="no requests"):
         throughput_ceiling([kind], [])
 
@@ -160,8 +160,8 @@ def test_an_overloaded_fleet_serves_up_to_the_ceiling_of_what_it_served_and_no_m
     assert {r.error for r in result.records if not r.ok} == {"http_503: queue_full"}
     assert len(result.served) == len(served) > 1000
     achieved = len(served) / (max(r.end_s or 0.0 for r in served) - min(r.sent_s for r in served))
-    kinds = [NodeKind(get_profile("h100-80g-llama3-8b"), 1.0, config.worker.sim.max_num_seqs, 1),
-             NodeKind(get_profile("a100-80g-llama3-8b"), 1.0, config.worker.sim.max_num_seqs, 1)]
+    kinds = [NodeCost(get_profile("h100-80g-llama3-8b"), 1.0, config.worker.sim.max_num_seqs, 1),
+             NodeCost(get_profile("a100-80g-llama3-8b"), 1.0, config.worker.sim.max_num_seqs, 1)]
     ceiling = throughput_ceiling(kinds, result.served)
     assert 0.9 * ceiling <= achieved <= ceiling
 
@@ -184,6 +184,6 @@ def test_every_simulated_node_is_busy_at_least_the_floors_of_the_requests_it_ran
     for served in result.served:
         node = simulation.nodes[result.runs[served.request_id].worker_id]
         floors[node.worker_id] += request_seconds(
-            NodeKind(node.profile, node.speed, config.worker.sim.max_num_seqs, 1), served)
+            NodeCost(node.profile, node.speed, config.worker.sim.max_num_seqs, 1), served)
     for worker_id, node in simulation.nodes.items():
         assert 0.3 * node.busy_s < floors[worker_id] <= node.busy_s
