@@ -23,13 +23,18 @@ worker: path A runs through each ingress in turn (`ingress`, then
 
 With `--http-floor` path A also runs through `loadtest.http_floor`, an aiohttp
 server that answers from memory: what HTTP alone costs, and the most any
-ingress on aiohttp could serve here.
+ingress on aiohttp could serve here. With `--path-floor` it also runs through
+`loadtest.path_floor`: the ingress path's processes, hops and messages (HTTP,
+the route request, a Redis script, the hand-over, the worker's frames) with
+none of kvlane's work in them, which splits what the ingress path costs above
+the direct one into the architecture's share and kvlane's own; and through
+the same floor routed in its front, with no balancer process (`path-floor-1`).
 
 Results are printed as tables and written as JSON. Everything the run
 started is stopped however it ends.
 
     python -m loadtest.overhead [--requests N] [--concurrency C] [--duration S] [--ingress-processes 1,2] [--http-floor]
-                                [--out PATH]
+                                [--path-floor] [--out PATH]
 """
 
 from __future__ import annotations
@@ -68,7 +73,7 @@ from kvlane.launcher import Launcher, free_port
 from loadtest.machine import CpuMeter, machine_info
 from loadtest.metrics import latency_summary, percentile
 from loadtest.overhead_ingresses import (
-    HOST, IngressUnderTest, start_http_floor, start_ingress, wait_all_serving, with_ingress_totals,
+    HOST, IngressUnderTest, start_http_floor, start_ingress, start_path_floor, wait_all_serving, with_ingress_totals,
 )
 from loadtest.overhead_report import http_paths, print_report
 from shared.bus import Bus, BusError, StreamReceiver
@@ -104,6 +109,8 @@ class BenchOptions:
     ingress_sends: bool = False
     # One more path A, through loadtest/http_floor.py: HTTP alone, answered from memory (what bounds any ingress).
     http_floor: bool = False
+    # One more path A, through loadtest/path_floor.py: the ingress path's hops and messages with no kvlane work in them.
+    path_floor: bool = False
 
     def check(self) -> None:
         if self.requests < 1 or self.concurrency < 1 or self.warmup < 0 or self.max_tokens < 1:
@@ -443,6 +450,10 @@ def run_benchmark(options: BenchOptions, console: Console | None = None) -> dict
         if options.http_floor:
             _status(console, options, "starting the HTTP floor (loadtest.http_floor)")
             ingresses.append(start_http_floor(launcher, options.ready_timeout_s))
+        if options.path_floor:
+            _status(console, options, "starting the path floor (loadtest.path_floor)")
+            ingresses.append(start_path_floor(launcher, fleet, WORKER_ID, options.ready_timeout_s))
+            ingresses.append(start_path_floor(launcher, fleet, WORKER_ID, options.ready_timeout_s, relayed=False))
         measured = _run_async(measure(fleet, options, console, ingresses))
         dead = [p.name for p in [*fleet.services(), *(ingress.process for ingress in ingresses)] if not p.alive()]
         if dead:
@@ -518,6 +529,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--http-floor", action="store_true",
                         help="also measure an aiohttp server that answers from memory: the most requests/s any ingress on aiohttp "
                              "could serve here")
+    parser.add_argument("--path-floor", action="store_true",
+                        help="also measure the ingress path's hops and messages (HTTP, route request, Redis script, hand-over, "
+                             "frames) with no kvlane work in them")
     parser.add_argument("--ingress-processes", type=_counts, default=defaults.ingress_processes, metavar="N[,M...]",
                         help="one ingress of each count of processes sharing its port, measured in turn, e.g. 1,2 "
                              "(default: 1; more than 1 needs Linux)")
@@ -543,7 +557,8 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(LoggingSettings(format="console", level="error"), "loadtest")
     options = BenchOptions(requests=args.requests, concurrency=args.concurrency, duration_s=args.duration,
                            out=args.out, warmup=args.warmup, log_dir=args.log_dir, ingress_processes=args.ingress_processes,
-                           ingress_sends=args.ingress_sends, http_floor=args.http_floor)
+                           ingress_sends=args.ingress_sends, http_floor=args.http_floor,
+                           path_floor=args.path_floor)
     console = Console()
     try:
         options.check()

@@ -1,6 +1,8 @@
 """The ingresses that `python -m loadtest.overhead` measures path A through: the fleet's own, and more on ports of
 their own in front of the same balancer and worker (several processes sharing a port, or one that sends each
-worker its request itself); and the HTTP floor, a server that answers from memory (loadtest/http_floor.py)."""
+worker its request itself); and two floors: the HTTP floor, a server that answers from memory
+(loadtest/http_floor.py), and the path floor, the ingress path's hops with no kvlane work in them
+(loadtest/path_floor.py)."""
 
 from __future__ import annotations
 
@@ -29,12 +31,14 @@ class IngressUnderTest:
     base_url: str
     process: Process  # the first of its processes, which starts the others
     sends: bool = False  # it sends each worker its request itself (`ingress.balancer_hands_over = false`)
-    floor: bool = False  # not an ingress: the HTTP floor, which answers from memory
+    # Not an ingress but a floor, and what it is: "aiohttp alone, answered from memory" (the HTTP floor)...
+    floor: str = ""
+    helpers: Sequence[Process] = ()  # processes of its own behind it (the path floor's relay)
 
     def measured(self) -> list[Any]:
-        """Its processes for the CPU meter: the first, then the others as `<name>/<k>`."""
+        """Its processes for the CPU meter: the first, then the others as `<name>/<k>`, then its helpers."""
         others = psutil.Process(self.process.pid).children()
-        return [self.process, *(_Measured(f"{self.name}/{k}", child.pid) for k, child in enumerate(others, 1))]
+        return [self.process, *(_Measured(f"{self.name}/{k}", child.pid) for k, child in enumerate(others, 1)), *self.helpers]
 
 
 @dataclass
@@ -77,7 +81,24 @@ def start_http_floor(launcher: Launcher, timeout_s: float) -> IngressUnderTest:
     port = free_port()
     process = launcher.spawn("http-floor", [sys.executable, "-m", "loadtest.http_floor", "--host", HOST, "--port", str(port)])
     launcher.wait_port(process, port, timeout_s)
-    return IngressUnderTest("http-floor", 1, f"http://{HOST}:{port}", process, floor=True)
+    return IngressUnderTest("http-floor", 1, f"http://{HOST}:{port}", process, floor="aiohttp alone, answered from memory")
+
+
+def start_path_floor(launcher: Launcher, fleet: Fleet, worker_id: str, timeout_s: float,
+                     relayed: bool = True) -> IngressUnderTest:
+    """The path floor (loadtest/path_floor.py) in front of `worker_id`: its front on a port of its own, and its relay
+    in the balancer's place; or, not `relayed`, a front that routes by itself (`path-floor-1`, one process)."""
+    config = fleet.config
+    name = "path-floor" if relayed else "path-floor-1"
+    routing = ["--redis", config.redis.url, "--worker", worker_id]
+    relay = [launcher.spawn(f"{name}-relay", [sys.executable, "-m", "loadtest.path_floor", "relay", "--nats", config.nats.url,
+                                              *routing])] if relayed else []
+    port = free_port()
+    front = launcher.spawn(name, [sys.executable, "-m", "loadtest.path_floor", "front", "--host", HOST, "--port", str(port),
+                                  "--nats", config.nats.url, *([] if relayed else routing)])
+    launcher.wait_port(front, port, timeout_s)
+    floor = "its hops and messages, no kvlane work" if relayed else "the same, routed in the front: no balancer hop"
+    return IngressUnderTest(name, 1, f"http://{HOST}:{port}", front, floor=floor, helpers=relay)
 
 
 def wait_all_serving(ingress: IngressUnderTest, timeout_s: float) -> None:

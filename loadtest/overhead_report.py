@@ -17,7 +17,7 @@ def _ingress_paths(results: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def http_paths(results: dict[str, Any]) -> list[str]:
-    """The ingress paths measured: `ingress`, then `ingress-<n>p` for each further count, `ingress-sends`, `http-floor`."""
+    """The ingress paths measured: `ingress`, then `ingress-<n>p` for each further count, `ingress-sends`, `http-floor`, `path-floor`."""
     return [path["path"] for path in _ingress_paths(results)]
 
 
@@ -27,7 +27,8 @@ def _label(results: dict[str, Any], path: str) -> str:
         return "HTTP ingress"
     this = next(p for p in paths if p["path"] == path)
     if this.get("floor"):
-        return f"{path} (aiohttp alone, answered from memory)"
+        # Results written before there were two floors say `true` for the HTTP floor.
+        return f"{path} ({'aiohttp alone, answered from memory' if this['floor'] is True else this['floor']})"
     processes = this["processes"]
     sends = "" if this["balancer_hands_over"] else ", sends to the worker itself"
     return f"{path} ({processes} process{'es' if processes > 1 else ''}{sends})"

@@ -26,7 +26,7 @@ def _positive(value: object) -> bool:
 def test_overhead_benchmark_writes_complete_results(tmp_path):
     out = tmp_path / "results" / "overhead.json"
     options = BenchOptions(requests=20, concurrency=4, duration_s=2.0, warmup=5, out=out,
-                           log_dir=tmp_path / "logs", quiet=True, http_floor=True)
+                           log_dir=tmp_path / "logs", quiet=True, http_floor=True, path_floor=True)
 
     returned = run_benchmark(options)
 
@@ -39,9 +39,10 @@ def test_overhead_benchmark_writes_complete_results(tmp_path):
                                     "worker_profile": "zero"} == results["parameters"]
     assert results["parameters"]["prompt_tokens"] >= 1
 
-    assert [p["path"] for p in results["parameters"]["ingress_paths"] if p["floor"]] == ["http-floor"]
+    assert [p["path"] for p in results["parameters"]["ingress_paths"] if p["floor"]] == ["http-floor", "path-floor", "path-floor-1"]
     latency = results["latency"]
-    for path in ("ingress", "http-floor", "direct"):
+    paths = ("ingress", "http-floor", "path-floor", "path-floor-1", "direct")
+    for path in paths:
         stats = latency[path]
         assert stats["errors"] == 0, stats["error_kinds"]
         assert stats["count"] == 20
@@ -55,12 +56,16 @@ def test_overhead_benchmark_writes_complete_results(tmp_path):
         assert _positive(overhead[key])
 
     throughput = results["throughput"]
-    for path in ("ingress", "http-floor", "direct"):
+    for path in paths:
         run = throughput[path]
         assert run["errors"] == 0, run["error_kinds"]
         assert run["succeeded"] == run["requests"] > 0
         assert run["concurrency"] == 4
         for key in ("requests_per_s", "elapsed_s", "p50_ms", "p99_ms"):
             assert _positive(run[key]), (path, key, run[key])
-        assert {"ingress", "balancer", "worker-w0", "http-floor", "loadtest-client"} <= run["cpu_percent"].keys()
-    assert _positive(throughput["ingress_vs_direct"]) and _positive(throughput["http-floor_vs_direct"])
+        assert {"ingress", "balancer", "worker-w0", "http-floor", "path-floor", "path-floor-relay", "path-floor-1",
+                "loadtest-client"} <= run["cpu_percent"].keys()
+    for path in paths[:-1]:
+        assert _positive(throughput[f"{path}_vs_direct"])
+    # The floor's relay, in the balancer's place, works only while requests go through it.
+    assert throughput["path-floor"]["cpu_ms_per_request"]["path-floor-relay"] > throughput["direct"]["cpu_ms_per_request"]["path-floor-relay"]
