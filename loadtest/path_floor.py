@@ -31,8 +31,10 @@ import time
 import uuid
 
 import msgspec
+import redis.asyncio as redis
 import uvloop
 from aiohttp import web
+from redis.commands.core import AsyncScript
 
 from contracts import subjects
 from contracts.messages import (
@@ -140,7 +142,7 @@ class _Refused(Exception):
 class Relay:
     """The balancer's place: one Redis script per route, the worker's request sent on, a decision back."""
 
-    def __init__(self, bus: Bus, batch: ScriptBatch, count: object, worker_id: str) -> None:
+    def __init__(self, bus: Bus, batch: ScriptBatch, count: AsyncScript, worker_id: str) -> None:
         self._bus = bus
         self._batch = batch
         self._count = count
@@ -185,7 +187,7 @@ async def run_front(args: argparse.Namespace) -> None:
             await client.aclose()
 
 
-def _relay(bus: Bus, client: object, worker_id: str) -> Relay:
+def _relay(bus: Bus, client: redis.Redis, worker_id: str) -> Relay:
     return Relay(bus, ScriptBatch(client), client.register_script(_COUNT), worker_id)
 
 
