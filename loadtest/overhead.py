@@ -455,7 +455,8 @@ def run_benchmark(options: BenchOptions, console: Console | None = None) -> dict
             ingresses.append(start_path_floor(launcher, fleet, WORKER_ID, options.ready_timeout_s))
             ingresses.append(start_path_floor(launcher, fleet, WORKER_ID, options.ready_timeout_s, relayed=False))
         measured = _run_async(measure(fleet, options, console, ingresses))
-        dead = [p.name for p in [*fleet.services(), *(ingress.process for ingress in ingresses)] if not p.alive()]
+        dead = [p.name for p in [*fleet.services(), *(p for ingress in ingresses for p in (ingress.process, *ingress.helpers))]
+                if not p.alive()]
         if dead:
             raise BenchError(f"{', '.join(dead)} exited during the run; logs in {log_dir}")
         clean = True

@@ -31,8 +31,7 @@ class IngressUnderTest:
     base_url: str
     process: Process  # the first of its processes, which starts the others
     sends: bool = False  # it sends each worker its request itself (`ingress.balancer_hands_over = false`)
-    # Not an ingress but a floor, and what it is: "aiohttp alone, answered from memory" (the HTTP floor)...
-    floor: str = ""
+    floor: str = ""  # set for a floor rather than an ingress: what it is, as the report labels it
     helpers: Sequence[Process] = ()  # processes of its own behind it (the path floor's relay)
 
     def measured(self) -> list[Any]:
