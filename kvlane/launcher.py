@@ -212,7 +212,7 @@ class Launcher:
 
     def _popen(self, argv: list[str], env: Mapping[str, str], log_path: Path) -> subprocess.Popen:
         log_file = log_path.open("ab")
-        # Children run in sessions of their own, so without a death signal a SIGKILLed `kvlane up` would leave
+        # Children run in process groups of their own, so without a death signal a SIGKILLed `kvlane up` would leave
         # every service running. The signal follows the thread that forks the child: only the main thread lives
         # as long as the process (tests also start servers from others).
         end_with_parent = threading.current_thread() is threading.main_thread()
@@ -223,7 +223,11 @@ class Launcher:
                 stdout=log_file,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
-                start_new_session=True,  # Ctrl-C reaches kvlane up, which stops children in order
+                # A process group of their own: Ctrl-C reaches kvlane up, which stops children in order. Not a
+                # session of their own: where the kernel groups sessions for scheduling (autogroups), each session
+                # competes as one task, and a service that wakes for a message waited behind a busy engine's
+                # session for hundreds of milliseconds.
+                process_group=0,
                 preexec_fn=ending_with(os.getpid()) if end_with_parent else None,
             )
         finally:
