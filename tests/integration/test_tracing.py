@@ -337,9 +337,9 @@ async def test_disaggregated_request_traces_prefill_handoff_and_decode(tmp_path:
 
 
 async def test_migrated_request_shows_two_attempts_in_one_trace(tmp_path: Path, receiver: OtlpReceiver) -> None:
-    # 10 ms a step and 300 tokens: the request is still mid-stream when its worker dies, even
-    # when this test hears the stream late (a frame then carries several steps' tokens).
-    fleet = await start_fleet(tmp_path, workers=2, tune=exporting_to(receiver), speed=0.2)
+    # 20 ms a step and 300 tokens: the request is still mid-stream when its worker dies, even
+    # when this test hears the stream seconds late on a loaded machine (a frame then carries several steps' tokens).
+    fleet = await start_fleet(tmp_path, workers=2, tune=exporting_to(receiver), speed=0.1)
     try:
         header, trace_id, _ = traceparent()
         async with BusWatch(fleet) as watch:
