@@ -24,9 +24,11 @@ from aiohttp import web
 _encoder = msgspec.json.Encoder()
 
 
-def _error(message: str) -> web.Response:
-    body = {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": "bad_request"}}
-    return web.Response(body=_encoder.encode(body), status=400, content_type="application/json")
+def error_response(message: str, status: int = 400, code: str = "bad_request") -> web.Response:
+    """An error in the OpenAI shape, as the floors answer it (loadtest/path_floor.py too)."""
+    body = {"error": {"message": message, "type": "invalid_request_error" if status < 500 else "server_error",
+                      "param": None, "code": code}}
+    return web.Response(body=_encoder.encode(body), status=status, content_type="application/json")
 
 
 async def completions(request: web.Request) -> web.Response:
@@ -35,9 +37,9 @@ async def completions(request: web.Request) -> web.Response:
         max_tokens = int(body.get("max_tokens", 16))
         model = str(body["model"])
     except (msgspec.DecodeError, ValueError, TypeError, KeyError, AttributeError) as exc:
-        return _error(f"not a completion request: {exc}")
+        return error_response(f"not a completion request: {exc}")
     if max_tokens < 1:
-        return _error("max_tokens must be at least 1")
+        return error_response("max_tokens must be at least 1")
     return web.Response(content_type="application/json", body=_encoder.encode({
         "id": "cmpl-floor", "object": "text_completion", "created": int(time.time()), "model": model,
         "choices": [{"index": 0, "text": " floor" * max_tokens, "logprobs": None, "finish_reason": "length"}],

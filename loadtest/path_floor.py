@@ -13,8 +13,9 @@ processes stand in for the ingress and the balancer and do only what their trans
 
 The worker is the fleet's own, which answers the front straight away, as it answers an ingress after the
 balancer's hand-over. Given `--redis` and `--worker`, the front routes by itself instead, with no relay: it
-runs the script and sends the worker its request (a path with no balancer process, measured as `path-floor-1`). Left out: every decision, the slot's and the lease's bookkeeping (the script only counts),
-releases, queues, retries, authentication, limits, metrics and spans. What the ingress path costs above this
+runs the script and sends the worker its request (a path with no balancer process, measured as `path-floor-1`).
+Left out: every decision, the slot's and the lease's bookkeeping (the script only counts), releases, queues,
+retries, authentication, limits, metrics and spans. What the ingress path costs above this
 floor is kvlane's own work; what the floor costs above the direct path is the architecture's: HTTP, one
 more process on each side and its NATS messages, and a Redis round trip per request.
 
@@ -48,6 +49,7 @@ from contracts.messages import (
     TokenChunk,
     WorkerReply,
 )
+from loadtest.http_floor import error_response
 from services.balancer.slot_store import ScriptBatch
 from shared.bus import Bus, BusError, StreamReceiver
 from shared.config import NatsSettings, RedisSettings, TracingSettings
@@ -68,12 +70,6 @@ class CompletionBody(msgspec.Struct):
     max_tokens: int = 16
 
 
-def _error(status: int, message: str, code: str) -> web.Response:
-    body = {"error": {"message": message, "type": "invalid_request_error" if status < 500 else "server_error",
-                      "param": None, "code": code}}
-    return web.Response(body=_encoder.encode(body), status=status, content_type="application/json")
-
-
 class Front:
     """The ingress's place: HTTP in, one route request out, the worker's frames back."""
 
@@ -89,18 +85,18 @@ class Front:
         try:
             body = msgspec.json.decode(await request.read(), type=CompletionBody)
         except msgspec.DecodeError as exc:
-            return _error(400, f"not a completion request: {exc}", "bad_request")
+            return error_response(f"not a completion request: {exc}")
         if body.max_tokens < 1 or not body.prompt:
-            return _error(400, "a prompt and max_tokens of at least 1 are needed", "bad_request")
+            return error_response("a prompt and max_tokens of at least 1 are needed")
         prompt_token_ids = self._tokenizer.encode(body.prompt)
         request_id = f"{self._prefix}{next(self._ids)}"
         try:
             async with asyncio.timeout(TIMEOUT_S):
                 token_ids, finish_reason = await self._run(request_id, body, prompt_token_ids)
         except (BusError, TimeoutError) as exc:
-            return _error(502, f"{type(exc).__name__}: {exc}", "bad_gateway")
+            return error_response(f"{type(exc).__name__}: {exc}", 502, "bad_gateway")
         except _Refused as exc:
-            return _error(502, str(exc), "bad_gateway")
+            return error_response(str(exc), 502, "bad_gateway")
         return web.Response(content_type="application/json", body=_encoder.encode({
             "id": f"cmpl-{request_id}", "object": "text_completion", "created": int(time.time()), "model": body.model,
             "choices": [{"index": 0, "text": self._tokenizer.decode(token_ids), "logprobs": None, "finish_reason": finish_reason}],

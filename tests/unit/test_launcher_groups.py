@@ -12,7 +12,7 @@ from kvlane.launcher import Launcher
 def test_a_child_has_its_own_process_group_in_the_launchers_session(tmp_path: Path) -> None:
     launcher = Launcher(tmp_path)
     try:
-        child = launcher.spawn("sleeper", [sys.executable, "-c", "import time; time.sleep(60)"])
+        child = launcher.spawn("sleeper", [sys.executable, "-c", "import signal; signal.pause()"])
         # Its own group: a Ctrl-C to the terminal's foreground group reaches the launcher alone.
         assert os.getpgid(child.pid) == child.pid != os.getpgid(0)
         # The same session: where the kernel schedules sessions as groups (autogroups), a service of a
