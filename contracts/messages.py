@@ -56,6 +56,8 @@ class ErrorReply(Compact, tag="error", tag_field="type"):
     message: str
     status: int = 500
     retry_after_s: float | None = None
+    # The request parameter at fault, when there is one (the OpenAI error's `param`).
+    param: str | None = None
 
 
 # --- routing ------------------------------------------------------------------
@@ -129,6 +131,22 @@ class SamplingParams(Compact, forbid_unknown_fields=True):
     presence_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0
     frequency_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0
     ignore_eos: bool = False
+    # Choices sampled in parallel from one prompt (`n`), on one node.
+    n: Annotated[int, Meta(ge=1)] = 1
+
+
+class ApiRequest(Compact):
+    """The OpenAI request a run answers, for what the engine reads of it beyond tokens and `SamplingParams`.
+
+    `body` is the request's JSON without its prompt (`messages` or `prompt`, which ride as token ids): an engine
+    builds its sampling (structured outputs, logprobs, logit bias, its own extras) and shapes its output
+    (tool calls, reasoning) from it, as the engine's own API server would. `stream`: the client reads deltas
+    (parsed as they come) rather than one whole answer (parsed once at the end).
+    """
+
+    kind: Literal["chat", "completion"]
+    body: bytes
+    stream: bool = False
 
 
 class KvRef(Struct, frozen=True):
@@ -170,6 +188,8 @@ class RequestToRun(Compact):
     # worker died, or resumption after preemption): generation continues
     # after them, and they count toward `sampling.max_tokens` and usage.
     resume_token_ids: list[int] = []
+    # The API request, for an engine to sample and shape output as the API asks (None: plain text, as sampled).
+    api: ApiRequest | None = None
 
 
 class GenerateRequest(RequestToRun, tag="generate", tag_field="type"):
@@ -235,11 +255,74 @@ class Timings(Compact):
     finished_s: float = 0.0
 
 
+class TopLogprob(Compact):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+    token_id: int = 0
+
+
+class TokenLogprob(Compact):
+    """One generated token's log probability, and the most likely tokens at its position (as the engine ranks
+    them, the sampled one included where the engine puts it). `logprob` is None when the engine gave none."""
+
+    token: str
+    logprob: float | None = None
+    bytes: list[int] | None = None
+    top: list[TopLogprob] = []
+    token_id: int = 0
+
+
+class ToolCallDelta(Compact):
+    """A piece of a tool call being generated: its name when it starts, then pieces of its JSON arguments."""
+
+    index: int
+    id: str | None = None
+    name: str | None = None
+    arguments: str | None = None
+
+
+class OutputDelta(Compact):
+    """What new output means, once the model's reasoning and tool-call markers are parsed out of it."""
+
+    content: str | None = None
+    reasoning: str | None = None
+    tool_calls: list[ToolCallDelta] = []
+
+
+class ParsedToolCall(Compact):
+    name: str
+    arguments: str
+    id: str | None = None
+
+
+class ParsedOutput(Compact):
+    """A finished choice's whole output, parsed once (what a non-streamed answer says)."""
+
+    content: str | None = None
+    reasoning: str | None = None
+    tool_calls: list[ParsedToolCall] = []
+    reasoning_tokens: NonNegativeInt = 0
+
+
 class TokenChunk(Compact, tag="chunk", tag_field="type"):
     request_id: RequestId
     seq: NonNegativeInt
     token_ids: list[int]
     text: str
+    # The choice these tokens belong to (`n` > 1).
+    index: NonNegativeInt = 0
+    # One per token of `token_ids`, when the request asked for logprobs.
+    logprobs: list[TokenLogprob] = []
+    # `text` parsed (reasoning, tool calls), when the request's output is parsed and streamed.
+    delta: OutputDelta | None = None
+    # Set on a choice's last chunk: how it ended, what stopped it (a stop string or token id, as the
+    # engine says), and, when the answer is not streamed, its whole output parsed.
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+    parsed: ParsedOutput | None = None
+    # On a choice's first chunk, when a completion echoes its prompt with logprobs: one per prompt token.
+    prompt_logprobs: list[TokenLogprob] = []
 
 
 class StreamEnd(Compact, tag="end", tag_field="type"):
@@ -378,6 +461,10 @@ class WorkerRegistration(Struct, frozen=True, omit_defaults=True):
     # The tokenizer's files on the bus: an object of the model-files object store
     # (shared/model_store.py), for an ingress without the model directory; "": none published.
     tokenizer_files: str = ""
+    # How the engine parses output, as `vllm serve`'s --tool-call-parser and --reasoning-parser name them
+    # ("": none): a request for tools with tool_choice "auto" needs a tool-call parser.
+    tool_call_parser: str = ""
+    reasoning_parser: str = ""
 
 
 class EngineStats(Struct, omit_defaults=True):

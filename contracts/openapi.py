@@ -7,7 +7,9 @@ from typing import Any
 
 import msgspec
 
+from contracts import anthropic_api as anthropic
 from contracts import openai_api as api
+from contracts import responses_api as responses
 
 _REF = "#/components/schemas/{name}"
 
@@ -65,9 +67,22 @@ def build_openapi(version: str | None = None) -> dict[str, Any]:
         api.NotedChatCompletion,
         api.NotedChatCompletionChunk,
         api.NotedCompletion,
+        api.TokenizeRequest,
+        api.TokenizeResponse,
+        api.DetokenizeRequest,
+        api.DetokenizeResponse,
+        anthropic.MessagesRequest,
+        anthropic.Message,
+        anthropic.StreamEvent,
+        anthropic.ErrorEvent,
+        responses.ResponsesRequest,
+        responses.Response,
+        responses.StreamEvent,
     ]
     (refs, components) = msgspec.json.schema_components(types, ref_template=_REF)
-    chat_req, plain_chat, plain_chat_chunk, comp_req, plain_comp, models, _, health, noted_chat, noted_chunk, noted_comp = refs
+    (chat_req, plain_chat, plain_chat_chunk, comp_req, plain_comp, models, _, health, noted_chat, noted_chunk, noted_comp,
+     tokenize_req, tokenize_resp, detokenize_req, detokenize_resp, messages_req, message, message_event, anthropic_error,
+     responses_req, response, response_event) = refs
     # A response (or a stream's closing chunk) carries `kvlane` notes only when kvlane changed something.
     chat, chat_chunk, comp = ({"anyOf": [plain, noted]} for plain, noted in
                               ((plain_chat, noted_chat), (plain_chat_chunk, noted_chunk), (plain_comp, noted_comp)))
@@ -87,6 +102,52 @@ def build_openapi(version: str | None = None) -> dict[str, Any]:
             }
         }
 
+    def post_op(summary: str, request: dict, response: dict, *errors: int) -> dict[str, Any]:
+        return {
+            "post": {
+                "summary": summary,
+                "requestBody": {"required": True, "content": _json(request)},
+                "responses": {"200": {"description": summary, "content": _json(response)},
+                              **_error_responses(*errors, *_EDGE_ERRORS)},
+            }
+        }
+
+    def named_events(event: dict[str, Any]) -> dict[str, Any]:
+        """A stream of SSE events that name their type (`event:`), each `data` one JSON event."""
+        return {"type": "object", "required": ["data"], "properties": {
+            "event": {"type": "string"},
+            "data": {"type": "string", "contentMediaType": "application/json", "contentSchema": event}}}
+
+    def responses_op() -> dict[str, Any]:
+        return {
+            "post": {
+                "summary": "Create a response (OpenAI Responses API; `store` keeps it for `previous_response_id` on any ingress)",
+                "requestBody": {"required": True, "content": _json(responses_req)},
+                "responses": {
+                    "200": {"description": "The response, or with stream=true an SSE stream of events",
+                            "content": {**_json(response), "text/event-stream": {"schema": named_events(response_event)}}},
+                    **_error_responses(400, 404, 500, 503, 504, *_EDGE_ERRORS),
+                },
+            }
+        }
+
+    def messages_op() -> dict[str, Any]:
+        # Its own errors are in Anthropic's shape; the HTTP edge's (429, 413...) in OpenAI's.
+        either = {"anyOf": [anthropic_error, {"$ref": _REF.format(name="ErrorResponse")}]}
+        errors = {str(s): {"description": "An error", "content": _json(either)} for s in (400, 404, 500, 503, 504, *_EDGE_ERRORS)}
+        event = named_events(message_event)
+        return {
+            "post": {
+                "summary": "Create a message (Anthropic Messages API)",
+                "requestBody": {"required": True, "content": _json(messages_req)},
+                "responses": {
+                    "200": {"description": "The message, or with stream=true an SSE stream of events",
+                            "content": {**_json(message), "text/event-stream": {"schema": event}}},
+                    **errors,
+                },
+            }
+        }
+
     def get_op(summary: str, response: dict, *errors: int) -> dict[str, Any]:
         return {
             "get": {
@@ -102,7 +163,18 @@ def build_openapi(version: str | None = None) -> dict[str, Any]:
         "paths": {
             "/v1/chat/completions": completion_op("Create a chat completion", chat_req, chat, chat_chunk),
             "/v1/completions": completion_op("Create a text completion", comp_req, comp, comp),
+            "/v1/messages": messages_op(),
+            "/v1/responses": responses_op(),
+            "/v1/responses/{response_id}": {"get": {
+                "summary": "A stored response",
+                "parameters": [{"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"}}],
+                "responses": {"200": {"description": "The stored response", "content": _json(response)},
+                              **_error_responses(404, 503, *_EDGE_ERRORS)},
+            }},
             "/v1/models": get_op("List the models served by live workers", models),
+            "/tokenize": post_op("Token ids of a text or a conversation, as the model's tokenizer and chat template make them",
+                                 tokenize_req, tokenize_resp, 400, 404, 503),
+            "/detokenize": post_op("The text of token ids", detokenize_req, detokenize_resp, 400, 404, 503),
             "/health": get_op("Liveness of the ingress process", health),
             "/ready": get_op("Readiness: at least one live worker", health, 503),
             "/metrics": {"get": {"summary": "Prometheus metrics", "responses": {"200": {"description": "text exposition format"}}}},

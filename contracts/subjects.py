@@ -44,6 +44,12 @@ API_QUEUE_GROUP = "kvlane-api"
 API_CHAT_COMPLETIONS = f"{PREFIX}.api.chat.completions"
 API_COMPLETIONS = f"{PREFIX}.api.completions"
 API_MODELS = f"{PREFIX}.api.models"
+API_TOKENIZE = f"{PREFIX}.api.tokenize"
+API_DETOKENIZE = f"{PREFIX}.api.detokenize"
+# The Anthropic Messages API: the payload is its JSON request body; streamed replies carry one event each.
+API_MESSAGES = f"{PREFIX}.api.messages"
+# The OpenAI Responses API: the payload is its JSON request body; streamed replies carry one event each.
+API_RESPONSES = f"{PREFIX}.api.responses"
 # Headers of a streamed reply: each chunk's sequence number, and the end of the stream.
 API_SEQ_HEADER = "Kvlane-Seq"
 API_STREAM_HEADER = "Kvlane-Stream"
@@ -101,6 +107,11 @@ def stream_inbox(owner_id: str) -> str:
 
 def stream_subject(owner_id: str, request_id: str) -> str:
     return f"{PREFIX}.stream.{owner_id}.{request_id}"
+
+
+def response_key(response_id: str) -> str:
+    """A stored response of the Responses API (`store`): any ingress continues or returns it."""
+    return f"{REDIS_PREFIX}:response:{response_id}"
 
 
 def node_key(worker_id: str) -> str:

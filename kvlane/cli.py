@@ -190,6 +190,9 @@ def _with_vllm_model(config: KvlaneConfig, console: Console) -> KvlaneConfig:
     # The tiny model starts in seconds without torch.compile, and float32 keeps its greedy output stable.
     engine_args = {"enforce_eager": True, **config.worker.vllm.extra_engine_args}
     vllm = {"model": str(directory), "dtype": "float32", "extra_engine_args": engine_args}
+    if not config.worker.vllm.tool_call_parser:
+        # Its template writes tool calls as Hermes/Qwen models do: vLLM's `hermes` parser reads them.
+        vllm |= {"tool_call_parser": "hermes", "enable_auto_tool_choice": True}
     return with_overrides(config, worker=worker, **{"worker.vllm": vllm})
 
 

@@ -76,6 +76,27 @@ class KvlaneClient:
     def stream_completions(self, body: Mapping[str, Any], headers: Mapping[str, str] | None = None) -> AsyncIterator[dict[str, Any]]:
         return self._stream(subjects.API_COMPLETIONS, _encode(body, stream=True), headers)
 
+    async def messages(self, body: Mapping[str, Any], headers: Mapping[str, str] | None = None) -> dict[str, Any]:
+        """The Anthropic Messages API: the message."""
+        return await self._request(subjects.API_MESSAGES, _encode(body, stream=False), headers)
+
+    def stream_messages(self, body: Mapping[str, Any], headers: Mapping[str, str] | None = None) -> AsyncIterator[dict[str, Any]]:
+        """The Anthropic Messages API, streamed: each event (its `type` says which)."""
+        return self._stream(subjects.API_MESSAGES, _encode(body, stream=True), headers)
+
+    async def responses(self, body: Mapping[str, Any], headers: Mapping[str, str] | None = None) -> dict[str, Any]:
+        """The OpenAI Responses API: the response (stored, and continued with `previous_response_id`, by any ingress)."""
+        return await self._request(subjects.API_RESPONSES, _encode(body, stream=False), headers)
+
+    def stream_responses(self, body: Mapping[str, Any], headers: Mapping[str, str] | None = None) -> AsyncIterator[dict[str, Any]]:
+        return self._stream(subjects.API_RESPONSES, _encode(body, stream=True), headers)
+
+    async def tokenize(self, body: Mapping[str, Any], headers: Mapping[str, str] | None = None) -> dict[str, Any]:
+        return await self._request(subjects.API_TOKENIZE, json.dumps(dict(body)).encode(), headers)
+
+    async def detokenize(self, body: Mapping[str, Any], headers: Mapping[str, str] | None = None) -> dict[str, Any]:
+        return await self._request(subjects.API_DETOKENIZE, json.dumps(dict(body)).encode(), headers)
+
     async def _request(self, subject: str, payload: bytes, headers: Mapping[str, str] | None = None) -> dict[str, Any]:
         try:
             msg = await self._nc.request(subject, payload, timeout=self._timeout, headers=dict(headers or {}) or None)

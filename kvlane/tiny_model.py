@@ -3,7 +3,8 @@
 Nothing may be downloaded at run time, yet tests and `kvlane up --engine
 vllm` need a real model directory that vLLM loads like any other. This
 builds one: a byte-level BPE tokenizer (vocab ~1k) trained on a generated
-corpus, wrapped as `PreTrainedTokenizerFast` with a chat template, and a
+corpus, wrapped as `PreTrainedTokenizerFast` with Qwen's chat tokens and a
+Qwen3-style chat template (tools, tool calls, tool results, reasoning), and a
 `LlamaForCausalLM` (hidden 128, 2 layers, 2 heads, 1 KV head, head_dim 64)
 with seeded random weights saved as safetensors. The same seed writes the
 same files, byte for byte.
@@ -22,16 +23,79 @@ import tempfile
 from pathlib import Path
 
 VOCAB_SIZE = 1024
-BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
-CHAT_MARKERS = ("<|system|>", "<|user|>", "<|assistant|>", "<|end|>")
-# The template starts with the BOS token, as Llama-style templates do, so a
-# chat prompt must be encoded without adding special tokens a second time.
-CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for message in messages %}"
-    "<|{{ 'system' if message['role'] == 'developer' else message['role'] }}|>\n"
-    "{{ message['content'] }}<|end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
-)
+# Qwen2.5/Qwen3's special tokens: no BOS at all (chat and plain prompts are
+# encoded as they are), `<|im_end|>` ends an assistant turn and so is the EOS.
+PAD = "<|endoftext|>"
+IM_START, IM_END = "<|im_start|>", "<|im_end|>"
+EOS = IM_END
+SPECIAL_TOKENS = (PAD, IM_START, IM_END)
+# Added but not special, as in Qwen's tokenizer: they survive decoding with
+# skip_special_tokens, which vLLM's `hermes` tool parser and `qwen3`
+# reasoning parser rely on (they look these up in the vocabulary).
+TOOL_AND_THINK_TOKENS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>")
+CHAT_MARKERS = (IM_START, IM_END, *TOOL_AND_THINK_TOKENS)
+# A compact Qwen3 template: tools as a system block of JSON lines inside
+# <tools></tools>, assistant tool calls as <tool_call> JSON, tool results as
+# <tool_response> blocks in a user turn, reasoning as <think> blocks kept for
+# the turns after the last user query, and `enable_thinking=false` closing an
+# empty <think> block in the generation prompt.
+CHAT_TEMPLATE = """\
+{%- if tools %}
+{{- '<|im_start|>system\\n' }}
+{%- if messages[0].role == 'system' %}{{- messages[0].content + '\\n\\n' }}{%- endif %}
+{{- "# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n\
+You are provided with function signatures within <tools></tools> XML tags:\\n<tools>" }}
+{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}
+{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments \
+within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{"name": <function-name>, "arguments": <args-json-object>}\\n\
+</tool_call><|im_end|>\\n' }}
+{%- elif messages[0].role == 'system' %}
+{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}
+{%- endif %}
+{%- set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) %}
+{%- for message in messages[::-1] %}
+{%- set index = (messages|length - 1) - loop.index0 %}
+{%- if ns.multi_step_tool and message.role == 'user' and message.content is string \
+and not (message.content.startswith('<tool_response>') and message.content.endswith('</tool_response>')) %}
+{%- set ns.multi_step_tool = false %}{%- set ns.last_query_index = index %}
+{%- endif %}
+{%- endfor %}
+{%- for message in messages %}
+{%- set content = message.content if message.content is string else '' %}
+{%- if message.role == 'user' or (message.role == 'system' and not loop.first) %}
+{{- '<|im_start|>' + message.role + '\\n' + content + '<|im_end|>\\n' }}
+{%- elif message.role == 'assistant' %}
+{%- set reasoning_content = '' %}
+{%- if message.reasoning_content is string %}
+{%- set reasoning_content = message.reasoning_content %}
+{%- elif '</think>' in content %}
+{%- set reasoning_content = content.split('</think>')[0].rstrip('\\n').split('<think>')[-1].lstrip('\\n') %}
+{%- set content = content.split('</think>')[-1].lstrip('\\n') %}
+{%- endif %}
+{%- if loop.index0 > ns.last_query_index and (loop.last or reasoning_content) %}
+{{- '<|im_start|>assistant\\n<think>\\n' + reasoning_content.strip('\\n') + '\\n</think>\\n\\n' + content.lstrip('\\n') }}
+{%- else %}
+{{- '<|im_start|>assistant\\n' + content }}
+{%- endif %}
+{%- for tool_call in message.tool_calls or [] %}
+{%- if not loop.first or content %}{{- '\\n' }}{%- endif %}
+{%- set call = tool_call.function if tool_call.function else tool_call %}
+{{- '<tool_call>\\n{"name": "' + call.name + '", "arguments": ' }}
+{{- call.arguments if call.arguments is string else call.arguments | tojson }}
+{{- '}\\n</tool_call>' }}
+{%- endfor %}
+{{- '<|im_end|>\\n' }}
+{%- elif message.role == 'tool' %}
+{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}
+{{- '\\n<tool_response>\\n' + content + '\\n</tool_response>' }}
+{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+{{- '<|im_start|>assistant\\n' }}
+{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}
+{%- endif %}
+"""
 MODEL_SHAPE = {
     "hidden_size": 128,
     "intermediate_size": 256,
@@ -61,31 +125,25 @@ def corpus(seed: int, lines: int = 4000) -> list[str]:
 
 
 def build_tokenizer(seed: int = 0):
-    """A `PreTrainedTokenizerFast` trained here; the BOS is added by its post-processor."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    """A `PreTrainedTokenizerFast` trained here, with Qwen's chat tokens and no BOS."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    specials = [PAD, BOS, EOS, *CHAT_MARKERS]
     core = Tokenizer(models.BPE())
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     core.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=VOCAB_SIZE,
-        special_tokens=specials,
+        special_tokens=list(SPECIAL_TOKENS),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     core.train_from_iterator(corpus(seed), trainer=trainer)
-    bos_id = core.token_to_id(BOS)
-    core.post_processor = processors.TemplateProcessing(
-        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, bos_id)]
-    )
+    core.add_tokens([AddedToken(token, special=False, normalized=False) for token in TOOL_AND_THINK_TOKENS])
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=core,
-        bos_token=BOS,
         eos_token=EOS,
         pad_token=PAD,
-        additional_special_tokens=list(CHAT_MARKERS),
         model_max_length=MODEL_SHAPE["max_position_embeddings"],
     )
     tokenizer.chat_template = CHAT_TEMPLATE
@@ -98,7 +156,8 @@ def build_model(tokenizer, seed: int = 0):
 
     config = LlamaConfig(
         vocab_size=len(tokenizer),
-        bos_token_id=tokenizer.bos_token_id,
+        # As Qwen's config has it: the BOS id is <|endoftext|>, never added to a prompt.
+        bos_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         tie_word_embeddings=False,
@@ -148,8 +207,12 @@ def ensure_tiny_model(directory: str | Path, seed: int = 0) -> Path:
     return target
 
 
+# Raised when what `make_tiny_model` writes changes (its template, its tokens), so a cached older model is not reused.
+TINY_MODEL_FORMAT = 2
+
+
 def default_cache_dir() -> Path:
-    return Path.home() / ".cache" / "kvlane" / "tiny-llama"
+    return Path.home() / ".cache" / "kvlane" / f"tiny-llama-v{TINY_MODEL_FORMAT}"
 
 
 def fingerprint(directory: str | Path) -> str:

@@ -212,6 +212,8 @@ class IngressSettings(Section):
     max_connections: Annotated[int, Meta(ge=0)] = 4096
     max_connections_per_client: Annotated[int, Meta(ge=0)] = 1024
     max_streams_per_client: Annotated[int, Meta(ge=0)] = 512
+    # How long a stored response (`/v1/responses` with `store`) can be continued or fetched, from any replica.
+    responses_ttl_s: PositiveFloat = 24 * 3600.0
 
 
 class CacheManagerSettings(Section):
@@ -276,6 +278,10 @@ class SimSettings(Section):
     tokenizer: str = ""
     # Fault injection for tests: the engine dies once it has generated this many tokens (0: never).
     fail_after_tokens: Annotated[int, Meta(ge=0)] = 0
+    # How chat answers are parsed into tool calls, as `vllm serve --tool-call-parser` (and
+    # --enable-auto-tool-choice): "kvlane_sim" reads the sim's own `<tool_call>` format; empty turns tool
+    # calls off (tool_choice "auto", "required" and named are then refused, as vLLM refuses them).
+    tool_call_parser: str = "kvlane_sim"
 
 
 class VllmSettings(Section):
@@ -302,6 +308,16 @@ class VllmSettings(Section):
     nixl_side_channel_port: Annotated[int, Meta(ge=0, le=65535)] = 0
     # Any other vllm.AsyncEngineArgs fields, passed through unchanged.
     extra_engine_args: dict[str, Any] = {}
+    # How the model's output is parsed into tool calls and reasoning, as `vllm serve --tool-call-parser`,
+    # `--reasoning-parser` and `--enable-auto-tool-choice` (empty: not parsed). As in vLLM, the tool-call parser
+    # is used only with enable_auto_tool_choice, which needs one.
+    tool_call_parser: str = ""
+    reasoning_parser: str = ""
+    enable_auto_tool_choice: bool = False
+    # The chat template requests are rendered with, as `vllm serve --chat-template`: a jinja file's path, or the
+    # template itself (decided as vLLM decides). Empty: the model's own. The worker then advertises (and publishes
+    # on the bus) a copy of the model's tokenizer files that renders with it (services/worker/served_tokenizer.py).
+    chat_template: str = ""
 
 
 class WorkerSettings(Section):

@@ -51,7 +51,8 @@ def inboxes_of(role: str) -> str:
 
 # nats.micro's discovery subjects ($SRV.PING, $SRV.INFO.kvlane, $SRV.STATS.kvlane.<service id>).
 MICRO_DISCOVERY = ("$SRV.*", f"$SRV.*.{subjects.API_SERVICE}", f"$SRV.*.{subjects.API_SERVICE}.*")
-API_ENDPOINTS = (subjects.API_CHAT_COMPLETIONS, subjects.API_COMPLETIONS, subjects.API_MODELS)
+API_ENDPOINTS = (subjects.API_CHAT_COMPLETIONS, subjects.API_COMPLETIONS, subjects.API_MESSAGES, subjects.API_RESPONSES,
+                 subjects.API_MODELS, subjects.API_TOKENIZE, subjects.API_DETOKENIZE)
 # What every process that watches the cluster (shared/cluster.py ClusterWatcher) hears.
 WATCH_CLUSTER = (subjects.HEARTBEAT_ALL, subjects.WORKER_LEFT)
 
@@ -166,8 +167,11 @@ ROLES: dict[str, Role] = {
                 # API keys: their records read only, their rate limits read and written.
                 RedisKeys(_API_KEY_RECORDS, "R"),
                 RedisKeys(_API_KEY_LIMITS),
+                # Stored responses of the Responses API.
+                RedisKeys(subjects.response_key(ANY)),
             ),
-            redis_commands=tuple(dict.fromkeys((*_CONNECTION_COMMANDS, *_WATCH_COMMANDS, *_SCRIPT_COMMANDS, *_KEY_LIMIT_COMMANDS))),
+            redis_commands=tuple(dict.fromkeys((*_CONNECTION_COMMANDS, *_WATCH_COMMANDS, *_SCRIPT_COMMANDS, *_KEY_LIMIT_COMMANDS,
+                                                "set"))),
             id_setting="KVLANE__INGRESS__INGRESS_ID",
         ),
         Role(

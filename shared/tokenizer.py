@@ -1,52 +1,113 @@
 """Tokenizers that ingress and workers share, so both count the same tokens.
 
-`HfTokenizer` ("hf:<model dir>") is a vLLM worker's: the model directory's own
-tokenizer and chat template, loaded without transformers (no torch import).
+`HfTokenizer` ("hf:<model dir>", `shared/hf_tokenizer.py`) is a vLLM worker's:
+the model directory's own tokenizer and chat template, rendered as `vllm serve`
+renders them, loaded without transformers (no torch import).
 
 `SimTokenizer` is the sim engine's built-in tokenizer. It needs no files:
 * text splits GPT-style into pieces (a word with its leading space, a digit,
   a punctuation mark, a run of white space) and chat markers such as
-  `<|user|>` are single special tokens;
+  `<|user|>` (and the tool markers `<|tools|>`, `<|tool|>`, `<tool_call>`,
+  `</tool_call>`) are single special tokens;
 * the sim model's output vocabulary is a fixed list of pronounceable words
   (ids `OUTPUT_FIRST` .. `OUTPUT_FIRST + OUTPUT_WORDS - 1`), each decoding
   to " word"; a piece that is one of those words encodes back to its id, so
   an assistant turn fed back in a conversation tokenizes to the very ids the
   engine produced (multi-turn prefix caching works as on a real model);
-* any other piece maps to a stable hashed id in the rest of the vocabulary.
-Decoding is exact for special and output tokens; hashed ids decode to "".
+* any other piece maps to a stable hashed id in the rest of the vocabulary;
+* after those come character tokens, one per printable ASCII character and
+  the newline (ids `CHAR_FIRST` ..): what the sim emits when it must write exact
+  text (JSON for a schema, a tool call's arguments). Prompts never encode to
+  them, so every earlier id stays what it was.
+Decoding is exact for special, output and character tokens; hashed ids decode to "".
 """
 
 from __future__ import annotations
 
-import datetime
 import functools
 import hashlib
 import itertools
 import json
 import re
-from collections.abc import Sequence
-from pathlib import Path
-from typing import Protocol
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
 
-from contracts.openai_api import ChatMessage
+from contracts.openai_api import ChatMessage, Tool
 
 
 class Tokenizer(Protocol):
     name: str
     vocab_size: int
 
-    def encode(self, text: str) -> list[int]: ...
+    # add_special_tokens: as vLLM's `add_special_tokens` request field (chat: False, completions: True);
+    # None: add them unless the text already starts with the BOS token.
+    def encode(self, text: str, add_special_tokens: bool | None = None) -> list[int]: ...
 
-    def decode(self, token_ids: Sequence[int]) -> str: ...
+    # skip_special_tokens: False keeps markers such as the chat template's (`/detokenize` keeps them, as vLLM does).
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
 
-    def apply_chat_template(self, messages: Sequence[ChatMessage]) -> str: ...
+    def token_strings(self, token_ids: Sequence[int]) -> list[str]:
+        """Each id's own string in the vocabulary (`/tokenize`'s `token_strs`)."""
+        ...
+
+    def apply_chat_template(
+        self,
+        messages: Sequence[ChatMessage],
+        *,
+        tools: Sequence[Tool] | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        documents: list | None = None,
+    ) -> str: ...
 
 
-SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>")
+class UnsupportedContent(ValueError):
+    """A content part a text-only model cannot take (an image, audio...); `param` names it for the 400."""
+
+    def __init__(self, param: str, part_type: str) -> None:
+        super().__init__(f"{param}: content of type {part_type!r} is not supported by this text-only model; "
+                         f"only text parts are")
+        self.param = param
+        self.part_type = part_type
+
+
+# Part types whose `text` vLLM renders as text (vllm.renderers.chat_utils.MM_PARSER_MAP/TEXT_PART_TYPES);
+# "refusal" and "thinking" carry their text under other keys that ContentPart does not keep.
+TEXT_PART_TYPES = ("text", "input_text", "output_text")
+
+
+def message_texts(message: ChatMessage, index: int) -> list[str]:
+    """The message's text parts, as vLLM's parser keeps them: a part without text is skipped, a non-text part refused."""
+    content = message.content
+    if content is None:
+        return []
+    if isinstance(content, str):
+        return [content]
+    texts = []
+    for position, part in enumerate(content):
+        if part.type not in TEXT_PART_TYPES:
+            raise UnsupportedContent(f"messages[{index}].content[{position}]", part.type)
+        if part.text is not None:
+            texts.append(part.text)
+    return texts
+
+
+# Ids 0..6 are the plain chat's, pinned by tests and sim profiles; the tool
+# markers came later and take the free ids 7..10, so no id shifts.
+SPECIAL_TOKENS = (
+    "<pad>", "<bos>", "<eos>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>",
+    "<|tools|>", "<|tool|>", "<tool_call>", "</tool_call>",
+)
 OUTPUT_FIRST = 16
 OUTPUT_WORDS = 4096
-VOCAB_SIZE = 32000
 _HASHED_FIRST = OUTPUT_FIRST + OUTPUT_WORDS
+# Hashed pieces keep the range they had before character tokens came (ids are pinned by tests and prefix hashes).
+_HASHED_END = 32000
+CHAR_FIRST = _HASHED_END
+CHARS = "\n" + "".join(chr(code) for code in range(0x20, 0x7F))
+VOCAB_SIZE = CHAR_FIRST + len(CHARS)
+_CHAR_IDS = {char: CHAR_FIRST + i for i, char in enumerate(CHARS)}
 
 _SPECIAL_RE = re.compile("(" + "|".join(re.escape(t) for t in SPECIAL_TOKENS) + ")")
 # `\s+(?!\S)` leaves the last space of a run to the word after it, so "\n baba"
@@ -65,7 +126,7 @@ def _output_words() -> tuple[str, ...]:
 @functools.lru_cache(maxsize=1 << 16)
 def _hashed_id(piece: str) -> int:
     digest = hashlib.blake2b(piece.encode(), digest_size=8).digest()
-    return _HASHED_FIRST + int.from_bytes(digest, "little") % (VOCAB_SIZE - _HASHED_FIRST)
+    return _HASHED_FIRST + int.from_bytes(digest, "little") % (_HASHED_END - _HASHED_FIRST)
 
 
 class SimTokenizer:
@@ -78,7 +139,8 @@ class SimTokenizer:
         self._word_ids = {word: OUTPUT_FIRST + i for i, word in enumerate(self._words)}
         self._special_ids = {token: i for i, token in enumerate(SPECIAL_TOKENS)}
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool | None = None) -> list[int]:
+        # The sim model adds no special tokens of its own (no BOS), so the flag changes nothing.
         ids: list[int] = []
         for part in _SPECIAL_RE.split(text):
             special = self._special_ids.get(part)
@@ -90,19 +152,65 @@ class SimTokenizer:
                 ids.append(word if word is not None else _hashed_id(piece))
         return ids
 
-    def decode(self, token_ids: Sequence[int]) -> str:
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        # The sim's markers are its output too (a chat's turns), so they are never skipped.
         return "".join(self.token_text(t) for t in token_ids)
+
+    def token_strings(self, token_ids: Sequence[int]) -> list[str]:
+        return [self.token_text(t) for t in token_ids]
 
     def token_text(self, token_id: int) -> str:
         if OUTPUT_FIRST <= token_id < OUTPUT_FIRST + OUTPUT_WORDS:
             return self._words[token_id - OUTPUT_FIRST]
         if 0 <= token_id < len(SPECIAL_TOKENS):
             return SPECIAL_TOKENS[token_id]
+        if CHAR_FIRST <= token_id < VOCAB_SIZE:
+            return CHARS[token_id - CHAR_FIRST]
         return ""
 
-    def apply_chat_template(self, messages: Sequence[ChatMessage]) -> str:
-        turns = "".join(f"<|{_template_role(m.role)}|>\n{m.text()}<|end|>\n" for m in messages)
-        return turns + "<|assistant|>\n"
+    def special_id(self, token: str) -> int:
+        """The id of a special token such as `<tool_call>` (KeyError for any other text)."""
+        return self._special_ids[token]
+
+    @staticmethod
+    def char_ids(text: str) -> list[int]:
+        """`text` as character tokens, one per character; ValueError if one is neither printable ASCII nor a newline."""
+        try:
+            return [_CHAR_IDS[char] for char in text]
+        except KeyError as exc:
+            raise ValueError(f"no character token for {exc.args[0]!r}") from None
+
+    def apply_chat_template(
+        self,
+        messages: Sequence[ChatMessage],
+        *,
+        tools: Sequence[Tool] | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        documents: list | None = None,
+    ) -> str:
+        """`<|role|>\\n...<|end|>\\n` turns; tools as a `<|tools|>` block of JSON lines, calls as `<tool_call>` JSON."""
+        if continue_final_message and add_generation_prompt:
+            raise ValueError(CONTINUE_AND_GENERATE)
+        turns = []
+        if tools:
+            lines = "".join(json.dumps(tool_dict(tool)) + "\n" for tool in tools)
+            turns.append(f"<|tools|>\n{lines}<|end|>\n")
+        for index, message in enumerate(messages):
+            body = "\n".join(message_texts(message, index))
+            if message.role == "assistant":
+                body += "".join(
+                    "<tool_call>" + json.dumps({"name": call.function.name, "arguments": tool_call_arguments(call.function.arguments)})
+                    + "</tool_call>"
+                    for call in message.tool_calls or ()
+                )
+            turns.append(f"<|{_template_role(message.role)}|>\n{body}<|end|>\n")
+        if continue_final_message and turns:
+            turns[-1] = turns[-1].removesuffix("<|end|>\n")
+        if add_generation_prompt:
+            turns.append("<|assistant|>\n")
+        return "".join(turns)
 
 
 def _template_role(role: str) -> str:
@@ -110,87 +218,33 @@ def _template_role(role: str) -> str:
 
 
 HF_PREFIX = "hf:"
+CONTINUE_AND_GENERATE = "Cannot set both `continue_final_message` and `add_generation_prompt` to True."
 
 
-class HfTokenizer:
-    """A Hugging Face fast tokenizer from a local model directory (a vLLM worker's).
+def tool_dict(tool: Tool) -> dict[str, Any]:
+    """A tool as vLLM's `ChatCompletionToolsParam.model_dump()` gives it to the template.
 
-    Ingress encodes with it exactly as the engine would, so prompt token
-    counts, the context check and block hashes match what the engine sees.
-    `tokenizer.json` is read by the `tokenizers` library and the chat
-    template rendered with jinja2 the way transformers renders it, without
-    transformers itself: importing it (and torch with it) would cost ingress
-    seconds of CPU and hundreds of MB for good.
+    `description` and `parameters` stay as None; `strict` (and vLLM's
+    `defer_loading`, here and on the tool) are dropped when None by vLLM's serializers.
     """
-
-    def __init__(self, directory: str) -> None:
-        # Imported here: the sim path needs neither package.
-        from tokenizers import Tokenizer as FastTokenizer
-
-        path = Path(directory)
-        self.directory = directory
-        self.name = HF_PREFIX + directory
-        self._tokenizer = FastTokenizer.from_file(str(path / "tokenizer.json"))
-        self.vocab_size = self._tokenizer.get_vocab_size(with_added_tokens=True)
-        config_path = path / "tokenizer_config.json"
-        config = json.loads(config_path.read_text()) if config_path.exists() else {}
-        self._special = {name: _token_text(config.get(name)) for name in ("bos_token", "eos_token", "unk_token", "pad_token")}
-        self._bos = self._special["bos_token"]
-        self._template = _chat_template(path, config)
-
-    def encode(self, text: str) -> list[int]:
-        # A rendered chat template already starts with the BOS token; adding
-        # special tokens again would double it (vLLM's server skips them for
-        # chat and adds them for plain completions, as this does).
-        add_special = not (self._bos and text.startswith(self._bos))
-        return self._tokenizer.encode(text, add_special_tokens=add_special).ids
-
-    def decode(self, token_ids: Sequence[int]) -> str:
-        return self._tokenizer.decode(list(token_ids), skip_special_tokens=True)
-
-    def apply_chat_template(self, messages: Sequence[ChatMessage]) -> str:
-        if self._template is None:
-            raise ValueError(f"the tokenizer in {self.directory} has no chat template")
-        from jinja2 import TemplateError
-
-        turns = [{"role": m.role, "content": m.text()} for m in messages]
-        try:
-            return self._template.render(messages=turns, add_generation_prompt=True, **self._special)
-        except TemplateError as exc:  # raise_exception() in the template, or a template bug
-            raise ValueError(str(exc)) from exc
+    function = tool.function
+    definition: dict[str, Any] = {"name": function.name, "description": function.description,
+                                  "parameters": function.parameters}
+    if function.strict is not None:
+        definition["strict"] = function.strict
+    return {"type": tool.type, "function": definition}
 
 
-def _token_text(token: object) -> str | None:
-    """A special token as tokenizer_config.json gives it: a string, or an AddedToken dict."""
-    if isinstance(token, dict):
-        return token.get("content")
-    return token if isinstance(token, str) else None
+def tool_call_arguments(arguments: str) -> dict:
+    """Arguments as vLLM's `_postprocess_messages` hands them on: a JSON object's dict, else {}."""
+    if not arguments:
+        return {}
+    try:
+        parsed = json.loads(arguments)
+    except json.JSONDecodeError:
+        return {}
+    return parsed if isinstance(parsed, dict) else {}
 
-
-def _chat_template(path: Path, config: dict):
-    """The model's chat template, compiled as transformers compiles it (sandboxed, trim and lstrip blocks)."""
-    template = config.get("chat_template")
-    if isinstance(template, list):  # named templates: the default one serves chat
-        template = next((t.get("template") for t in template if t.get("name") == "default"), None)
-    standalone = path / "chat_template.jinja"
-    if template is None and standalone.exists():
-        template = standalone.read_text()
-    if not template:
-        return None
-    import jinja2.ext
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    def raise_exception(message: str) -> None:
-        raise jinja2.exceptions.TemplateError(message)
-
-    def tojson(value: object, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys: bool = False) -> str:
-        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-    environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
-    environment.filters["tojson"] = tojson
-    environment.globals["raise_exception"] = raise_exception
-    environment.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
-    return environment.from_string(template)
 
 
 def load_tokenizer(spec: str) -> Tokenizer:
@@ -200,6 +254,8 @@ def load_tokenizer(spec: str) -> Tokenizer:
     if spec.startswith(HF_PREFIX):
         directory = spec[len(HF_PREFIX) :]
         try:
+            from shared.hf_tokenizer import HfTokenizer  # the sim path needs neither tokenizers nor jinja2
+
             return HfTokenizer(directory)
         except ImportError as exc:
             raise ValueError(f"tokenizer {spec!r} needs the tokenizers and jinja2 packages: {exc}") from exc

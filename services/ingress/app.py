@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import Awaitable, Callable
 
@@ -12,18 +13,20 @@ from aiohttp import web
 
 from contracts.openai_api import HealthStatus
 from contracts.openapi import build_openapi
-from services.ingress.completions import CHAT, TEXT_COMPLETION, Completions, Operation, error_json
+from services.ingress.anthropic import AnthropicMessages
+from services.ingress.completions import CHAT, TEXT_COMPLETION, Completions, Served
 from services.ingress.errors import ApiError
 from services.ingress.http_guard import HttpGuard
 from services.ingress.metrics import IngressMetrics
 from services.ingress.readiness import Readiness
-from services.ingress.render import DONE, sse
+from services.ingress.responses import Responses
+from services.ingress.tokenization import Tokenization
 from shared.cluster import ClusterView
 
 log = structlog.get_logger("kvlane.ingress")
 _ENCODER = msgspec.json.Encoder()
 # The endpoints whose requests run completions (counted per client by `HttpGuard`).
-COMPLETION_PATHS = ("/v1/chat/completions", "/v1/completions")
+COMPLETION_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses")
 
 
 class IngressApp:
@@ -37,6 +40,7 @@ class IngressApp:
         readiness: Readiness | None = None,
         clock: Callable[[], float] = time.monotonic,
         guard: HttpGuard | None = None,
+        responses: Responses | None = None,
     ) -> None:
         self._max_body_bytes = max_body_bytes
         self._view = view
@@ -46,6 +50,9 @@ class IngressApp:
         self._readiness = readiness
         self._clock = clock
         self._guard = guard
+        self._responses = responses
+        self._tokenization = Tokenization(completions)
+        self._anthropic = AnthropicMessages(completions)
         self._openapi = _ENCODER.encode(build_openapi())
 
     def build(self) -> web.Application:
@@ -54,7 +61,13 @@ class IngressApp:
         app = web.Application(middlewares=middlewares, client_max_size=self._max_body_bytes)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/messages", self.messages)
+        if self._responses is not None:
+            app.router.add_post("/v1/responses", self.responses)
+            app.router.add_get("/v1/responses/{response_id}", self.retrieve_response)
         app.router.add_get("/v1/models", self.models)
+        app.router.add_post("/tokenize", self.tokenize)
+        app.router.add_post("/detokenize", self.detokenize)
         app.router.add_get("/health", self.health)
         app.router.add_get("/ready", self.ready)
         app.router.add_get("/metrics", self.metrics)
@@ -75,19 +88,29 @@ class IngressApp:
             log.exception("unhandled_error", path=request.path)
             response = ApiError(500, "internal error", code="internal_error").response()
         if request.path.startswith("/v1/"):
-            self._metrics.http_request(request.path, response.status)
+            self._metrics.http_request(_endpoint(request), response.status)
         return response
 
     # --- completions --------------------------------------------------------------
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._complete(request, CHAT)
+        return await self._serve(request, functools.partial(self._completions.start, CHAT))
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._complete(request, TEXT_COMPLETION)
+        return await self._serve(request, functools.partial(self._completions.start, TEXT_COMPLETION))
 
-    async def _complete(self, request: web.Request, operation: Operation) -> web.StreamResponse:
-        call = await self._completions.start(operation, await request.read(), lambda: _hung_up(request), request.headers)
+    async def messages(self, request: web.Request) -> web.StreamResponse:
+        """The Anthropic Messages API; its errors (raised as `AnthropicApiError`) render in Anthropic's shape."""
+        return await self._serve(request, self._anthropic.start)
+
+    async def responses(self, request: web.Request) -> web.StreamResponse:
+        """The OpenAI Responses API: run as a chat completion, streamed as named events."""
+        assert self._responses is not None
+        return await self._serve(request, self._responses.start)
+
+    async def _serve(self, request: web.Request, start: Callable[..., Awaitable[Served]]) -> web.StreamResponse:
+        """One answer (`start` begins it from the body): a JSON body, or an SSE stream in the endpoint's framing."""
+        call = await start(await request.read(), lambda: _hung_up(request), request.headers)
         headers = {"X-Request-Id": call.request_id, **call.degraded_header()}
         async with call:
             try:
@@ -95,13 +118,8 @@ class IngressApp:
                     return web.Response(body=await call.body(), content_type="application/json", headers=headers)
                 response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **headers})
                 await response.prepare(request)
-                try:
-                    async for chunk in call.chunks():
-                        await response.write(sse(chunk))  # raises once the client is gone
-                except ApiError as exc:
-                    log.warning("stream_failed", code=exc.code, error=exc.message)
-                    await response.write(sse(error_json(exc)))
-                await response.write(DONE)
+                async for event in call.sse():
+                    await response.write(event)  # raises once the client is gone
                 return response
             except ConnectionError:  # CallerGone included
                 log.info("client_disconnected")
@@ -110,10 +128,23 @@ class IngressApp:
                 log.info("client_disconnected")  # aiohttp cancels the handler of a client gone
                 raise
 
+    async def retrieve_response(self, request: web.Request) -> web.Response:
+        assert self._responses is not None
+        body = await self._responses.retrieve(request.match_info["response_id"], request.headers)
+        return web.Response(body=body, content_type="application/json")
+
     # --- the rest -----------------------------------------------------------------
 
     async def models(self, request: web.Request) -> web.Response:
         return web.Response(body=await self._completions.models(request.headers), content_type="application/json")
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        body = await self._tokenization.tokenize(await request.read(), request.headers)
+        return web.Response(body=body, content_type="application/json")
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        body = await self._tokenization.detokenize(await request.read(), request.headers)
+        return web.Response(body=body, content_type="application/json")
 
     async def health(self, request: web.Request) -> web.Response:
         return web.Response(body=_ENCODER.encode(HealthStatus("ok")), content_type="application/json")
@@ -138,6 +169,12 @@ class IngressApp:
 
     async def openapi(self, request: web.Request) -> web.Response:
         return web.Response(body=self._openapi, content_type="application/json")
+
+
+def _endpoint(request: web.Request) -> str:
+    """The metrics' endpoint label: the route's pattern, so that ids in paths (`/v1/responses/{response_id}`) add no series."""
+    resource = request.match_info.route.resource
+    return resource.canonical if resource is not None else request.path
 
 
 def _hung_up(request: web.Request) -> bool:

@@ -15,7 +15,7 @@ import os
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Protocol
 
 import msgspec
 import structlog
@@ -24,13 +24,22 @@ from opentelemetry.context import Context
 
 from contracts.autoscaler import RequestServed
 from contracts.messages import StreamEnd, TokenChunk, WorkerRegistration
-from contracts.openai_api import ChatCompletionRequest, CompletionRequest, Degraded, KvlaneNotes, Model, ModelList
+from contracts.openai_api import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    Degraded,
+    KvlaneNotes,
+    Model,
+    ModelList,
+    NamedToolChoice,
+)
 from services.ingress.auth import Admission, Authenticator
+from shared.api_keys import KeyRecord
 from services.ingress.dispatch import Dispatcher
 from services.ingress.errors import ApiError, from_decode_error
 from services.ingress.metrics import IngressMetrics
-from services.ingress.prompts import PreparedRequest, prepare
-from services.ingress.render import ChatRenderer, CompletionRenderer, Renderer
+from services.ingress.prompts import PreparedRequest, api_body, completion_prompts, prepare
+from services.ingress.render import DONE, AnswerShape, ChatRenderer, CompletionRenderer, Renderer, sse
 from services.ingress.request_trace import RequestTrace
 from shared.cluster import ClusterView
 from shared.config import IngressSettings, TracingSettings
@@ -55,16 +64,15 @@ class CallerGone(ConnectionError):
 
 @dataclass(frozen=True)
 class Operation:
-    """One completion endpoint: how its body decodes and its answer renders."""
+    """One completion endpoint: how its body decodes and its answer's id begins."""
 
     name: Literal["chat", "text_completion"]  # gen_ai.operation.name
     request_type: type[ChatCompletionRequest] | type[CompletionRequest]
     id_prefix: str
-    renderer: type[ChatRenderer] | type[CompletionRenderer]
 
 
-CHAT = Operation("chat", ChatCompletionRequest, "chatcmpl", ChatRenderer)
-TEXT_COMPLETION = Operation("text_completion", CompletionRequest, "cmpl", CompletionRenderer)
+CHAT = Operation("chat", ChatCompletionRequest, "chatcmpl")
+TEXT_COMPLETION = Operation("text_completion", CompletionRequest, "cmpl")
 
 
 class Completions:
@@ -105,16 +113,17 @@ class Completions:
         payload: bytes,
         caller_gone: Callable[[], bool],
         headers: Mapping[str, str] | None = None,
-    ) -> CompletionCall:
+    ) -> Answer:
         """Decode, check and dispatch a request, then wait for its first frame.
 
         Every error before the first output is raised here as an `ApiError`,
         so a transport can still answer with a proper status. The request's
         span continues the caller's `traceparent` (in `headers`), if any.
+        A completion request with a batch of prompts runs one request per prompt, answered as one.
         """
         received = self._clock()
         span = RequestTrace(self._telemetry.tracer, self._genai, operation.name, self._caller_trace(headers), received)
-        key = admission = None
+        key = None
         try:
             # The key first: a caller without one learns nothing else (not even that its body is bad).
             key = await self._auth.authenticate(headers) if self._auth is not None else None
@@ -131,17 +140,56 @@ class Completions:
             Authenticator.check_model(key, body.model)
             registration = self._model(body.model)
             tokenizer = await self._tokenizer(registration)
-            asked = prepare(body, registration, tokenizer, self._settings.max_tokens_default)
+            engine_body = api_body(payload)
+            if isinstance(body, CompletionRequest):
+                prompts = completion_prompts(body)
+                asked = [prepare(body, registration, tokenizer, self._settings.max_tokens_default, engine_body, prompt)
+                         for prompt in prompts]
+            else:
+                asked = [prepare(body, registration, tokenizer, self._settings.max_tokens_default, engine_body)]
+        except BaseException as exc:
+            span.end(self._clock(), None, exc)
+            self._metrics.tenant_request(key.tenant if key is not None else "", status_of(exc))
+            raise
+        # As random as a uuid4's hex, without building the UUID; the answer's id names its first request.
+        request_ids = [os.urandom(16).hex() for _ in asked]
+        response_id = f"{operation.id_prefix}-{request_ids[0]}"
+        created = int(time.time())
+        shape = answer_shape(body, asked[0], registration)
+        if isinstance(body, CompletionRequest):
+            renderer: Renderer = CompletionRenderer(response_id, created, body.model, shape, len(asked), [p.echo_text for p in asked])
+        else:
+            renderer = ChatRenderer(response_id, created, body.model, shape)
+        calls: list[CompletionCall] = []
+        try:
+            for i, one in enumerate(asked):
+                # The first request carries the span already begun; each further prompt of a batch has its own.
+                request_span = span if i == 0 else RequestTrace(self._telemetry.tracer, self._genai, operation.name,
+                                                               self._caller_trace(headers), received)
+                if i:
+                    request_span.model(body.model)
+                    if key is not None:
+                        request_span.caller(key.tenant, key.id)
+                calls.append(await self._start_call(one, request_ids[i], key, request_span,
+                                                    response_id if i == 0 else f"{response_id}-{i}", caller_gone, received))
+        except BaseException:
+            for call in calls:
+                await call.aclose()
+            raise
+        return Answer(calls, renderer, asked[0])
+
+    async def _start_call(self, asked: PreparedRequest, request_id: str, key: KeyRecord | None, span: RequestTrace,
+                          response_id: str, caller_gone: Callable[[], bool], received: float) -> CompletionCall:
+        """Admit and dispatch one prepared request; wait for its first frame."""
+        admission = None
+        try:
             # The key's tenant rides along; a priority above the key's maximum is lowered to it.
             prepared = Authenticator.apply(key, asked)
-            request_id = os.urandom(16).hex()  # as random as a uuid4's hex, without building the UUID
-            response_id = f"{operation.id_prefix}-{request_id}"
             span.prepared(request_id, response_id, prepared, requested_priority=asked.priority)
             if key is not None:
                 assert self._auth is not None
                 admission = await self._auth.admit(key, request_id, prepared)
-            renderer = operation.renderer(response_id, int(time.time()), body.model)
-            call = CompletionCall(request_id, prepared, renderer, caller_gone, self._metrics, self._clock, received, span,
+            call = CompletionCall(request_id, prepared, caller_gone, self._metrics, self._clock, received, span,
                                   self._on_served, admission)
         except BaseException as exc:
             if admission is not None:
@@ -157,6 +205,23 @@ class Completions:
         if not headers or (isinstance(headers, CIMultiDictProxy) and "traceparent" not in headers):
             return Context()
         return self._telemetry.extract(headers)
+
+    async def resolve(self, name: str | None) -> tuple[WorkerRegistration, Tokenizer]:
+        """A served model's registration and tokenizer (`name` None: the one model served, if only one is)."""
+        if name is None:
+            models = self._view.models(self._clock())
+            if len(models) != 1:
+                raise ApiError(400, "`model` is required when the fleet serves several models (or none)",
+                               code="invalid_value", param="model")
+            name = next(iter(models))
+        registration = self._model(name)
+        return registration, await self._tokenizer(registration)
+
+    async def authenticate(self, headers: Mapping[str, str] | None, model: str | None) -> None:
+        """With auth required: a caller's key that may use `model` (else `ApiError`)."""
+        key = await self._auth.authenticate(headers) if self._auth is not None else None
+        if model is not None:
+            Authenticator.check_model(key, model)
 
     def _model(self, name: str) -> WorkerRegistration:
         registration = self._view.models(self._clock()).get(name)
@@ -233,7 +298,6 @@ class CompletionCall:
         self,
         request_id: str,
         prepared: PreparedRequest,
-        renderer: Renderer,
         caller_gone: Callable[[], bool],
         metrics: IngressMetrics,
         clock: Callable[[], float],
@@ -245,7 +309,6 @@ class CompletionCall:
         self.request_id = request_id
         self.stream = prepared.stream
         self._prepared = prepared
-        self._renderer = renderer
         self._caller_gone = caller_gone
         self._metrics = metrics
         self._clock = clock
@@ -312,7 +375,8 @@ class CompletionCall:
                     self._metrics.finished(model, frame, now - self._received)
                 yield frame
 
-    async def _relayed(self) -> Frames:
+    async def relayed(self) -> Frames:
+        """The request's frames, from the first, ending with its `StreamEnd`; raises what broke it off."""
         assert self._frames is not None and self._first is not None
         yield self._first
         try:
@@ -324,34 +388,11 @@ class CompletionCall:
                     raise CallerGone("the caller has gone")
                 yield frame
         except Exception as exc:  # an error mid-stream, or the caller gone: what the request's span ends with
-            raise self._failed(exc)
+            raise self.failed(exc)
+        if self.end is None:
+            raise self.failed(ApiError(502, "stream ended without a final frame", code="stream_incomplete"))
 
-    async def body(self) -> bytes:
-        """The whole response body (for `"stream": false`)."""
-        pieces: list[str] = []
-        async for frame in self._relayed():
-            if isinstance(frame, TokenChunk):
-                pieces.append(frame.text)
-            else:
-                return self._renderer.whole("".join(pieces), frame, self.notes)
-        raise self._failed(ApiError(502, "stream ended without a final frame", code="stream_incomplete"))
-
-    async def chunks(self) -> AsyncIterator[bytes]:
-        """The JSON of each stream chunk, in order (for `"stream": true`); an error mid-stream raises `ApiError`."""
-        if (opening := self._renderer.opening()) is not None:
-            yield opening
-        async for frame in self._relayed():
-            if isinstance(frame, TokenChunk):
-                if (chunk := self._renderer.delta(frame.text)) is not None:
-                    yield chunk
-                continue
-            yield self._renderer.closing(frame, self.notes)
-            if self._prepared.include_usage:
-                yield self._renderer.usage(frame)
-            return
-        raise self._failed(ApiError(502, "stream ended without a final frame", code="stream_incomplete"))
-
-    def _failed(self, error: BaseException) -> BaseException:
+    def failed(self, error: BaseException) -> BaseException:
         self._failure = self._failure or error
         return error
 
@@ -385,6 +426,120 @@ class CompletionCall:
         return RequestServed(self.request_id, self._prepared.model, ttft, e2e, tokens, tpot)
 
     async def __aenter__(self) -> CompletionCall:
+        return self
+
+    async def __aexit__(self, exc_type: object, exc: BaseException | None, traceback: object) -> None:
+        await self.aclose(exc)
+
+
+class Served(Protocol):
+    """An answer as a transport serves it: one body, or a stream (NATS: one message per chunk; HTTP: `sse`, the
+    stream's server-sent events in the endpoint's framing, its end and its mid-stream error included)."""
+
+    stream: bool
+    request_id: str
+
+    def degraded_header(self) -> dict[str, str]: ...
+
+    async def body(self) -> bytes: ...
+
+    def chunks(self) -> AsyncIterator[bytes]: ...
+
+    def sse(self) -> AsyncIterator[bytes]: ...
+
+    async def __aenter__(self) -> Served: ...
+
+    async def __aexit__(self, exc_type: object, exc: BaseException | None, traceback: object) -> None: ...
+
+
+def answer_shape(request: ChatCompletionRequest | CompletionRequest, prepared: PreparedRequest,
+                 model: WorkerRegistration) -> AnswerShape:
+    """What shapes the answer to `request` (its first prompt's `prepared`) on `model`'s workers."""
+    options = request.stream_options
+    include_usage = bool(options and options.include_usage)
+    common = dict(n=request.n, prompt_tokens=len(prepared.prompt_token_ids), echo_text=prepared.echo_text,
+                  include_usage=include_usage, continuous_usage=include_usage and bool(options and options.continuous_usage_stats))
+    if isinstance(request, CompletionRequest):
+        return AnswerShape(completion_logprobs=request.logprobs, **common)
+    choice = request.tool_choice
+    tool_choice = "named" if isinstance(choice, NamedToolChoice) else (choice or ("auto" if request.tools else "none"))
+    return AnswerShape(
+        role=prepared.role,
+        chat_logprobs=bool(request.logprobs),
+        top_logprobs=request.top_logprobs,
+        parsed=bool(model.tool_call_parser or model.reasoning_parser),
+        auto_tools=bool(model.tool_call_parser),
+        tool_choice=tool_choice,
+        parallel_tool_calls=request.parallel_tool_calls is not False,
+        include_reasoning=request.include_reasoning,
+        reasoning_model=bool(model.reasoning_parser),
+        **common,
+    )
+
+
+class Answer:
+    """What a transport serves for one API request: the calls that answer it (one per prompt of a batch),
+    rendered as one response body or one stream of chunks. Close it (`async with`) to end or abort them."""
+
+    def __init__(self, calls: list[CompletionCall], renderer: Renderer, prepared: PreparedRequest) -> None:
+        self._calls = calls
+        self._renderer = renderer
+        self.request_id = calls[0].request_id
+        self.stream = prepared.stream
+        self._include_usage = prepared.include_usage
+
+    @property
+    def notes(self) -> KvlaneNotes | None:
+        """What kvlane changed in the request (the first call that says so)."""
+        return next((call.notes for call in self._calls if call.notes is not None), None)
+
+    def degraded_header(self) -> dict[str, str]:
+        """`X-Kvlane-Degraded` for the transport's reply, when a request was degraded."""
+        return next((header for call in self._calls if (header := call.degraded_header())), {})
+
+    async def body(self) -> bytes:
+        """The whole response body (for `"stream": false`)."""
+        ends: list[StreamEnd] = []
+        for index, call in enumerate(self._calls):
+            async for frame in call.relayed():
+                if isinstance(frame, TokenChunk):
+                    self._renderer.add(frame, index)
+                else:
+                    ends.append(frame)
+        return self._renderer.whole(ends, self.notes)
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        """The JSON of each stream chunk, in order (for `"stream": true`); an error mid-stream raises `ApiError`."""
+        for chunk in self._renderer.opening():
+            yield chunk
+        ends: list[StreamEnd] = []
+        for index, call in enumerate(self._calls):
+            async for frame in call.relayed():
+                if isinstance(frame, TokenChunk):
+                    for chunk in self._renderer.delta(frame, index, call.notes):
+                        yield chunk
+                else:
+                    ends.append(frame)
+                    for chunk in self._renderer.closing(frame, call.notes, index):
+                        yield chunk
+        if self._include_usage:
+            yield self._renderer.usage(ends)
+
+    async def sse(self) -> AsyncIterator[bytes]:
+        """The stream as server-sent events: each chunk, the error that broke it off (if one did), `[DONE]`."""
+        try:
+            async for chunk in self.chunks():
+                yield sse(chunk)
+        except ApiError as exc:
+            log.warning("stream_failed", code=exc.code, error=exc.message)
+            yield sse(error_json(exc))
+        yield DONE
+
+    async def aclose(self, error: BaseException | None = None) -> None:
+        for call in self._calls:
+            await call.aclose(error)
+
+    async def __aenter__(self) -> Answer:
         return self
 
     async def __aexit__(self, exc_type: object, exc: BaseException | None, traceback: object) -> None:

@@ -290,6 +290,10 @@ class Dispatcher:
                     settled = True  # _abandon tells the workers
                     attempt.interrupted(exc)
                     await self._abandon(request_id, stream.subject, decision, exc, accepted, attempt.context)
+                    if prepared.sampling.n > 1 and produced:
+                        # Its choices' tokens are interleaved: a resumption would not know which to continue.
+                        raise ApiError(502, f"request failed: {exc.reason} (a request with n > 1 resumes only before "
+                                       "its first token)", code="stream_interrupted") from exc
                     # Preemptions are bounded apart from failures: a low-priority
                     # request may legitimately give way several times.
                     if exc.preempted:
@@ -387,6 +391,7 @@ class Dispatcher:
             stream_to=stream.subject,
             timeout_s=max(0.0, deadline - time.monotonic()),
             resume_token_ids=list(produced),
+            api=prepared.api,
         )
         if decision is not None and decision.prefill_inbox:
             return PrefillRequest(**common, decode_worker_id=decision.worker_id, decode_inbox=decision.inbox)

@@ -57,7 +57,7 @@ class ApiError(Exception):
 
     @classmethod
     def from_reply(cls, reply: ErrorReply) -> ApiError:
-        return cls(reply.status, reply.message, code=reply.code, retry_after_s=reply.retry_after_s)
+        return cls(reply.status, reply.message, code=reply.code, param=reply.param, retry_after_s=reply.retry_after_s)
 
 
 def from_decode_error(exc: msgspec.DecodeError) -> ApiError:

@@ -24,6 +24,8 @@ from services.ingress.metrics import IngressMetrics
 from services.ingress.nats_api import NatsApi
 from services.ingress.processes import METRICS_DIR_ENV, SHARES_PORT_ENV, SiblingProcesses, platform_refusal, process_ids
 from services.ingress.readiness import Dependency, Readiness
+from services.ingress.response_store import ResponseStore
+from services.ingress.responses import Responses
 from services.ingress.served_events import ServedEvents
 from shared.api_keys import ApiKeyStore
 from shared.bus import StreamReceiver
@@ -73,11 +75,13 @@ async def main(config: KvlaneConfig, stop: asyncio.Event) -> None:
             on_served=served_events.add, auth=auth,
             model_files=ModelFileCache(bus.client, settings.model_cache_dir or default_cache_dir()),
         )
+        # Stored responses live in Redis: any replica continues any conversation.
+        responses = Responses(completions, ResponseStore(ctx.redis, settings.responses_ttl_s), settings.max_tokens_default)
         # Slow clients, oversized heads, too many connections or streams per client (http_guard.py).
         guard = HttpGuard(settings, COMPLETION_PATHS)
         app = IngressApp(settings.max_body_bytes, view, completions, metrics, lambda: bus.connected, Readiness(bus, dependencies),
-                         guard=guard)
-        nats_api = NatsApi(bus.client, completions, ingress_id, importlib.metadata.version("kvlane"))
+                         guard=guard, responses=responses)
+        nats_api = NatsApi(bus.client, completions, ingress_id, importlib.metadata.version("kvlane"), responses)
         # handler_cancellation: a client that hangs up cancels its handler at once, so its
         # request is aborted on the worker even while nothing is being written to it
         # (a queue wait, a prefill, output that is not text yet, a non-streamed reply).

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -32,12 +33,17 @@ from nats.micro.request import ERROR_CODE_HEADER, ERROR_HEADER, Request
 from nats.micro.service import Endpoint, Service
 
 from contracts import subjects
-from services.ingress.completions import CHAT, TEXT_COMPLETION, CallerGone, Completions, Operation, error_json
+from services.ingress.anthropic import AnthropicMessages
+from services.ingress.completions import CHAT, TEXT_COMPLETION, CallerGone, Completions, Served, error_json
 from services.ingress.errors import ApiError
+from services.ingress.responses import Responses
+from services.ingress.tokenization import Tokenization
 
 log = structlog.get_logger("kvlane.ingress")
 
 _NO_RESPONDERS = "503"
+# What starts an endpoint's answer: (request body, whether its caller has gone, headers) -> the answer.
+Starter = Callable[[bytes, Callable[[], bool], dict[str, str]], Awaitable[Served]]
 
 
 def error_headers(error: ApiError) -> dict[str, str]:
@@ -48,9 +54,12 @@ def error_headers(error: ApiError) -> dict[str, str]:
 
 
 class NatsApi:
-    def __init__(self, nc: NatsClient, completions: Completions, ingress_id: str, version: str) -> None:
+    def __init__(self, nc: NatsClient, completions: Completions, ingress_id: str, version: str,
+                 responses: Responses | None = None) -> None:
         self._nc = nc
         self._completions = completions
+        self._anthropic = AnthropicMessages(completions)
+        self._responses = responses
         self._ingress_id = ingress_id
         self._version = version
         self._service: Service | None = None
@@ -66,12 +75,21 @@ class NatsApi:
             self._nc, name=subjects.API_SERVICE, version=self._version, queue_group=subjects.API_QUEUE_GROUP,
             description="OpenAI-compatible API of kvlane", metadata={"ingress_id": self._ingress_id},
         )
-        for name, subject, operation in (
-            ("chat_completions", subjects.API_CHAT_COMPLETIONS, CHAT),
-            ("completions", subjects.API_COMPLETIONS, TEXT_COMPLETION),
-        ):
-            await self._service.add_endpoint(name=name, subject=subject, handler=self._spawning(name, operation))
+        starters: list[tuple[str, str, Starter]] = [
+            ("chat_completions", subjects.API_CHAT_COMPLETIONS, functools.partial(self._completions.start, CHAT)),
+            ("completions", subjects.API_COMPLETIONS, functools.partial(self._completions.start, TEXT_COMPLETION)),
+            # Anthropic's Messages (and OpenAI's Responses) run as chats, answered in their own shapes and errors.
+            ("messages", subjects.API_MESSAGES, self._anthropic.start),
+        ]
+        if self._responses is not None:
+            starters.append(("responses", subjects.API_RESPONSES, self._responses.start))
+        for name, subject, start in starters:
+            await self._service.add_endpoint(name=name, subject=subject, handler=self._spawning(name, start))
         await self._service.add_endpoint(name="models", subject=subjects.API_MODELS, handler=self._models)
+        tokenization = Tokenization(self._completions)
+        for name, subject, serve in (("tokenize", subjects.API_TOKENIZE, tokenization.tokenize),
+                                     ("detokenize", subjects.API_DETOKENIZE, tokenization.detokenize)):
+            await self._service.add_endpoint(name=name, subject=subject, handler=self._answering(serve))
 
     async def stop(self, grace_s: float) -> None:
         """Stop taking requests, then let those in flight finish for up to `grace_s`."""
@@ -91,11 +109,23 @@ class NatsApi:
             return
         await request.respond(body)
 
-    def _spawning(self, name: str, operation: Operation) -> Callable[[Request], Awaitable[None]]:
+    def _answering(self, serve: Callable[[bytes, dict[str, str]], Awaitable[bytes]]) -> Callable[[Request], Awaitable[None]]:
+        """A handler that answers one reply body (or an error) computed from the request's body and headers."""
+        async def handler(request: Request) -> None:
+            try:
+                body = await serve(request.data, dict(request.headers or {}))
+            except ApiError as exc:
+                await self._reply_error(request, exc)
+                return
+            await request.respond(body)
+
+        return handler
+
+    def _spawning(self, name: str, start: Starter) -> Callable[[Request], Awaitable[None]]:
         # nats.micro awaits each handler before the next message of its subscription:
         # a completion runs in its own task so that requests are served concurrently.
         async def handler(request: Request) -> None:
-            task = asyncio.create_task(self._complete(self._endpoint(name), operation, request))
+            task = asyncio.create_task(self._complete(self._endpoint(name), start, request))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
@@ -105,13 +135,13 @@ class NatsApi:
         assert self._service is not None
         return next(endpoint for endpoint in self._service._endpoints if endpoint._name == name)
 
-    async def _complete(self, endpoint: Endpoint, operation: Operation, request: Request) -> None:
+    async def _complete(self, endpoint: Endpoint, start: Starter, request: Request) -> None:
         started = time.perf_counter_ns()
         failure: ApiError | None = None
         try:
             if not request._msg.reply:
                 raise ApiError(400, "a request needs a reply subject", code="missing_reply_subject")
-            failure = await self._serve(operation, request)
+            failure = await self._serve(start, request)
         except ApiError as exc:
             failure = exc
             await self._reply_error(request, exc)
@@ -124,14 +154,18 @@ class NatsApi:
         finally:
             _account(endpoint, time.perf_counter_ns() - started, failure)
 
-    async def _serve(self, operation: Operation, request: Request) -> ApiError | None:
+    async def _serve(self, start: Starter, request: Request) -> ApiError | None:
         """Serve one request; returns the error a stream ended with, if any."""
         stream_id = uuid.uuid4().hex
-        headers = dict(request.headers or {})
-        call = await self._completions.start(operation, request.data, lambda: stream_id in self._departed, headers)
+        call = await start(request.data, lambda: stream_id in self._departed, dict(request.headers or {}))
         async with call:
             if not call.stream:
                 body = await call.body()
+                if len(body) > self._nc.max_payload:
+                    # One NATS message cannot carry it (many choices, logprobs): a stream can, a chunk at a time.
+                    raise ApiError(400, f"the answer ({len(body)} bytes) is larger than a NATS message may be "
+                                   f"({self._nc.max_payload}): ask for it with \"stream\": true, or for less",
+                                   code="response_too_large")
                 await request.respond(body, headers=call.degraded_header() or None)
                 return None
             reply, probe = request._msg.reply, f"{self._probe_prefix}.{stream_id}"

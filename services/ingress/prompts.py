@@ -1,18 +1,29 @@
 """Turning a validated OpenAI request into what the cluster runs (pure).
 
 This is where the semantic checks live that a schema cannot express: the
-context length, `n`, and the effective `max_tokens`.
+context length, the tools a `tool_choice` names, and the effective
+`max_tokens`. What only the engine can judge (a structured-output schema,
+vLLM's own sampling extras) is the engine's to refuse: the request reaches it
+with its body (`ApiRequest`).
 """
 
 from __future__ import annotations
 
+from typing import Any
+
+import msgspec
 from msgspec import Struct
 
-from contracts.messages import SamplingParams, WorkerRegistration
-from contracts.openai_api import ChatCompletionRequest, CompletionRequest
+from contracts.messages import ApiRequest, SamplingParams, WorkerRegistration
+from contracts.openai_api import ChatCompletionRequest, CompletionRequest, NamedToolChoice
 from services.ingress.errors import ApiError
 from shared.block_hash import chained_block_hashes
-from shared.tokenizer import Tokenizer
+from shared.tokenizer import Tokenizer, UnsupportedContent
+
+# The request body's prompt fields: they ride as token ids, not in the body the engine reads.
+_PROMPT_FIELDS = ("messages", "prompt")
+_RAW_FIELDS = msgspec.json.Decoder(dict[str, msgspec.Raw])
+_ENCODER = msgspec.json.Encoder()
 
 
 class PreparedRequest(Struct, frozen=True):
@@ -25,6 +36,94 @@ class PreparedRequest(Struct, frozen=True):
     priority: int = 0
     # Who asks (the API key's tenant; empty without auth).
     tenant: str = ""
+    # The API request, for the engine (structured outputs, logprobs, tools...); None: plain sampled text.
+    api: ApiRequest | None = None
+    # Text that leads the answer (`echo`: the prompt, or the last message it continues).
+    echo_text: str = ""
+    # The role of the answer's message (chat).
+    role: str = "assistant"
+
+
+def api_body(payload: bytes) -> bytes:
+    """The request body without its prompt; its other values stay as sent (not decoded, not re-encoded)."""
+    fields = _RAW_FIELDS.decode(payload)
+    for name in _PROMPT_FIELDS:
+        fields.pop(name, None)
+    return _ENCODER.encode(fields)
+
+
+def completion_prompts(request: CompletionRequest) -> list[str | list[int]]:
+    """The prompts of a completion request: one, or a batch (strings, or token-id lists) answered together."""
+    prompt = request.prompt
+    if isinstance(prompt, str):
+        return [prompt]
+    if all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
+        return [list(prompt)]  # type: ignore[arg-type]
+    if all(isinstance(p, str) for p in prompt) or all(isinstance(p, list) for p in prompt):
+        if any(not p for p in prompt):
+            raise ApiError(400, "a prompt of the batch is empty", code="invalid_value", param="prompt")
+        return list(prompt)  # type: ignore[arg-type]
+    raise ApiError(400, "prompt must be a string, a list of token ids, or a batch of either, not a mix",
+                   code="invalid_value", param="prompt")
+
+
+def check_tools(request: ChatCompletionRequest) -> None:
+    """What vLLM's server checks of `tools` and `tool_choice` (the same messages, the same 400s)."""
+    if request.tools is not None and not request.tools:
+        raise ApiError(400, "`tools` must not be an empty array. Either provide at least one tool or omit the field entirely.",
+                       code="invalid_value", param="tools")
+    choice = request.tool_choice
+    if choice is None or choice == "none":
+        return
+    if request.tools is None:
+        raise ApiError(400, "When using `tool_choice`, `tools` must be set.", code="invalid_value", param="tool_choice")
+    if isinstance(choice, NamedToolChoice) and not any(t.function.name == choice.function.name for t in request.tools):
+        raise ApiError(400, "The tool specified in `tool_choice` does not match any of the specified `tools`",
+                       code="invalid_value", param="tool_choice")
+
+
+def _check_chat(request: ChatCompletionRequest, model: WorkerRegistration) -> None:
+    check_tools(request)
+    if request.continue_final_message and request.add_generation_prompt:
+        raise ApiError(400, "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+                       code="invalid_value", param="continue_final_message")
+    if request.top_logprobs and not request.logprobs:
+        raise ApiError(400, "when using `top_logprobs`, `logprobs` must be set to true.", code="invalid_value",
+                       param="top_logprobs")
+    auto = request.tool_choice == "auto" or (request.tool_choice is None and request.tools)
+    if auto and not model.tool_call_parser:
+        raise ApiError(400, f'"auto" tool choice requires a tool-call parser, and model `{model.model}` names none '
+                       "(its workers' --tool-call-parser)", code="invalid_value", param="tool_choice")
+
+
+def chat_template_kwargs(request: ChatCompletionRequest) -> dict[str, Any]:
+    """The template's extra arguments as vLLM's server builds them (`reasoning_effort` switches thinking)."""
+    kwargs = dict(request.chat_template_kwargs or {})
+    if request.reasoning_effort is not None and "enable_thinking" not in kwargs:
+        kwargs["enable_thinking"] = request.reasoning_effort != "none"
+    if request.reasoning_effort is not None:
+        kwargs["reasoning_effort"] = request.reasoning_effort
+    return kwargs
+
+
+def render_chat(request: ChatCompletionRequest, tokenizer: Tokenizer, add_special_tokens: bool = False) -> list[int]:
+    """The conversation's token ids: rendered by the model's chat template, encoded without special tokens
+    beyond the template's own (as vLLM encodes a chat prompt, unless asked to add them)."""
+    try:
+        text = tokenizer.apply_chat_template(
+            request.messages,
+            tools=request.tools,
+            add_generation_prompt=request.add_generation_prompt,
+            continue_final_message=request.continue_final_message,
+            chat_template_kwargs=chat_template_kwargs(request),
+            documents=request.documents,
+        )
+    except UnsupportedContent as exc:
+        raise ApiError(400, str(exc), code="invalid_value", param=exc.param) from exc
+    except ValueError as exc:  # the model's template refuses these messages (roles out of order, say)
+        raise ApiError(400, f"the model's chat template rejected the messages: {exc}", code="invalid_value",
+                       param="messages") from exc
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
 def prepare(
@@ -32,24 +131,41 @@ def prepare(
     model: WorkerRegistration,
     tokenizer: Tokenizer,
     max_tokens_default: int,
+    body: bytes | None = None,
+    prompt: str | list[int] | None = None,
 ) -> PreparedRequest:
-    if request.n != 1:
-        raise ApiError(400, "only n=1 is supported", code="unsupported_parameter", param="n")
+    """The request as the cluster runs it. `body`: the request's JSON without its prompt (`api_body`), which
+    the engine reads; `prompt`: the one prompt of a completion request this runs (a batch runs each)."""
     if request.stream_options is not None and not request.stream:
         raise ApiError(400, "stream_options is only allowed when stream is true", code="invalid_value", param="stream_options")
 
+    echo_text = ""
+    role = "assistant"
     if isinstance(request, ChatCompletionRequest):
-        try:
-            prompt_ids = tokenizer.encode(tokenizer.apply_chat_template(request.messages))
-        except ValueError as exc:  # the model's template refuses these messages (roles out of order, say)
-            raise ApiError(400, f"the model's chat template rejected the messages: {exc}", code="invalid_value",
-                           param="messages") from exc
+        _check_chat(request, model)
+        prompt_ids = render_chat(request, tokenizer, request.add_special_tokens)
         asked = request.max_completion_tokens or request.max_tokens
         tokens_param = "max_completion_tokens" if request.max_completion_tokens else "max_tokens"
+        last = request.messages[-1]
+        # Who answers: the assistant, or (a continued or completed turn) the last message's role, as vLLM says.
+        role = "assistant" if request.add_generation_prompt else last.role
+        if request.echo and last.role == role:
+            echo_text = last.text()
+        kind = "chat"
     else:
-        prompt_ids = tokenizer.encode(request.prompt) if isinstance(request.prompt, str) else list(request.prompt)
+        if request.suffix is not None:
+            raise ApiError(400, "suffix is not currently supported", code="invalid_value", param="suffix")
+        if prompt is None:
+            prompts = completion_prompts(request)
+            if len(prompts) != 1:
+                raise ApiError(400, "a batch of prompts runs one prompt at a time", code="invalid_value", param="prompt")
+            prompt = prompts[0]
+        prompt_ids = tokenizer.encode(prompt, add_special_tokens=request.add_special_tokens) if isinstance(prompt, str) else list(prompt)
         asked = request.max_tokens
         tokens_param = "max_tokens"
+        if request.echo:
+            echo_text = prompt if isinstance(prompt, str) else tokenizer.decode(prompt_ids)
+        kind = "completion"
 
     context = model.max_model_len
     # min and max scan in C; the offending id is looked for only when there is one.
@@ -92,6 +208,7 @@ def prepare(
         presence_penalty=request.presence_penalty or 0.0,
         frequency_penalty=request.frequency_penalty or 0.0,
         ignore_eos=request.ignore_eos,
+        n=request.n,
     )
     return PreparedRequest(
         model=request.model,
@@ -101,4 +218,7 @@ def prepare(
         stream=request.stream,
         include_usage=bool(request.stream_options and request.stream_options.include_usage),
         priority=request.priority,
+        api=None if body is None else ApiRequest(kind, body, request.stream),  # type: ignore[arg-type]
+        echo_text=echo_text,
+        role=role,
     )

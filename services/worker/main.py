@@ -82,8 +82,11 @@ def build_engine(settings: WorkerSettings) -> tuple[Engine, EngineFacts]:
     """The configured engine, not started; raises `EngineConfigError` for a configuration that can never work."""
     if settings.engine == "vllm":
         from services.worker.engines.vllm_setup import build_vllm_engine
+        from services.worker.served_tokenizer import served_tokenizer
 
-        return build_vllm_engine(settings)
+        engine, facts = build_vllm_engine(settings)
+        # With worker.vllm.chat_template: the model's tokenizer files rendering with it, advertised and published.
+        return engine, msgspec.structs.replace(facts, tokenizer=served_tokenizer(facts.tokenizer, settings.vllm.chat_template))
     tokenizer = SimTokenizer()
     advertised = sim_prompt_tokenizer(settings.sim.tokenizer) if settings.sim.tokenizer else tokenizer.name
     facts = EngineFacts(settings.model, settings.sim.block_size, settings.sim.max_model_len, advertised)
@@ -130,6 +133,15 @@ def advertised_kv_transfer_of(settings: WorkerSettings) -> KvTransfer | None:
     except KeyError as exc:
         raise EngineConfigError(f"worker.sim: {exc.args[0]}") from None
     return advertised_kv_transfer(profile.kv_bytes_per_token, link, settings.sim.speed)
+
+
+def advertised_tool_call_parser(settings: WorkerSettings) -> str:
+    """The tool-call parser a worker's answers go through: a vLLM worker's, as `vllm serve`, uses `tool_call_parser`
+    only with `enable_auto_tool_choice`; a sim worker's is `worker.sim.tool_call_parser` (its own format)."""
+    if settings.engine == "sim":
+        return settings.sim.tool_call_parser
+    vllm = settings.vllm
+    return vllm.tool_call_parser if vllm.enable_auto_tool_choice else ""
 
 
 # The exit status of a worker whose engine died: not a configuration error (2), a failure to restart from.
@@ -181,6 +193,8 @@ async def main(config: KvlaneConfig, stop: asyncio.Event) -> None:
             host=host,
             max_num_seqs=settings.sim.max_num_seqs if settings.engine == "sim" else 0,
             step_time=step_time,
+            tool_call_parser=advertised_tool_call_parser(settings),
+            reasoning_parser=settings.vllm.reasoning_parser if settings.engine == "vllm" else "",
         )
         for node_id, (_, facts) in zip(ids, engines, strict=True)
     ]

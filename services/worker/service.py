@@ -76,6 +76,10 @@ _HANDED_BACK_REASONS = ("preempted", "draining")
 _ENGINE_DEATH_GRACE_S = 2.0
 
 
+def _rejected(exc: RequestRejected) -> ErrorReply:
+    return ErrorReply(code="invalid_request", message=str(exc), status=400, param=exc.param)
+
+
 def _abort_reply(reason: str) -> ErrorReply:
     if reason in _HANDED_BACK_REASONS:
         return ErrorReply(code=reason, message=f"request {reason}: resume it elsewhere", status=503, retry_after_s=0)
@@ -275,11 +279,11 @@ class WorkerService:
         deadline = received + request.timeout_s
         kv_ref = request.kv_ref if isinstance(request, GenerateRequest) else None
         engine_request = EngineRequest(request.request_id, request.prompt_token_ids, request.sampling, request.resume_token_ids, kv_ref,
-                                       kv_held_until=None if kv_ref is None else received + kv_ref.hold_s)
+                                       kv_held_until=None if kv_ref is None else received + kv_ref.hold_s, api=request.api)
         try:
             self._engine.check(engine_request)
         except RequestRejected as exc:
-            return ErrorReply(code="invalid_request", message=str(exc), status=400)
+            return _rejected(exc)
         if earlier is not None:
             # The same request for another stream: the ingress asked again (no balancer answered it in time, or
             # it resumes it) and no longer reads the earlier attempt's stream, which gives way to this one.
@@ -331,7 +335,11 @@ class WorkerService:
             completion_tokens += len(output.token_ids)
             generated[request_id] = completion_tokens
             cached_tokens = output.cached_tokens
-            send(stream_to, TokenChunk(request_id, seq, output.token_ids, output.text))
+            if request.api is not None or output.index or output.logprobs:
+                send(stream_to, TokenChunk(request_id, seq, output.token_ids, output.text, output.index, output.logprobs, output.delta,
+                                           output.finish_reason, output.stop_reason, output.parsed, output.prompt_logprobs))
+            else:  # plain text: the chunk's trailing fields stay off the wire
+                send(stream_to, TokenChunk(request_id, seq, output.token_ids, output.text))
             seq += 1
             if output.finish_reason is not None:
                 outcome = output.finish_reason
@@ -349,7 +357,7 @@ class WorkerService:
             send(request.stream_to, ErrorReply(code="deadline_exceeded", message="request deadline passed", status=504))
         except RequestRejected as exc:
             outcome, failure = "error", "invalid_request"
-            send(request.stream_to, ErrorReply(code="invalid_request", message=str(exc), status=400))
+            send(request.stream_to, _rejected(exc))
         except asyncio.CancelledError:
             outcome = "abort"
             reason = self._abort_reasons.get(asyncio.current_task(), "aborted")

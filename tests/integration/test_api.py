@@ -117,14 +117,21 @@ BAD_REQUESTS = [
     ("missing model", {"messages": CHAT["messages"]}, 400, "missing_required_parameter", "model"),
     ("messages not a list", {**CHAT, "messages": "hi"}, 400, "invalid_value", "messages"),
     ("empty messages", {**CHAT, "messages": []}, 400, "invalid_value", "messages"),
-    ("bad role", {**CHAT, "messages": [{"role": "robot", "content": "x"}]}, 400, "invalid_value", "messages"),
+    ("role not a string", {**CHAT, "messages": [{"role": 3, "content": "x"}]}, 400, "invalid_value", "messages"),
     ("max_tokens wrong type", {**CHAT, "max_tokens": "ten"}, 400, "invalid_value", "max_tokens"),
     ("max_tokens zero", {**CHAT, "max_tokens": 0}, 400, "invalid_value", "max_tokens"),
     ("max_tokens negative", {**CHAT, "max_tokens": -5}, 400, "invalid_value", "max_tokens"),
     ("max_tokens above the context", {**CHAT, "max_tokens": 10_000}, 400, "context_length_exceeded", "max_tokens"),
     ("temperature out of range", {**CHAT, "temperature": 3}, 400, "invalid_value", "temperature"),
-    ("unknown parameter", {**CHAT, "frobnicate": True}, 400, "unknown_parameter", "frobnicate"),
-    ("n above one", {**CHAT, "n": 2}, 400, "unsupported_parameter", "n"),
+    # What the sim engine cannot honour is refused, naming the parameter (a vLLM engine honours them); n, logprobs,
+    # tools and JSON schemas it honours (tests/integration/test_sim_api_features.py).
+    ("logit bias on the sim engine", {**CHAT, "logit_bias": {"5": 1.0}}, 400, "invalid_request", "logit_bias"),
+    ("a JSON schema keyword the sim cannot satisfy", {**CHAT, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "string", "pattern": "^a+$"}}}}, 400, "invalid_request", "response_format"),
+    ("a regex on the sim engine", {**CHAT, "structured_outputs": {"regex": "a+"}}, 400, "invalid_request", "structured_outputs"),
+    ("tool_choice without tools", {**CHAT, "tool_choice": "required"}, 400, "invalid_value", "tool_choice"),
+    ("image content for a text-only model", {**CHAT, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}]}]}, 400, "invalid_value", "messages[0].content[0]"),
     ("stream_options without stream", {**CHAT, "stream_options": {"include_usage": True}}, 400, "invalid_value", "stream_options"),
     ("unknown model", {**CHAT, "model": "no-such-model"}, 404, "model_not_found", "model"),
     ("prompt longer than the context", {**CHAT, "messages": [{"role": "user", "content": "word " * 5000}]}, 400,
@@ -148,8 +155,9 @@ def test_bad_chat_requests_get_openai_errors(shared_fleet: Fleet, case: str, bod
     ("case", "body", "code"),
     [
         ("empty prompt", {"model": MODEL, "prompt": ""}, "invalid_value"),
-        ("echo unsupported", {"model": MODEL, "prompt": "x", "echo": True}, "invalid_value"),
-        ("logprobs unsupported", {"model": MODEL, "prompt": "x", "logprobs": 2}, "invalid_value"),
+        ("logit bias on the sim engine", {"model": MODEL, "prompt": "x", "logit_bias": {"5": 1.0}}, "invalid_request"),
+        ("suffix", {"model": MODEL, "prompt": "x", "suffix": "y"}, "invalid_value"),
+        ("a batch mixing texts and token ids", {"model": MODEL, "prompt": ["x", [1, 2]]}, "invalid_value"),
         ("token id outside the vocabulary", {"model": MODEL, "prompt": [1, 2, 99_999_999]}, "invalid_value"),
         ("negative token id", {"model": MODEL, "prompt": [-1] * 40}, "invalid_value"),
     ],
@@ -158,6 +166,52 @@ def test_bad_completion_requests_get_openai_errors(shared_fleet: Fleet, case: st
     status, _, payload = http(shared_fleet, "POST", "/v1/completions", json.dumps(body).encode())
     assert status == 400
     assert json.loads(payload)["error"]["code"] == code
+
+
+@pytest.mark.parametrize(
+    ("case", "extra"),
+    [
+        ("parameters vLLM accepts and ignores", {"store": True, "metadata": {"a": "b"}, "service_tier": "auto", "frobnicate": 1}),
+        ("a role the template renders", {"messages": [{"role": "narrator", "content": "Once upon a time"}]}),
+        ("text parts", {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]}),
+        ("tools the model may not call", {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "none"}),
+        ("a tool call and its result in the history", {"messages": [
+            {"role": "user", "content": "weather?"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "w", "arguments": '{"city": "Paris"}'}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]}),
+    ],
+)
+def test_requests_vllm_serve_accepts_are_answered(shared_fleet: Fleet, case: str, extra: dict) -> None:
+    status, _, payload = http(shared_fleet, "POST", "/v1/chat/completions", json.dumps({**CHAT, **extra}).encode())
+    assert status == 200, payload
+    assert json.loads(payload)["choices"][0]["message"]["content"]
+
+
+def test_completion_batch_and_echo(shared_fleet: Fleet) -> None:
+    body = {"model": MODEL, "prompt": ["one two", "three"], "max_tokens": 3, "echo": True}
+    status, _, payload = http(shared_fleet, "POST", "/v1/completions", json.dumps(body).encode())
+    assert status == 200, payload
+    reply = json.loads(payload)
+    assert [c["index"] for c in reply["choices"]] == [0, 1]
+    assert reply["choices"][0]["text"].startswith("one two") and reply["choices"][1]["text"].startswith("three")
+    assert reply["usage"]["completion_tokens"] == 6
+
+
+def test_tokenize_and_detokenize(shared_fleet: Fleet) -> None:
+    status, _, payload = http(shared_fleet, "POST", "/tokenize", json.dumps({"model": MODEL, "prompt": "hello there"}).encode())
+    assert status == 200, payload
+    tokens = json.loads(payload)
+    assert tokens["count"] == len(tokens["tokens"]) > 0 and tokens["max_model_len"] > 0
+    chat = {"model": MODEL, "messages": CHAT["messages"]}
+    status, _, payload = http(shared_fleet, "POST", "/tokenize", json.dumps(chat).encode())
+    assert status == 200 and json.loads(payload)["count"] > tokens["count"]
+    status, _, payload = http(shared_fleet, "POST", "/detokenize", json.dumps({"model": MODEL, "tokens": [16, 17]}).encode())
+    assert status == 200 and json.loads(payload)["prompt"]
+    status, _, payload = http(shared_fleet, "POST", "/tokenize", json.dumps({"model": MODEL}).encode())
+    assert status == 400 and json.loads(payload)["error"]["param"] == "prompt"
+    status, _, payload = http(shared_fleet, "POST", "/detokenize", json.dumps({"model": "nope", "tokens": [1]}).encode())
+    assert status == 404
 
 
 def test_unknown_path_and_wrong_method_and_huge_body(shared_fleet: Fleet) -> None:

@@ -19,7 +19,8 @@ from contracts.openai_api import ChatMessage
 from kvlane.fleet import Fleet, with_overrides
 from kvlane.launcher import Launcher, free_port, wait_ready, wait_services_ready
 from shared.model_store import ModelFileCache, ModelFilesError, load_served_tokenizer, publish_tokenizer, with_published_tokenizer
-from shared.tokenizer import HfTokenizer, SimTokenizer
+from shared.hf_tokenizer import HfTokenizer
+from shared.tokenizer import SimTokenizer
 from tests.integration.conftest import fleet_config
 
 pytestmark = pytest.mark.integration
@@ -147,3 +148,32 @@ async def test_an_ingress_without_the_model_directory_serves_with_the_tokenizer_
         if fleet is not None:
             fleet.stop()
         launcher.stop_all()
+
+
+async def test_a_chat_template_override_reaches_an_ingress_through_the_bus(
+    jetstream_nats: str, tokenizer_dir: Path, tmp_path: Path
+) -> None:
+    """`worker.vllm.chat_template`: the served tokenizer directory is what goes on the bus, override included."""
+    from services.worker.served_tokenizer import served_tokenizer
+
+    override = "{% for message in messages %}<{{ message['role'] }}>{{ message['content'] }}\n{% endfor %}"
+    model = hidden_copy(tokenizer_dir, tmp_path)
+    spec = served_tokenizer(f"hf:{model}", override, root=tmp_path / "worker-only" / "served")
+    registration = WorkerRegistration("w0", "aggregated", MODEL, "vllm", "kvlane.v1.worker.w0", 16, 4096, spec, 0.0)
+    nc = await nats.connect(jetstream_nats)
+    try:
+        published = await with_published_tokenizer(nc, registration)
+        assert published.tokenizer == spec and published.tokenizer_files.startswith(f"{MODEL}/")
+        # The object is the served directory's content, named as the directory is.
+        assert published.tokenizer_files == f"{MODEL}/{Path(spec[len('hf:'):]).name}"
+        shutil.rmtree(tmp_path / "worker-only")  # neither the model nor the served directory is on the ingress's host
+        served = await load_served_tokenizer(published.tokenizer, published.tokenizer_files, ModelFileCache(nc, tmp_path / "cache"))
+        assert Path(served.directory).is_relative_to(tmp_path / "cache")
+        reference = HfTokenizer(str(tokenizer_dir))
+        for chat in CHATS:
+            expected = "".join(f"<{message.role}>{message.content}\n" for message in chat)
+            assert served.apply_chat_template(chat) == expected != reference.apply_chat_template(chat)
+        for text in TEXTS:
+            assert served.encode(text) == reference.encode(text)
+    finally:
+        await nc.close()

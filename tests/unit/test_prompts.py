@@ -7,9 +7,24 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from contracts.messages import SamplingParams, WorkerRegistration
-from contracts.openai_api import ChatCompletionRequest, ChatMessage, CompletionRequest, StreamOptions, TextContentPart
+import json
+
+import msgspec
+
+from contracts.openai_api import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    ContentPart,
+    FunctionDefinition,
+    NamedFunction,
+    NamedToolChoice,
+    StreamOptions,
+    TextContentPart,
+    Tool,
+)
 from services.ingress.errors import ApiError
-from services.ingress.prompts import prepare
+from services.ingress.prompts import api_body, completion_prompts, prepare
 from shared.block_hash import chained_block_hashes
 from shared.tokenizer import SimTokenizer
 
@@ -59,9 +74,10 @@ def test_chat_prompt_is_the_templated_conversation() -> None:
 
 
 def test_chat_content_parts_are_joined() -> None:
+    # By newlines, as vLLM joins the text parts for a template that takes string content.
     parts = [TextContentPart(type="text", text="Hi "), TextContentPart(type="text", text="there")]
     a = ChatCompletionRequest(model="kvlane-sim", messages=[ChatMessage(role="user", content=parts)])
-    b = chat(("user", "Hi there"))
+    b = chat(("user", "Hi \nthere"))
     reg = registration()
     assert prepare(a, reg, TOKENIZER, DEFAULT_MAX).prompt_token_ids == prepare(b, reg, TOKENIZER, DEFAULT_MAX).prompt_token_ids
 
@@ -168,10 +184,8 @@ def test_max_tokens_never_exceeds_the_room(prompt_len: int, context: int, asked:
 # --- unsupported combinations ------------------------------------------------------
 
 
-def test_n_above_one() -> None:
-    with pytest.raises(ApiError) as info:
-        prepare(chat(("user", "hi"), n=2), registration(), TOKENIZER, DEFAULT_MAX)
-    assert (info.value.status, info.value.param, info.value.code) == (400, "n", "unsupported_parameter")
+def test_n_is_carried_to_the_sampling() -> None:
+    assert prepare(chat(("user", "hi"), n=3), registration(), TOKENIZER, DEFAULT_MAX).sampling.n == 3
 
 
 def test_stream_options_without_stream() -> None:
@@ -252,3 +266,81 @@ def test_completion_token_ids_out_of_range_are_a_400(bad: int) -> None:
         prepare(completion([1, bad, 3, 4]), registration(block_size=4), TOKENIZER, DEFAULT_MAX)
     assert info.value.status == 400
     assert info.value.param == "prompt"
+
+
+# --- tools, the engine's body, batches ----------------------------------------------------
+
+TOOL = Tool(FunctionDefinition("get_weather", "Weather of a city", {"type": "object", "properties": {"city": {"type": "string"}}}))
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "message"),
+    [
+        ({"tools": []}, "tools", "`tools` must not be an empty array"),
+        ({"tool_choice": "auto"}, "tool_choice", "When using `tool_choice`, `tools` must be set."),
+        ({"tools": [TOOL], "tool_choice": NamedToolChoice(NamedFunction("nope"))}, "tool_choice", "does not match any"),
+        ({"tools": [TOOL], "tool_choice": "auto"}, "tool_choice", "requires a tool-call parser"),
+        ({"tools": [TOOL]}, "tool_choice", "requires a tool-call parser"),
+        ({"top_logprobs": 2}, "top_logprobs", "`logprobs` must be set to true"),
+        ({"continue_final_message": True}, "continue_final_message", "Cannot set both"),
+    ],
+)
+def test_tool_and_logprob_misuse_is_a_400_naming_the_parameter(fields: dict, param: str, message: str) -> None:
+    with pytest.raises(ApiError) as info:
+        prepare(chat(("user", "hi"), **fields), registration(), TOKENIZER, DEFAULT_MAX)
+    assert (info.value.status, info.value.param) == (400, param)
+    assert message in info.value.message
+
+
+def test_tools_with_a_parser_or_tool_choice_none_are_rendered() -> None:
+    parsing = msgspec.structs.replace(registration(), tool_call_parser="hermes")
+    with_tools = prepare(chat(("user", "hi"), tools=[TOOL]), parsing, TOKENIZER, DEFAULT_MAX)
+    without = prepare(chat(("user", "hi")), parsing, TOKENIZER, DEFAULT_MAX)
+    assert with_tools.prompt_token_ids != without.prompt_token_ids
+    none = prepare(chat(("user", "hi"), tools=[TOOL], tool_choice="none"), registration(), TOKENIZER, DEFAULT_MAX)
+    assert none.prompt_token_ids == with_tools.prompt_token_ids
+
+
+def test_image_content_is_a_400_naming_the_part() -> None:
+    request = ChatCompletionRequest(model="kvlane-sim", messages=[ChatMessage(role="user", content=[
+        ContentPart(type="text", text="what is this?"), ContentPart(type="image_url")])])
+    with pytest.raises(ApiError) as info:
+        prepare(request, registration(), TOKENIZER, DEFAULT_MAX)
+    assert (info.value.status, info.value.param) == (400, "messages[0].content[1]")
+
+
+def test_the_engine_body_is_the_request_without_its_prompt() -> None:
+    payload = b'{"model": "m", "messages": [{"role": "user", "content": "secret"}], "n": 2, "min_tokens": 3, "x": {"a": [1]}}'
+    body = json.loads(api_body(payload))
+    assert body == {"model": "m", "n": 2, "min_tokens": 3, "x": {"a": [1]}}
+    prepared = prepare(chat(("user", "hi")), registration(), TOKENIZER, DEFAULT_MAX, api_body(payload))
+    assert prepared.api is not None and prepared.api.kind == "chat" and json.loads(prepared.api.body) == body
+
+
+@pytest.mark.parametrize(
+    ("prompt", "expected"),
+    [("a", ["a"]), ([1, 2], [[1, 2]]), (["a", "b"], ["a", "b"]), ([[1], [2, 3]], [[1], [2, 3]])],
+)
+def test_completion_prompts_of_a_batch(prompt: object, expected: list) -> None:
+    assert completion_prompts(completion(prompt)) == expected
+
+
+@pytest.mark.parametrize("prompt", [["a", [1]], [1, "a"], ["a", ""]])
+def test_a_mixed_or_empty_batch_is_a_400(prompt: list) -> None:
+    with pytest.raises(ApiError) as info:
+        completion_prompts(completion(prompt))
+    assert info.value.param == "prompt"
+
+
+def test_completion_echo_and_suffix() -> None:
+    assert prepare(completion("Hello there", echo=True), registration(), TOKENIZER, DEFAULT_MAX).echo_text == "Hello there"
+    with pytest.raises(ApiError) as info:
+        prepare(completion("x", suffix="y"), registration(), TOKENIZER, DEFAULT_MAX)
+    assert info.value.param == "suffix"
+
+
+def test_chat_echo_continues_the_last_message_of_the_answering_role() -> None:
+    request = chat(("user", "hi"), ("assistant", "Once"), echo=True, add_generation_prompt=False, continue_final_message=True)
+    prepared = prepare(request, registration(), TOKENIZER, DEFAULT_MAX)
+    assert (prepared.role, prepared.echo_text) == ("assistant", "Once")
+    assert prepare(chat(("user", "hi"), echo=True), registration(), TOKENIZER, DEFAULT_MAX).echo_text == ""

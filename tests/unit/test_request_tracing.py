@@ -153,7 +153,7 @@ async def test_without_a_traceparent_the_ingress_starts_the_trace() -> None:
 @pytest.mark.parametrize(("body", "name", "error"), [
     (b"{not json", "chat", "invalid_json"),
     (b'{"model": "other", "messages": [{"role": "user", "content": "hi"}]}', "chat other", "model_not_found"),
-    (b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "n": 2}', "chat m", "unsupported_parameter"),
+    (b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"}', "chat m", "invalid_value"),
     (b"x" * 5000, "chat", "request_entity_too_large"),
 ])
 async def test_a_request_that_fails_validation_still_gets_its_span_with_the_error(body: bytes, name: str, error: str) -> None:

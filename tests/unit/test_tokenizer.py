@@ -6,13 +6,14 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from contracts.openai_api import ChatMessage, TextContentPart
+from contracts.openai_api import ChatMessage, ContentPart, FunctionCallParam, FunctionDefinition, TextContentPart, Tool, ToolCallParam
 from shared.tokenizer import (
     OUTPUT_FIRST,
     OUTPUT_WORDS,
     SPECIAL_TOKENS,
     VOCAB_SIZE,
     SimTokenizer,
+    UnsupportedContent,
     load_tokenizer,
 )
 
@@ -88,7 +89,7 @@ def test_encode_is_deterministic_and_concatenation_splits_on_specials(text: str)
 
 
 def test_decode_of_unknown_ids_is_empty() -> None:
-    assert TOKENIZER.decode([-1, 7, 15, VOCAB_SIZE, 10**9]) == ""
+    assert TOKENIZER.decode([-1, len(SPECIAL_TOKENS), OUTPUT_FIRST - 1, VOCAB_SIZE, 10**9]) == ""
 
 
 def test_chat_template() -> None:
@@ -102,7 +103,7 @@ def test_chat_template() -> None:
         "<|system|>\nBe brief.<|end|>\n"
         "<|user|>\nHi<|end|>\n"
         "<|assistant|>\n baba<|end|>\n"
-        "<|user|>\nab<|end|>\n"
+        "<|user|>\na\nb<|end|>\n"
         "<|assistant|>\n"
     )
 
@@ -148,6 +149,72 @@ def test_output_word_after_other_text() -> None:
     assert TOKENIZER.encode(" baba") == [OUTPUT_FIRST]
     assert TOKENIZER.encode("x baba")[1:] == [OUTPUT_FIRST]
     assert TOKENIZER.encode("x, baba")[2:] == [OUTPUT_FIRST]
+
+
+def test_plain_chat_ids_did_not_move_when_tool_markers_came() -> None:
+    assert SPECIAL_TOKENS[:7] == ("<pad>", "<bos>", "<eos>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>")
+    assert SPECIAL_TOKENS[7:] == ("<|tools|>", "<|tool|>", "<tool_call>", "</tool_call>")
+    assert len(SPECIAL_TOKENS) <= OUTPUT_FIRST
+
+
+WEATHER = Tool(function=FunctionDefinition(name="weather", description="Weather in a city",
+                                           parameters={"type": "object", "properties": {"city": {"type": "string"}}}))
+
+
+def test_tools_calls_and_results_render_in_the_sim_format() -> None:
+    messages = [
+        ChatMessage(role="user", content="Rain in Oslo?"),
+        ChatMessage(role="assistant", content=None, tool_calls=[
+            ToolCallParam(id="c1", function=FunctionCallParam(name="weather", arguments='{"city": "Oslo"}')),
+            ToolCallParam(id="c2", function=FunctionCallParam(name="weather", arguments="not json")),
+        ]),
+        ChatMessage(role="tool", tool_call_id="c1", content="rain"),
+    ]
+    tool_line = ('{"type": "function", "function": {"name": "weather", "description": "Weather in a city", '
+                 '"parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}')
+    assert TOKENIZER.apply_chat_template(messages, tools=[WEATHER]) == (
+        f"<|tools|>\n{tool_line}\n<|end|>\n"
+        "<|user|>\nRain in Oslo?<|end|>\n"
+        '<|assistant|>\n<tool_call>{"name": "weather", "arguments": {"city": "Oslo"}}</tool_call>'
+        '<tool_call>{"name": "weather", "arguments": {}}</tool_call><|end|>\n'
+        "<|tool|>\nrain<|end|>\n"
+        "<|assistant|>\n"
+    )
+
+
+def test_tool_markers_encode_as_single_special_ids() -> None:
+    text = TOKENIZER.apply_chat_template(
+        [ChatMessage(role="assistant", tool_calls=[ToolCallParam(function=FunctionCallParam(name="f"))]),
+         ChatMessage(role="tool", content="x")], tools=[WEATHER])
+    ids = TOKENIZER.encode(text)
+    for marker in ("<|tools|>", "<|tool|>", "<tool_call>", "</tool_call>"):
+        assert ids.count(SPECIAL_TOKENS.index(marker)) == 1
+    assert TOKENIZER.decode([SPECIAL_TOKENS.index("<tool_call>")]) == "<tool_call>"
+
+
+def test_no_tools_no_calls_renders_as_before() -> None:
+    messages = [ChatMessage(role="user", content="Hi")]
+    assert TOKENIZER.apply_chat_template(messages, tools=None) == TOKENIZER.apply_chat_template(messages, tools=[])
+    assert TOKENIZER.apply_chat_template(messages, chat_template_kwargs={"enable_thinking": False},
+                                         documents=[{"title": "t", "text": "x"}]) == "<|user|>\nHi<|end|>\n<|assistant|>\n"
+
+
+def test_without_generation_prompt_and_continuing_the_final_message() -> None:
+    messages = [ChatMessage(role="user", content="Hi"), ChatMessage(role="assistant", content=" baba")]
+    assert TOKENIZER.apply_chat_template(messages, add_generation_prompt=False) == (
+        "<|user|>\nHi<|end|>\n<|assistant|>\n baba<|end|>\n")
+    continued = TOKENIZER.apply_chat_template(messages, add_generation_prompt=False, continue_final_message=True)
+    assert continued == "<|user|>\nHi<|end|>\n<|assistant|>\n baba"
+    with pytest.raises(ValueError, match="continue_final_message"):
+        TOKENIZER.apply_chat_template(messages, continue_final_message=True)
+
+
+def test_non_text_content_is_refused_naming_the_part() -> None:
+    message = ChatMessage(role="user", content=[ContentPart(type="text", text="look"), ContentPart(type="image_url")])
+    with pytest.raises(UnsupportedContent) as refused:
+        TOKENIZER.apply_chat_template([ChatMessage(role="system", content="s"), message])
+    assert refused.value.param == "messages[1].content[1]"
+    assert isinstance(refused.value, ValueError)
 
 
 def test_load_tokenizer() -> None:

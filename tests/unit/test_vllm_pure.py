@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import msgspec
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -134,3 +135,21 @@ def test_cpu_kv_cache_defaults_to_4_gib_or_the_legacy_variable(tmp_path: Path) -
     assert preflight(VllmSettings(model=model), on_cpu=True, env={"VLLM_CPU_KVCACHE_SPACE": "2"}).kv_cache_bytes == 2 << 30
     assert preflight(VllmSettings(model=model, kv_cache_gib=1), on_cpu=True, env={"VLLM_CPU_KVCACHE_SPACE": "2"}).kv_cache_bytes == 1 << 30
     assert preflight(VllmSettings(model=model), on_cpu=False, env={}).kv_cache_bytes is None
+
+
+def test_parser_options_load_and_are_advertised_as_vllm_uses_them() -> None:
+    from services.worker.main import advertised_tool_call_parser
+
+    config = load_config(env={
+        "KVLANE__WORKER__ENGINE": '"vllm"',
+        "KVLANE__WORKER__VLLM__TOOL_CALL_PARSER": '"hermes"',
+        "KVLANE__WORKER__VLLM__REASONING_PARSER": '"qwen3"',
+        "KVLANE__WORKER__VLLM__ENABLE_AUTO_TOOL_CHOICE": "true",
+    })
+    vllm = config.worker.vllm
+    assert (vllm.tool_call_parser, vllm.reasoning_parser, vllm.enable_auto_tool_choice) == ("hermes", "qwen3", True)
+    assert advertised_tool_call_parser(config.worker) == "hermes"
+    # Without auto tool choice vLLM never uses the tool-call parser; a sim worker parses nothing.
+    without_auto = msgspec.structs.replace(config.worker, vllm=msgspec.structs.replace(vllm, enable_auto_tool_choice=False))
+    assert advertised_tool_call_parser(without_auto) == ""
+    assert advertised_tool_call_parser(msgspec.structs.replace(config.worker, engine="sim")) == config.worker.sim.tool_call_parser

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from kvlane.fleet import Fleet, start_fleet
@@ -121,4 +122,35 @@ def running_fleet(log_dir: Path, config_for: Callable[[int, int], KvlaneConfig],
 def vllm_fleet(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Iterator[Fleet]:
     config_for = lambda nats_port, redis_port: vllm_fleet_config(nats_port, redis_port, tiny_model)  # noqa: E731
     with running_fleet(tmp_path_factory.mktemp("vllm-fleet"), config_for, workers=2) as fleet:
+        yield fleet
+
+
+# --- the API surface of `vllm serve` (tests/vllm/test_api_differential.py, test_sdk_clients.py) ---
+
+# As `vllm serve --enable-auto-tool-choice --tool-call-parser hermes --reasoning-parser qwen3`.
+API_PARSERS = {"tool_call_parser": "hermes", "reasoning_parser": "qwen3", "enable_auto_tool_choice": True}
+
+
+def api_vllm_settings(model_dir: Path) -> VllmSettings:
+    """The engine settings of `vllm_settings`, with vllm serve's tool-call and reasoning parsers where kvlane has them."""
+    known = set(getattr(VllmSettings, "__struct_fields__", ()))
+    return vllm_settings(model_dir, **{key: value for key, value in API_PARSERS.items() if key in known})
+
+
+# These suites check answers, not liveness: with FAST_HEARTBEATS' 1 s TTL a worker busy on a loaded 2-core
+# machine (another engine starting beside it) was taken for dead and requests got 404 model_not_found.
+API_HEARTBEATS = {"heartbeat_interval_s": 0.5, "heartbeat_ttl_s": 10.0, "resync_interval_s": 1.0}
+
+
+def api_fleet_config(nats_port: int, redis_port: int, model_dir: Path) -> KvlaneConfig:
+    config = vllm_fleet_config(nats_port, redis_port, model_dir)
+    worker = msgspec.structs.replace(config.worker, vllm=api_vllm_settings(model_dir))
+    return msgspec.structs.replace(config, worker=worker, cluster=ClusterSettings(**API_HEARTBEATS))
+
+
+@pytest.fixture(scope="module")
+def api_fleet(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Iterator[Fleet]:
+    """One vllm worker behind kvlane with vllm serve's parsers (hermes tool calls, qwen3 reasoning)."""
+    config_for = lambda nats_port, redis_port: api_fleet_config(nats_port, redis_port, tiny_model)  # noqa: E731
+    with running_fleet(tmp_path_factory.mktemp("api-fleet"), config_for, workers=1) as fleet:
         yield fleet

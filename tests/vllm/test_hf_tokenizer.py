@@ -1,6 +1,6 @@
 """Ingress's tokenizer for a vLLM worker's model directory agrees with transformers, without importing it.
 
-`shared.tokenizer.HfTokenizer` reads tokenizer.json with the `tokenizers`
+`shared.hf_tokenizer.HfTokenizer` reads tokenizer.json with the `tokenizers`
 library and renders the chat template with jinja2; transformers (and torch)
 stay out of the ingress process. The tiny model's files are made by
 transformers, which is the reference here.
@@ -18,7 +18,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from contracts.openai_api import ChatMessage
-from shared.tokenizer import HfTokenizer, load_tokenizer
+from shared.hf_tokenizer import HfTokenizer
+from shared.tokenizer import load_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -36,17 +37,22 @@ def tokenizer(tiny_model: Path) -> HfTokenizer:
 
 
 @settings(max_examples=200, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(text=st.text(max_size=80) | st.sampled_from(["<|bos|>Hi", "<|user|>hi<|end|>", "  a\n\n\tb ", "日本 ✓ é"]))
+@given(text=st.text(max_size=80) | st.sampled_from(["<|im_start|>user\nHi<|im_end|>", "<tool_call>\n{}</tool_call>",
+                                                    "<think>\nhm\n</think>\n\nok", "  a\n\n\tb ", "日本 ✓ é"]))
 def test_encode_and_decode_agree_with_transformers(tokenizer: HfTokenizer, reference, text: str) -> None:
-    expected = reference.encode(text, add_special_tokens=not text.startswith(reference.bos_token))
-    assert tokenizer.encode(text) == expected
+    expected = reference.encode(text, add_special_tokens=False)
+    # The tiny model, like Qwen, has no BOS: chat and plain prompts encode alike.
+    assert tokenizer.encode(text) == tokenizer.encode(text, add_special_tokens=True) == expected
+    assert tokenizer.encode(text, add_special_tokens=False) == expected
     assert tokenizer.decode(expected) == reference.decode(expected, skip_special_tokens=True)
 
 
 @settings(max_examples=100, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(turns=st.lists(st.tuples(st.sampled_from(["system", "developer", "user", "assistant"]), st.text(max_size=30)),
+@given(turns=st.lists(st.tuples(st.sampled_from(["system", "user", "assistant", "tool"]), st.text(max_size=30)),
                       min_size=1, max_size=5))
 def test_chat_template_renders_as_transformers_does(tokenizer: HfTokenizer, reference, turns) -> None:
+    # "developer" is left out: vLLM turns it into "system" before the template
+    # sees it (tests/vllm/test_chat_rendering.py compares with vLLM itself).
     messages = [ChatMessage(role=role, content=content) for role, content in turns]
     expected = reference.apply_chat_template([{"role": r, "content": c} for r, c in turns], tokenize=False,
                                              add_generation_prompt=True)
@@ -55,6 +61,11 @@ def test_chat_template_renders_as_transformers_does(tokenizer: HfTokenizer, refe
 
 def test_vocab_size_counts_added_tokens(tokenizer: HfTokenizer, reference) -> None:
     assert tokenizer.vocab_size == len(reference)
+
+
+def test_tool_and_think_markers_survive_decoding_and_im_end_does_not(tokenizer: HfTokenizer) -> None:
+    text = '<think>\nhm\n</think>\n\n<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>'
+    assert tokenizer.decode(tokenizer.encode(text + "<|im_end|>")) == text
 
 
 def test_loading_and_encoding_import_neither_transformers_nor_torch(tiny_model: Path) -> None:

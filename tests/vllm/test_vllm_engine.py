@@ -26,7 +26,7 @@ from contracts.openai_api import ChatMessage
 from kvlane.fleet import Fleet
 from loadtest.hangup import Options, Report, soak
 from shared.block_hash import chained_block_hashes
-from shared.tokenizer import HfTokenizer
+from shared.hf_tokenizer import HfTokenizer
 from tests.vllm.conftest import BLOCK_SIZE, MAX_MODEL_LEN, MODEL, reference_engine_args
 
 pytestmark = [pytest.mark.vllm, pytest.mark.integration]

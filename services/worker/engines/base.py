@@ -8,7 +8,7 @@ from typing import Protocol, runtime_checkable
 
 from msgspec import Struct
 
-from contracts.messages import EngineStats, FinishReason, KvRef, SamplingParams
+from contracts.messages import ApiRequest, EngineStats, FinishReason, KvRef, OutputDelta, ParsedOutput, SamplingParams, TokenLogprob
 
 
 class EngineRequest(Struct, frozen=True):
@@ -21,6 +21,8 @@ class EngineRequest(Struct, frozen=True):
     kv_ref: KvRef | None = None
     # When the source's hold on that KV ends, on this process's `time.monotonic` clock.
     kv_held_until: float | None = None
+    # The API request (tool calls, structured outputs, logprobs, `n`...): None for plain sampled text.
+    api: ApiRequest | None = None
 
 
 class EngineOutput(Struct):
@@ -32,6 +34,18 @@ class EngineOutput(Struct):
     finish_reason: FinishReason | None = None
     # Prompt tokens served from the prefix cache; known from the first output on.
     cached_tokens: int = 0
+    # The choice it belongs to (`n` > 1); a request ends once every choice has its finish reason.
+    index: int = 0
+    # One per token, when the request asked for logprobs.
+    logprobs: list[TokenLogprob] = []
+    # The new text parsed (reasoning, tool calls), for a streamed request whose output is parsed.
+    delta: OutputDelta | None = None
+    # With the finish reason: the stop string or token that ended the choice (if one did), and, for a
+    # request whose output is parsed and not streamed, the choice's whole output parsed.
+    stop_reason: str | int | None = None
+    parsed: ParsedOutput | None = None
+    # On a choice's first output, when the request echoes its prompt with logprobs: one per prompt token.
+    prompt_logprobs: list[TokenLogprob] = []
 
 
 class KvCacheDelta(Struct):
@@ -56,7 +70,14 @@ def net_kv_delta(events: Iterable[tuple[bool, int]], cleared: bool = False) -> K
 
 
 class RequestRejected(ValueError):
-    """The engine can never run this request (too long, bad token ids...)."""
+    """The engine can never run this request (too long, bad token ids, a parameter it cannot honour...).
+
+    `param` names the request parameter at fault, when there is one.
+    """
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class KvPullFailed(RuntimeError):

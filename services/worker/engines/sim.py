@@ -10,6 +10,11 @@ transfer time of its KV bytes over the configured link, then finds its
 prompt in the prefix cache. Whether the source still holds the KV is the
 worker's check (a pull over NATS) before it calls `generate`.
 
+The OpenAI request surface (tools, structured outputs, logprobs, `n`) is
+planned by `sim_api` from the request's body: a choice's scripted answer
+rides in its `SimRequest`, so the scheduler alone decides what each step
+emits; choice i > 0 of `n` runs as a request of its own, beside the first.
+
 Fault injection: with `fail_after_tokens` the engine dies once it has
 generated that many tokens, as a GPU engine dies under a worker: every
 request, running or new, then fails with `EngineDeadError`.
@@ -23,8 +28,9 @@ from collections.abc import AsyncIterator, Callable
 
 import structlog
 
-from contracts.messages import EngineStats, KvRef
+from contracts.messages import EngineStats, FinishReason, KvRef
 from services.worker.engines.base import (
+    EngineConfigError,
     EngineDeadError,
     EngineOutput,
     EngineRequest,
@@ -33,6 +39,7 @@ from services.worker.engines.base import (
     check_fits,
     net_kv_delta,
 )
+from services.worker.engines.sim_api import SIM_TOOL_CALL_PARSERS, SimApiRun, plan_sim_request
 from services.worker.sim import SimRequest, SimScheduler, StepOutcome, StepTimeProfile, get_profile
 from shared.kv_links import get_link
 from shared.config import SimSettings
@@ -42,6 +49,8 @@ log = structlog.get_logger("kvlane.worker.sim")
 
 # Put on every waiting request's queue when the engine dies.
 _DEAD = object()
+# Joins a request's id and a choice's index into the id choice i > 0 of `n` runs under in the scheduler.
+_CHOICE_SEPARATOR = "\x1fchoice-"
 
 
 def build_scheduler(settings: SimSettings, profile: StepTimeProfile, output_token_range: tuple[int, int]) -> SimScheduler:
@@ -103,6 +112,9 @@ class SimEngine:
         self._profile = get_profile(settings.profile)
         self._link = get_link(settings.kv_link)
         self._scheduler = build_scheduler(settings, self._profile, tokenizer.output_token_range)
+        if settings.tool_call_parser and settings.tool_call_parser not in SIM_TOOL_CALL_PARSERS:
+            raise EngineConfigError(f"worker.sim.tool_call_parser {settings.tool_call_parser!r} is unknown "
+                                    f"(known: {', '.join(SIM_TOOL_CALL_PARSERS)}; empty: none)")
         self._queues: dict[str, asyncio.Queue] = {}
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -128,6 +140,15 @@ class SimEngine:
     def check(self, request: EngineRequest) -> None:
         self._raise_if_dead()
         check_fits(request, self._settings.max_model_len, self._tokenizer.vocab_size)
+        self._plan(request)
+
+    def _seed(self, request: EngineRequest) -> int:
+        return self._settings.seed if request.sampling.seed is None else request.sampling.seed
+
+    def _plan(self, request: EngineRequest) -> SimApiRun | None:
+        """How the request's API asks shape its answer; None for plain words (`RequestRejected` for what the sim cannot do)."""
+        return plan_sim_request(request, self._seed(request), self._settings.tool_call_parser,
+                                self._tokenizer.token_text, self._tokenizer.output_token_range)
 
     async def prefill(self, request: EngineRequest, source_worker_id: str, hold_s: float) -> KvRef:
         self.check(request)
@@ -140,7 +161,7 @@ class SimEngine:
         cached_tokens = 0
         try:
             while not finished:
-                _, finished, cached_tokens = self._alive(await queue.get())
+                _, finished, cached_tokens, _ = self._alive(await queue.get())
         finally:
             self._queues.pop(request_id, None)
             if not finished:
@@ -168,22 +189,30 @@ class SimEngine:
         self._kv_pull_bytes += ref.kv_bytes
         self._kv_pull_seconds += self._clock() - started
 
-    def _add(self, request: EngineRequest, max_tokens: int, hold_kv: bool = False) -> asyncio.Queue:
+    def _add(self, request: EngineRequest, max_tokens: int, hold_kv: bool = False, *, request_id: str = "",
+             seed: int | None = None, script: list[int] | None = None, queue: asyncio.Queue | None = None) -> asyncio.Queue:
+        """Queue `request` (or one of its choices: its own id, seed and script) in the scheduler; its outputs' queue."""
         self._raise_if_dead()  # it may have died during a KV pull
-        seed = self._settings.seed if request.sampling.seed is None else request.sampling.seed
+        request_id = request_id or request.request_id
+        seed = self._seed(request) if seed is None else seed
         try:
-            self._scheduler.add(
-                SimRequest(request.request_id, request.prompt_token_ids, max_tokens, seed, request.resume_token_ids, hold_kv)
-            )
+            self._scheduler.add(SimRequest(request_id, request.prompt_token_ids, max_tokens, seed,
+                                           request.resume_token_ids, hold_kv, script or []))
         except ValueError as exc:
             raise RequestRejected(str(exc)) from exc
-        queue: asyncio.Queue = asyncio.Queue()
-        self._queues[request.request_id] = queue
+        queue = asyncio.Queue() if queue is None else queue
+        self._queues[request_id] = queue
         self._wake.set()
         return queue
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
-        self.check(request)
+        self._raise_if_dead()
+        check_fits(request, self._settings.max_model_len, self._tokenizer.vocab_size)
+        run = self._plan(request)
+        if run is not None:
+            async for output in self._generate_planned(request, run):
+                yield output
+            return
         sampling = request.sampling
         if request.kv_ref is not None:
             await self._pull(request.kv_ref, request.prompt_token_ids + request.resume_token_ids)
@@ -192,7 +221,7 @@ class SimEngine:
         engine_finished = stopped = False
         try:
             while not (engine_finished or stopped):
-                token_id, engine_finished, cached_tokens = self._alive(await queue.get())
+                token_id, engine_finished, cached_tokens, _ = self._alive(await queue.get())
                 text, stopped = stop.feed(self._tokenizer.token_text(token_id))
                 if engine_finished and not stopped:
                     text += stop.flush()
@@ -204,6 +233,52 @@ class SimEngine:
             self._queues.pop(request.request_id, None)
             if not engine_finished:
                 self._scheduler.abort(request.request_id)
+
+    async def _generate_planned(self, request: EngineRequest, run: SimApiRun) -> AsyncIterator[EngineOutput]:
+        """`generate` for a request the API shapes: each choice its own scheduler request, stop strings and
+        finish; the request ends once every choice has."""
+        sampling = request.sampling
+        if request.kv_ref is not None:
+            await self._pull(request.kv_ref, request.prompt_token_ids + request.resume_token_ids)
+        ids = [request.request_id] + [f"{request.request_id}{_CHOICE_SEPARATOR}{c.index}" for c in run.choices[1:]]
+        index_of = {request_id: index for index, request_id in enumerate(ids)}
+        queue: asyncio.Queue = asyncio.Queue()
+        running: set[str] = set()
+        try:
+            for request_id, choice in zip(ids, run.choices, strict=True):
+                self._add(request, sampling.max_tokens, request_id=request_id, seed=choice.seed, script=choice.script,
+                          queue=queue)
+                running.add(request_id)
+            stops = [StopMatcher(sampling.stop) for _ in ids]
+            first_cached = 0
+            while running:
+                token_id, engine_finished, cached_tokens, request_id = self._alive(await queue.get())
+                if request_id not in running:
+                    continue  # a choice a stop string ended, whose step was under way
+                index = index_of[request_id]
+                stop = stops[index]
+                text, stopped = stop.feed(self._tokenizer.token_text(token_id))
+                reason: FinishReason | None = None
+                if stopped:
+                    reason = "stop"
+                elif engine_finished:
+                    text += stop.flush()
+                    reason = "stop" if run.ends_script(index, 1) else "length"
+                if index == 0:
+                    first_cached = cached_tokens
+                if request.kv_ref is not None:  # pulled tokens were computed on the prefill node, not hit
+                    first_cached = request.kv_ref.cached_tokens
+                if reason is not None:
+                    running.discard(request_id)
+                    self._queues.pop(request_id, None)
+                    if not engine_finished:
+                        self._scheduler.abort(request_id)
+                yield run.output(index, [token_id], text, reason, stop.matched, first_cached)
+        finally:
+            for request_id in ids:
+                self._queues.pop(request_id, None)
+            for request_id in running:
+                self._scheduler.abort(request_id)
 
     def drain_kv_events(self) -> KvCacheDelta:
         return net_kv_delta((e.kind == "stored", e.block_hash) for e in self._scheduler.drain_kv_events())
@@ -271,9 +346,9 @@ class SimEngine:
             if queue is None or queue is not stepped.get(request_id):
                 continue  # aborted during the step; or since then added again, and the token is the earlier run's
             if request_id in finished:
-                queue.put_nowait((token_id, True, finished[request_id]))
+                queue.put_nowait((token_id, True, finished[request_id], request_id))
             else:
-                queue.put_nowait((token_id, False, self._scheduler.cached_prompt_tokens(request_id)))
+                queue.put_nowait((token_id, False, self._scheduler.cached_prompt_tokens(request_id), request_id))
 
 
 class StopMatcher:
@@ -287,6 +362,8 @@ class StopMatcher:
         self._stops = [s for s in stops if s]
         self._held = ""
         self.stopped = False
+        # The stop string that was reached (vLLM's `stop_reason`).
+        self.matched: str | None = None
 
     def feed(self, piece: str) -> tuple[str, bool]:
         """Text safe to emit now, and whether a stop string was reached."""
@@ -297,6 +374,7 @@ class StopMatcher:
         if cut >= 0:
             self._held = ""
             self.stopped = True
+            self.matched = min((s for s in self._stops if s in text), key=text.find)
             return text[:cut], True
         keep = max((self._partial_suffix(text, s) for s in self._stops), default=0)
         self._held = text[len(text) - keep :] if keep else ""

@@ -9,6 +9,15 @@
   new token ids and the new text; vLLM applies stop strings itself.
 * Closing the iterator early closes vLLM's generator, which aborts the
   request inside the engine and frees its KV blocks.
+* A request with `api` set is sampled and shaped as `vllm serve` would
+  (vllm_api.py): its body becomes vLLM's own request, its sampling comes
+  from that, and each choice's output is parsed (tool calls, reasoning)
+  and carries its logprobs. Every choice of an `n` > 1 request yields its
+  own outputs, with its index.
+* A resumed request's structured output goes on where it left off: the
+  engine core runs a logits processor (vllm_resumed_grammar.py) that
+  advances vLLM's own grammar over the resumed tokens, in place of vLLM's
+  structured output for that request.
 * Stats arrive through vLLM's stat-logger interface (called in this
   process's event loop for every engine-core step); KV events through a
   ZMQ SUB socket that this process binds and vLLM's publisher connects to,
@@ -58,6 +67,7 @@ from services.worker.engines.base import (
     net_kv_delta,
 )
 from services.worker.engines.kv_rehash import KvEventRehasher
+from services.worker.engines.vllm_api import ApiRun, ApiSurface, check_parser_settings, vllm_rejection
 from services.worker.engines.vllm_kv_ref import (
     REMOTE_CACHED_TOKENS,
     kv_ref_from_params,
@@ -65,6 +75,7 @@ from services.worker.engines.vllm_kv_ref import (
     producer_request_params,
 )
 from services.worker.engines.vllm_preflight import ResolvedEngine
+from services.worker.engines.vllm_resumed_grammar import RESUMED_GRAMMAR_PROCESSOR
 from shared.config import VllmSettings
 
 log = structlog.get_logger("kvlane.worker.vllm")
@@ -170,12 +181,42 @@ def to_vllm_sampling(sampling: SamplingParams) -> VllmSamplingParams:
     )
 
 
+def resumed_grammar_loadable(args: Mapping) -> bool:
+    """Whether vLLM will run the resumed-grammar processor under these engine args: it implements the V1 model
+    runner's logits-processor interface, which runs where Triton is missing (the CPU platform) or the V2 runner is
+    turned off (VLLM_USE_V2_MODEL_RUNNER=0); vLLM refuses custom logits processors with speculative decoding.
+    Where it is not loaded, resuming a structured output is refused (vllm_api.runs_resumed_grammar)."""
+    from vllm.triton_utils import HAS_TRITON
+
+    # Speculative decoding and sampling-mask replay refuse custom processors; watermarking and HiSparse attention
+    # force the V2 runner.
+    attention = args.get("attention_config")
+    if (args.get("speculative_config") or args.get("return_sampling_mask") or args.get("watermark_config")
+            or (isinstance(attention, Mapping) and attention.get("hisparse_config"))):
+        return False
+    return vllm_envs.VLLM_USE_V2_MODEL_RUNNER is False or (vllm_envs.VLLM_USE_V2_MODEL_RUNNER is None and not HAS_TRITON)
+
+
 def _finish_reason(vllm_reason: str | None) -> FinishReason | None:
     if vllm_reason is None:
         return None
     if vllm_reason in ("stop", "length", "abort"):
         return vllm_reason  # type: ignore[return-value]
     raise RuntimeError(f"vLLM finished the request with {vllm_reason!r}")
+
+
+class Submission(msgspec.Struct):
+    """What vLLM is given for one request."""
+
+    prompt: TokensInput
+    sampling: VllmSamplingParams
+    # The KV reference to pull first (a decode node's request), or None.
+    kv_ref: KvRef | None
+    # The API request's sampling and output shaping (None: plain text, as sampled).
+    api_run: ApiRun | None
+
+    def engine_kwargs(self) -> dict:
+        return self.api_run.engine_kwargs if self.api_run is not None else {}
 
 
 def _root_cause(exc: BaseException) -> str:
@@ -290,7 +331,11 @@ class VllmEngine:
         self._kv_events: KvEventSubscriber | None = None
         self._gpu = GpuProbe()
         self._engine: AsyncLLM | None = None
+        # Built once the engine started (it needs its tokenizer and model config).
+        self._api: ApiSurface | None = None
         self._kv_blocks_total = 0
+        # Before anything starts: a worker with impossible parser options stops at once.
+        check_parser_settings(settings)
         # Requests submitted that have had no output yet: their prompt is still queued or prefilling
         # (or, on a decode node, its KV still being pulled). vLLM's scheduler counts only the waiting ones.
         self._awaiting_first_output: set[str] = set()
@@ -315,9 +360,17 @@ class VllmEngine:
         )
         if self._resolved.kv_cache_bytes is not None:
             args["kv_cache_memory_bytes"] = self._resolved.kv_cache_bytes
+        if settings.reasoning_parser:
+            # The engine core's too, as `vllm serve --reasoning-parser` sets it: structured outputs start
+            # constraining only once the reasoning ended.
+            args["reasoning_parser"] = settings.reasoning_parser
         if self._kv_transfer is not None:
             args["kv_transfer_config"] = self._kv_transfer
         args.update(settings.extra_engine_args)
+        if resumed_grammar_loadable(args):
+            # Resumes a structured output partway through its grammar (vllm_resumed_grammar.py); it costs nothing
+            # for any other request. By its qualified name: the engine core imports it itself.
+            args["logits_processors"] = [*(args.get("logits_processors") or ()), RESUMED_GRAMMAR_PROCESSOR]
         if isinstance(args.get("kv_transfer_config"), dict):
             args["kv_transfer_config"] = KVTransferConfig(**args["kv_transfer_config"])
         return AsyncEngineArgs(**args)
@@ -341,6 +394,7 @@ class VllmEngine:
         # `vllm.envs` attribute is an environment lookup, and vLLM's output processing
         # reads some for every request at every step.
         vllm_envs.enable_envs_cache()
+        self._api = ApiSurface.of_engine(self._settings, self._engine)
         self._kv_blocks_total = self._engine.vllm_config.cache_config.num_gpu_blocks or 0
         log.info("vllm_engine_started", model=self._served_model_name, role=self._role, kv_blocks=self._kv_blocks_total,
                  block_size=self._resolved.block_size, max_model_len=self._resolved.max_model_len,
@@ -392,7 +446,7 @@ class VllmEngine:
                     async for output in outputs:
                         final = output
                 except (VLLMClientError, ValueError) as exc:
-                    raise RequestRejected(str(exc)) from exc
+                    raise vllm_rejection(exc) from exc
         finally:
             self._awaiting_first_output.discard(request.request_id)
         reason = final.outputs[0].finish_reason if final is not None and final.outputs else None
@@ -419,8 +473,8 @@ class VllmEngine:
         # has no call that frees a finished request's held blocks early.
         pass
 
-    def _submission(self, request: EngineRequest) -> tuple[TokensInput, VllmSamplingParams, KvRef | None]:
-        """What vLLM is given for `request`: its prompt, its sampling and the KV reference to pull (or None)."""
+    def _submission(self, request: EngineRequest) -> Submission:
+        """What vLLM is given for `request`: its prompt, its sampling, the KV reference to pull, the API shaping."""
         self.check(request)
         # A reference is used only where there is a consumer to pull it; any
         # other engine simply prefills the prompt itself.
@@ -431,33 +485,49 @@ class VllmEngine:
         # A resumed request replays what it already produced as prompt and
         # generates the rest (greedy decoding continues exactly).
         resumed = list(request.resume_token_ids)
-        sampling = to_vllm_sampling(
-            msgspec.structs.replace(request.sampling, max_tokens=request.sampling.max_tokens - len(resumed))
-        )
+        api_run = None
+        if request.api is not None:
+            if self._api is None:
+                raise RuntimeError("the vLLM engine is not running")
+            api_run = self._api.prepare(request)
+            sampling = api_run.sampling
+        else:
+            sampling = to_vllm_sampling(
+                msgspec.structs.replace(request.sampling, max_tokens=request.sampling.max_tokens - len(resumed))
+            )
         if kv_ref is not None:
-            sampling.extra_args = {"kv_transfer_params": params_from_kv_ref(kv_ref)}
-        return tokens_input(list(request.prompt_token_ids) + resumed), sampling, kv_ref
+            sampling.extra_args = {**(sampling.extra_args or {}), "kv_transfer_params": params_from_kv_ref(kv_ref)}
+        return Submission(tokens_input(list(request.prompt_token_ids) + resumed), sampling, kv_ref, api_run)
 
     @staticmethod
-    def _engine_output(request: EngineRequest, kv_ref: KvRef | None, output: RequestOutput, produced: bool) -> EngineOutput:
-        completion = output.outputs[0]
-        if kv_ref is not None and not produced and completion.finish_reason == "error":
+    def _engine_outputs(request: EngineRequest, submission: Submission, output: RequestOutput,
+                        produced: bool) -> list[EngineOutput]:
+        """One output per choice that `output` carries (an `n` > 1 request's choices come in any order)."""
+        kv_ref = submission.kv_ref
+        if kv_ref is not None and not produced and any(c.finish_reason == "error" for c in output.outputs):
             # kv_load_failure_policy "fail": vLLM ends the request
             # with an error and no token when the pull fails.
             log.warning("kv_pull_failed", request_id=request.request_id, source=kv_ref.source_worker_id,
                         engine_id=kv_ref.engine_id, side_channel=f"{kv_ref.host}:{kv_ref.port}")
             raise KvPullFailed(f"pulling the KV of {request.request_id} from {kv_ref.source_worker_id} failed")
-        return EngineOutput(
-            token_ids=list(completion.token_ids),
-            text=completion.text,
-            finish_reason=_finish_reason(completion.finish_reason) if output.finished else None,
-            cached_tokens=output.num_cached_tokens or 0,
-        )
+        cached_tokens = output.num_cached_tokens or 0
+        if submission.api_run is None:
+            completion = output.outputs[0]
+            return [EngineOutput(
+                token_ids=list(completion.token_ids),
+                text=completion.text,
+                finish_reason=_finish_reason(completion.finish_reason) if output.finished else None,
+                cached_tokens=cached_tokens,
+            )]
+        # Each choice of an `n` > 1 request ends on its own: its finish reason, not the request's, says so.
+        return [submission.api_run.output(completion, cached_tokens, _finish_reason(completion.finish_reason), output.prompt_logprobs)
+                for completion in output.outputs]
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
-        prompt, sampling, kv_ref = self._submission(request)
+        submission = self._submission(request)
         engine = self._running()
-        outputs = engine.generate(prompt, sampling, request.request_id)
+        outputs = engine.generate(submission.prompt, submission.sampling, request.request_id,
+                                  **submission.engine_kwargs())
         produced = False
         awaiting = self._awaiting_first_output
         awaiting.add(request.request_id)
@@ -469,11 +539,14 @@ class VllmEngine:
                     async for output in outputs:
                         if not produced:
                             awaiting.discard(request.request_id)
-                        engine_output = self._engine_output(request, kv_ref, output, produced)
+                        engine_outputs = self._engine_outputs(request, submission, output, produced)
                         produced = True
-                        yield engine_output
+                        for engine_output in engine_outputs:
+                            yield engine_output
+                except RequestRejected:
+                    raise
                 except (VLLMClientError, ValueError) as exc:
-                    raise RequestRejected(str(exc)) from exc
+                    raise vllm_rejection(exc) from exc
         finally:
             awaiting.discard(request.request_id)
 
@@ -486,12 +559,13 @@ class VllmEngine:
         out. Here the collector's `put` delivers the output on the spot, so
         that no task per request wakes at each step.
         """
-        prompt, sampling, kv_ref = self._submission(request)
+        submission = self._submission(request)
         engine = self._running()
         try:
-            collector = await engine.add_request(request.request_id, prompt, sampling)
+            collector = await engine.add_request(request.request_id, submission.prompt, submission.sampling,
+                                                 **submission.engine_kwargs())
         except (VLLMClientError, ValueError) as exc:
-            raise RequestRejected(str(exc)) from exc
+            raise vllm_rejection(exc) from exc
         ended: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         produced = finished = False
         awaiting = self._awaiting_first_output
@@ -508,9 +582,10 @@ class VllmEngine:
             if not produced:
                 awaiting.discard(request.request_id)
             try:
-                engine_output = self._engine_output(request, kv_ref, output, produced)
+                engine_outputs = self._engine_outputs(request, submission, output, produced)
                 produced = True
-                on_output(engine_output)
+                for engine_output in engine_outputs:
+                    on_output(engine_output)
             except Exception as exc:  # raised in the caller, never into vLLM's output handler
                 ended.set_exception(exc)
                 return

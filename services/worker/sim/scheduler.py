@@ -54,6 +54,11 @@ class SimRequest(msgspec.Struct, frozen=True):
     # Keep the KV blocks when the request finishes (a prefill node holds them
     # for a decode node to pull) until `release_held`.
     hold_kv: bool = False
+    # The answer's exact tokens when the request constrains its output (a tool
+    # call, a JSON schema; see `responder`): position p emits script[p], and the
+    # request finishes after the last of them (or at max_tokens, if sooner).
+    # Empty: free tokens from the stream key.
+    script: list[int] = []
 
 
 class FinishedInfo(msgspec.Struct, frozen=True):
@@ -72,7 +77,7 @@ class StepOutcome(msgspec.Struct):
     duration_s: float
     # (request_id, token_id); at most one per sequence, in batch order.
     emitted: list[tuple[str, int]]
-    # Requests that reached max_tokens; their last token is in `emitted`.
+    # Requests that reached max_tokens (or the end of their script); their last token is in `emitted`.
     finished: list[str]
     # Requests pushed back to waiting in this step.
     preempted: list[str]
@@ -209,6 +214,11 @@ class SimScheduler:
             raise ValueError(
                 f"request {request.request_id!r}: resumes after {len(request.resume_output)} tokens, "
                 f"nothing left of max_tokens ({request.max_tokens})"
+            )
+        if request.script and len(request.resume_output) >= len(request.script):
+            raise ValueError(
+                f"request {request.request_id!r}: resumes after {len(request.resume_output)} tokens, "
+                f"past the end of its scripted answer ({len(request.script)} tokens)"
             )
         try:
             hashes = chained_block_hashes(prompt, self._block_size)
@@ -451,6 +461,12 @@ class SimScheduler:
     def _emit(self, seq: _Sequence, outcome: StepOutcome) -> bool:
         """Sample the next output token; True if that was the last one."""
         output = seq.output
+        script = seq.request.script
+        if script:
+            token = script[len(output)]
+            output.append(token)
+            outcome.emitted.append((seq.request_id, token))
+            return len(output) == seq.request.max_tokens or len(output) == len(script)
         token = token_at(seq.stream_key, len(output), self._token_low, self._token_span)
         output.append(token)
         outcome.emitted.append((seq.request_id, token))
