@@ -140,7 +140,7 @@ class Completions:
             Authenticator.check_model(key, body.model)
             registration = self._model(body.model)
             tokenizer = await self._tokenizer(registration)
-            engine_body = api_body(payload)
+            engine_body = api_body(payload, always=registration.engine == "vllm")
             if isinstance(body, CompletionRequest):
                 prompts = completion_prompts(body)
                 asked = [prepare(body, registration, tokenizer, self._settings.max_tokens_default, engine_body, prompt)
@@ -467,7 +467,8 @@ def answer_shape(request: ChatCompletionRequest | CompletionRequest, prepared: P
         role=prepared.role,
         chat_logprobs=bool(request.logprobs),
         top_logprobs=request.top_logprobs,
-        parsed=bool(model.tool_call_parser or model.reasoning_parser),
+        # A plain request's output is plain text (no body: the engine's parser never sees it).
+        parsed=bool(model.tool_call_parser or model.reasoning_parser) and prepared.api is not None,
         auto_tools=bool(model.tool_call_parser),
         tool_choice=tool_choice,
         parallel_tool_calls=request.parallel_tool_calls is not False,

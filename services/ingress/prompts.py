@@ -22,6 +22,15 @@ from shared.tokenizer import Tokenizer, UnsupportedContent
 
 # The request body's prompt fields: they ride as token ids, not in the body the engine reads.
 _PROMPT_FIELDS = ("messages", "prompt")
+# What a request may hold and still be plain text as sampled: `SamplingParams` carries it, or the ingress alone
+# acts on it (the prompt's rendering, echo), or it is accepted and ignored. The sim engine needs the body of a
+# request that holds anything else; a vLLM engine always reads it (its own defaults and checks apply to each).
+_PLAIN_FIELDS = frozenset({
+    "model", "messages", "prompt", "stream", "stream_options", "max_tokens", "max_completion_tokens", "temperature",
+    "top_p", "top_k", "seed", "stop", "presence_penalty", "frequency_penalty", "user", "priority", "ignore_eos", "echo",
+    "add_generation_prompt", "continue_final_message", "chat_template_kwargs", "documents", "add_special_tokens",
+    "store", "metadata", "service_tier", "include_reasoning", "reasoning_effort",
+})
 _RAW_FIELDS = msgspec.json.Decoder(dict[str, msgspec.Raw])
 _ENCODER = msgspec.json.Encoder()
 
@@ -44,9 +53,12 @@ class PreparedRequest(Struct, frozen=True):
     role: str = "assistant"
 
 
-def api_body(payload: bytes) -> bytes:
-    """The request body without its prompt; its other values stay as sent (not decoded, not re-encoded)."""
+def api_body(payload: bytes, always: bool = True) -> bytes | None:
+    """The request body without its prompt, its other values as sent (not decoded, not re-encoded); None for a
+    plain request unless `always` (a vLLM engine's model: its engine reads every body)."""
     fields = _RAW_FIELDS.decode(payload)
+    if not always and fields.keys() <= _PLAIN_FIELDS:
+        return None
     for name in _PROMPT_FIELDS:
         fields.pop(name, None)
     return _ENCODER.encode(fields)

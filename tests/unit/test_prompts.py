@@ -344,3 +344,12 @@ def test_chat_echo_continues_the_last_message_of_the_answering_role() -> None:
     prepared = prepare(request, registration(), TOKENIZER, DEFAULT_MAX)
     assert (prepared.role, prepared.echo_text) == ("assistant", "Once")
     assert prepare(chat(("user", "hi"), echo=True), registration(), TOKENIZER, DEFAULT_MAX).echo_text == ""
+
+
+def test_a_plain_request_needs_no_body_on_the_sim_engine() -> None:
+    plain = b'{"model": "m", "messages": [], "max_tokens": 3, "temperature": 0, "store": true, "stream": false}'
+    assert api_body(plain, always=False) is None
+    assert json.loads(api_body(plain)) == {"model": "m", "max_tokens": 3, "temperature": 0, "store": True, "stream": False}
+    for extra in ('"tools": []', '"logprobs": true', '"n": 2', '"min_tokens": 2', '"frobnicate": 1'):
+        asked = plain[:-1] + b", " + extra.encode() + b"}"
+        assert api_body(asked, always=False) is not None, extra

@@ -35,7 +35,6 @@ from typing import Any
 import aiohttp
 import pytest
 
-from kvlane.fleet import Fleet
 from kvlane.launcher import free_port
 from tests.vllm.api_shapes import CHAT, COMPLETIONS, DETOKENIZE, MODELS, TOKENIZE, Shape, build_shapes
 from tests.vllm.conftest import (
