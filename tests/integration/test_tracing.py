@@ -344,12 +344,15 @@ async def test_migrated_request_shows_two_attempts_in_one_trace(tmp_path: Path, 
         header, trace_id, _ = traceparent()
         async with BusWatch(fleet) as watch:
             victim: list[str] = []
+            request_ids: list[str] = []
             tokens = [0]
 
             def on(subject: str, message: object) -> None:
-                if isinstance(message, GenerateRequest) and not victim:
+                # This request's (its 300 tokens), not a health prober's canary: those run on the same bus.
+                if isinstance(message, GenerateRequest) and not victim and message.sampling.max_tokens == 300:
                     victim.append(worker_of(subject))
-                elif isinstance(message, TokenChunk) and victim and tokens[0] < 5:
+                    request_ids.append(message.request_id)
+                elif isinstance(message, TokenChunk) and request_ids and message.request_id == request_ids[0] and tokens[0] < 5:
                     tokens[0] += len(message.token_ids)
                     if tokens[0] >= 5:
                         process(fleet, victim[0]).signal(signal.SIGKILL)

@@ -24,6 +24,7 @@ from typing import Any
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 TOKENIZE, DETOKENIZE, MODELS = "/tokenize", "/detokenize", "/v1/models"
+MESSAGES, RESPONSES = "/v1/messages", "/v1/responses"
 MAX_TOKENS = 16
 TOOL_MAX_TOKENS = 100
 
@@ -274,6 +275,7 @@ def build_shapes(tokenizer: Any, model: str, max_model_len: int) -> list[Shape]:
         Shape("err_cmpl_unknown_model", COMPLETIONS, cmpl(model="no-such-model"), compare="status"),
         Shape("err_cmpl_missing_prompt", COMPLETIONS, greedy, compare="status"),
         Shape("err_stream_n0", CHAT, quiet(n=0, stream=True), compare="status"),
+        *api_translation_shapes(model),
     ]
     for shape in s:  # quiet(max_tokens=None, ...) means "leave it out"
         if isinstance(shape.body, dict) and shape.body.get("max_tokens", 0) is None:
@@ -281,3 +283,54 @@ def build_shapes(tokenizer: Any, model: str, max_model_len: int) -> list[Shape]:
     names = [shape.name for shape in s]
     assert len(names) == len(set(names)), "shape names must be unique"
     return s
+
+
+def api_translation_shapes(model: str) -> list[Shape]:
+    """The Anthropic Messages and the Responses APIs, which vLLM serves through its chat path, as kvlane does."""
+    def message(content: str = USER, **extra: Any) -> dict:
+        return {"model": model, "max_tokens": MAX_TOKENS, "temperature": 0, "messages": [{"role": "user", "content": content}]} | extra
+
+    def response(**extra: Any) -> dict:
+        # vllm serve keeps no responses unless VLLM_ENABLE_RESPONSES_API_STORE is set: these ask for none.
+        return {"model": model, "input": USER, "max_output_tokens": MAX_TOKENS, "temperature": 0, "store": False} | extra
+
+    anthropic_tool = {"name": "get_weather", "description": "The weather in a city.", "input_schema": WEATHER_SCHEMA}
+    response_tool = {"type": "function", "name": "get_weather", "description": "The weather in a city.",
+                     "parameters": WEATHER_SCHEMA, "strict": True}
+    no_thinking = {"effort": "none"}
+    return [
+        Shape("messages_basic", MESSAGES, message(), compare="messages"),
+        # One token: the thinking alone. The next is text that opens with `<tool_call>`, which vLLM 0.32's Anthropic
+        # stream drops (its whole answer, and its chat stream, have it); kvlane's stream keeps it.
+        Shape("messages_stream", MESSAGES, message(stream=True, max_tokens=1), compare="messages",
+              notes="vLLM's Anthropic stream drops text that opens with a tool-call marker"),
+        Shape("messages_system", MESSAGES, message(system="You answer briefly.", max_tokens=24), compare="messages"),
+        Shape("messages_system_blocks_stream", MESSAGES, message(system=[{"type": "text", "text": "You answer briefly."}],
+                                                                 stream=True), compare="messages"),
+        Shape("messages_stop_sequences", MESSAGES, message(stop_sequences=["e"], max_tokens=24), compare="messages"),
+        Shape("messages_multi_turn", MESSAGES, message() | {"messages": [
+            {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"},
+            {"role": "user", "content": [{"type": "text", "text": "Weather in Rome?"}]}]}, compare="messages"),
+        Shape("messages_tool_result", MESSAGES, message(tools=[anthropic_tool]) | {"messages": [
+            {"role": "user", "content": "Weather in Rome?"},
+            {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "rome"}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "clear, 21 C"}]}]},
+              compare="messages"),
+        Shape("err_messages_missing_max_tokens", MESSAGES, {"model": model, "messages": [{"role": "user", "content": "Hi"}]},
+              compare="status"),
+        Shape("err_messages_unknown_model", MESSAGES, message(model="no-such-model"), compare="status"),
+        Shape("responses_basic", RESPONSES, response(), compare="responses"),
+        Shape("responses_stream", RESPONSES, response(stream=True), compare="responses"),
+        Shape("responses_instructions", RESPONSES, response(instructions="You answer briefly.", reasoning=no_thinking),
+              compare="responses"),
+        Shape("responses_input_items", RESPONSES, response(reasoning=no_thinking, input=[
+            {"role": "user", "content": [{"type": "input_text", "text": "Hi"}]},
+            {"role": "assistant", "content": "Hello!"},
+            {"role": "user", "content": "Weather in Rome?"}]), compare="responses"),
+        Shape("responses_function_output", RESPONSES, response(reasoning=no_thinking, tools=[response_tool], input=[
+            {"role": "user", "content": "Weather in Rome?"},
+            {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "rome"}'},
+            {"type": "function_call_output", "call_id": "call_1", "output": "clear, 21 C"}]), compare="responses"),
+        Shape("err_responses_unknown_previous", RESPONSES, response(previous_response_id="resp_nope"), compare="status"),
+        Shape("err_responses_unknown_model", RESPONSES, response(model="no-such-model"), compare="status"),
+    ]

@@ -36,7 +36,7 @@ import aiohttp
 import pytest
 
 from kvlane.launcher import free_port
-from tests.vllm.api_shapes import CHAT, COMPLETIONS, DETOKENIZE, MODELS, TOKENIZE, Shape, build_shapes
+from tests.vllm.api_shapes import CHAT, COMPLETIONS, DETOKENIZE, MESSAGES, MODELS, RESPONSES, TOKENIZE, Shape, build_shapes
 from tests.vllm.conftest import (
     BLOCK_SIZE,
     ENGINE_ENV,
@@ -125,7 +125,8 @@ async def ask(session: aiohttp.ClientSession, base_url: str, shape: Shape) -> di
 
 
 def kind(shape: Shape) -> str:
-    return {CHAT: "chat", COMPLETIONS: "completion", TOKENIZE: "json", DETOKENIZE: "json", MODELS: "models"}[shape.path]
+    return {CHAT: "chat", COMPLETIONS: "completion", TOKENIZE: "json", DETOKENIZE: "json", MODELS: "models",
+            MESSAGES: "messages", RESPONSES: "responses"}[shape.path]
 
 
 def usage_of(usage: dict | None) -> dict | None:
@@ -148,12 +149,85 @@ def completion_logprobs(logprobs: dict | None) -> dict | None:
     return {key: logprobs.get(key) for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
 
 
+def message_view(message: dict) -> dict:
+    """An Anthropic message as a client reads it; the input tokens with those read from the cache (they split
+    differently where the prefix caches of the two servers hold different prompts)."""
+    blocks = []
+    for block in message.get("content") or []:
+        kind_ = block.get("type")
+        if kind_ == "text":
+            blocks.append({"type": kind_, "text": block.get("text")})
+        elif kind_ == "thinking":
+            blocks.append({"type": kind_, "thinking": block.get("thinking")})
+        elif kind_ == "tool_use":
+            blocks.append({"type": kind_, "name": block.get("name"), "input": block.get("input")})
+        else:
+            blocks.append({"type": kind_})
+    usage = message.get("usage") or {}
+    return {"role": message.get("role"), "content": blocks, "stop_reason": message.get("stop_reason"),
+            "stop_sequence": message.get("stop_sequence"), "model": message.get("model"),
+            "input_tokens": (usage.get("input_tokens") or 0) + (usage.get("cache_read_input_tokens") or 0),
+            "output_tokens": usage.get("output_tokens")}
+
+
+def response_view(response: dict) -> dict:
+    """A Responses API response as a client reads it: its items' texts and calls, its status, its token counts."""
+    items = []
+    for item in response.get("output") or []:
+        kind_ = item.get("type")
+        if kind_ == "message":
+            items.append({"type": kind_, "text": "".join(part.get("text") or "" for part in item.get("content") or [])})
+        elif kind_ == "reasoning":
+            parts = [*(item.get("content") or []), *(item.get("summary") or [])]
+            items.append({"type": kind_, "text": "".join(part.get("text") or "" for part in parts)})
+        elif kind_ == "function_call":
+            items.append({"type": kind_, "name": item.get("name"), "arguments": item.get("arguments")})
+        else:
+            items.append({"type": kind_})
+    usage = response.get("usage") or {}
+    return {"status": response.get("status"), "incomplete": (response.get("incomplete_details") or {}).get("reason"),
+            "model": response.get("model"), "output": items,
+            "input_tokens": usage.get("input_tokens"), "output_tokens": usage.get("output_tokens")}
+
+
+def message_from_events(events: list[dict]) -> dict:
+    """An Anthropic stream as one message: blocks from their start and deltas, the stop and usage from message_delta."""
+    message: dict = {"content": []}
+    partial_json: dict[int, str] = {}
+    for event in events:
+        match event.get("type"):
+            case "message_start":
+                message |= {k: v for k, v in (event.get("message") or {}).items() if k != "content"}
+            case "content_block_start":
+                message["content"].append(dict(event.get("content_block") or {}))
+            case "content_block_delta":
+                block, delta = message["content"][event["index"]], event.get("delta") or {}
+                if delta.get("type") == "text_delta":
+                    block["text"] = (block.get("text") or "") + delta.get("text", "")
+                elif delta.get("type") == "thinking_delta":
+                    block["thinking"] = (block.get("thinking") or "") + delta.get("thinking", "")
+                elif delta.get("type") == "input_json_delta":
+                    partial_json[event["index"]] = partial_json.get(event["index"], "") + delta.get("partial_json", "")
+            case "message_delta":
+                message |= event.get("delta") or {}
+                message["usage"] = (message.get("usage") or {}) | (event.get("usage") or {})
+            case "error":
+                message.setdefault("stream_errors", []).append(event.get("error"))
+    for index, text in partial_json.items():
+        message["content"][index]["input"] = json.loads(text) if text else {}
+    return message_view(message) | ({"stream_errors": message["stream_errors"]} if "stream_errors" in message else {})
+
+
 def plain_view(shape: Shape, body: Any) -> Any:
     if not isinstance(body, dict):
         return {"unparsed": body}
     what = kind(shape)
     if what == "json":
         return body
+    if what == "messages":
+        return message_view(body)
+    if what == "responses":
+        return response_view(body)
     if what == "models":
         return {"object": body.get("object"), "ids": sorted(model.get("id") for model in body.get("data") or [])}
     choices = []
@@ -181,6 +255,12 @@ def plain_view(shape: Shape, body: Any) -> Any:
 def reassemble(shape: Shape, chunks: list[dict]) -> dict:
     """A stream as one answer: deltas concatenated per choice (and per tool call), finish_reason from the last."""
     what = kind(shape)
+    if what == "messages":
+        return message_from_events(chunks)
+    if what == "responses":  # the last event carries the whole response
+        completed = [c.get("response") for c in chunks if c.get("type") in ("response.completed", "response.incomplete")]
+        errors = [c for c in chunks if c.get("type") == "error"]
+        return response_view(completed[-1] if completed else {}) | ({"stream_errors": errors} if errors else {})
     choices: dict[int, dict] = {}
     usage, errors, objects, models = None, [], set(), set()
     for chunk in chunks:
