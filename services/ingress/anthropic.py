@@ -50,7 +50,7 @@ from contracts.anthropic_api import (
     event_type,
 )
 from contracts.openai_api import ChatCompletion, ChatCompletionChunk, CompletionUsage
-from services.ingress.completions import CHAT, Answer, Completions
+from services.ingress.completions import CHAT, Completions, TranslatedAnswer
 from services.ingress.errors import ApiError, from_decode_error
 from services.ingress.render import named_sse
 
@@ -430,16 +430,8 @@ class AnthropicMessages:
             raise AnthropicApiError.of(exc) from exc
 
 
-class MessagesAnswer:
+class MessagesAnswer(TranslatedAnswer):
     """What a transport serves: one Message, or a stream of events. Close it (`async with`) to end or abort it."""
-
-    def __init__(self, answer: Answer) -> None:
-        self._answer = answer
-        self.stream = answer.stream
-        self.request_id = answer.request_id
-
-    def degraded_header(self) -> dict[str, str]:
-        return self._answer.degraded_header()
 
     async def body(self) -> bytes:
         try:
@@ -460,11 +452,6 @@ class MessagesAnswer:
         for event in translator.finish():
             yield event
 
-    async def chunks(self) -> AsyncIterator[bytes]:
-        """Each event's JSON (the NATS API's stream messages: the event's `type` is in its body)."""
-        async for event in self.events():
-            yield _ENCODER.encode(event)
-
     async def sse(self) -> AsyncIterator[bytes]:
         """The stream as server-sent events; vLLM ends a broken stream with an `error` event."""
         try:
@@ -473,9 +460,3 @@ class MessagesAnswer:
         except AnthropicApiError as exc:
             log.warning("stream_failed", code=exc.code, error=exc.message)
             yield sse_event(exc.body())
-
-    async def __aenter__(self) -> MessagesAnswer:
-        return self
-
-    async def __aexit__(self, exc_type: object, exc: BaseException | None, traceback: object) -> None:
-        await self._answer.aclose(exc)

@@ -15,7 +15,7 @@ import os
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 import msgspec
 import structlog
@@ -126,7 +126,7 @@ class Completions:
         key = None
         try:
             # The key first: a caller without one learns nothing else (not even that its body is bad).
-            key = await self._auth.authenticate(headers) if self._auth is not None else None
+            key = await self._key(headers)
             if key is not None:
                 span.caller(key.tenant, key.id)
             if len(payload) > self._settings.max_body_bytes:
@@ -217,9 +217,13 @@ class Completions:
         registration = self._model(name)
         return registration, await self._tokenizer(registration)
 
+    async def _key(self, headers: Mapping[str, str] | None) -> KeyRecord | None:
+        """The caller's key, with auth required (else `ApiError`); None when anyone may ask."""
+        return await self._auth.authenticate(headers) if self._auth is not None else None
+
     async def authenticate(self, headers: Mapping[str, str] | None, model: str | None) -> None:
         """With auth required: a caller's key that may use `model` (else `ApiError`)."""
-        key = await self._auth.authenticate(headers) if self._auth is not None else None
+        key = await self._key(headers)
         if model is not None:
             Authenticator.check_model(key, model)
 
@@ -238,7 +242,7 @@ class Completions:
 
     async def models(self, headers: Mapping[str, str] | None = None) -> bytes:
         """`/v1/models` for this caller: with auth required, it needs a key and lists what the key may use (else `ApiError`)."""
-        key = await self._auth.authenticate(headers) if self._auth is not None else None
+        key = await self._key(headers)
         return self.models_body() if key is None else self.models_body(key.allows_model)
 
     # --- tokenizers ---------------------------------------------------------------
@@ -545,6 +549,33 @@ class Answer:
 
     async def __aexit__(self, exc_type: object, exc: BaseException | None, traceback: object) -> None:
         await self.aclose(exc)
+
+
+class TranslatedAnswer:
+    """A chat's answer told in another API's shape (Anthropic's Messages, OpenAI's Responses): a body, or a stream
+    of events. A subclass says how (`body`, `events`, `sse`); closing it (`async with`) ends or aborts the chat."""
+
+    def __init__(self, answer: Answer) -> None:
+        self._answer = answer
+        self.stream = answer.stream
+        self.request_id = answer.request_id
+
+    def degraded_header(self) -> dict[str, str]:
+        return self._answer.degraded_header()
+
+    def events(self) -> AsyncIterator[Any]:
+        raise NotImplementedError
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        """Each event's JSON (the NATS API's stream messages: the event's `type` is in its body)."""
+        async for event in self.events():
+            yield _ENCODER.encode(event)
+
+    async def __aenter__(self) -> TranslatedAnswer:
+        return self
+
+    async def __aexit__(self, exc_type: object, exc: BaseException | None, traceback: object) -> None:
+        await self._answer.aclose(exc)
 
 
 def error_json(error: ApiError) -> bytes:

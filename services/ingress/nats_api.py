@@ -85,7 +85,8 @@ class NatsApi:
             starters.append(("responses", subjects.API_RESPONSES, self._responses.start))
         for name, subject, start in starters:
             await self._service.add_endpoint(name=name, subject=subject, handler=self._spawning(name, start))
-        await self._service.add_endpoint(name="models", subject=subjects.API_MODELS, handler=self._models)
+        await self._service.add_endpoint(name="models", subject=subjects.API_MODELS,
+                                         handler=self._answering(lambda body, headers: self._completions.models(headers)))
         tokenization = Tokenization(self._completions)
         for name, subject, serve in (("tokenize", subjects.API_TOKENIZE, tokenization.tokenize),
                                      ("detokenize", subjects.API_DETOKENIZE, tokenization.detokenize)):
@@ -100,14 +101,6 @@ class NatsApi:
             for task in late:
                 task.cancel()
             await asyncio.gather(*late, return_exceptions=True)
-
-    async def _models(self, request: Request) -> None:
-        try:
-            body = await self._completions.models(dict(request.headers or {}))
-        except ApiError as exc:
-            await self._reply_error(request, exc)
-            return
-        await request.respond(body)
 
     def _answering(self, serve: Callable[[bytes, dict[str, str]], Awaitable[bytes]]) -> Callable[[Request], Awaitable[None]]:
         """A handler that answers one reply body (or an error) computed from the request's body and headers."""

@@ -118,18 +118,24 @@ def chat_template_kwargs(request: ChatCompletionRequest) -> dict[str, Any]:
     return kwargs
 
 
+def chat_prompt_text(request: ChatCompletionRequest, tokenizer: Tokenizer) -> str:
+    """The conversation as the model's chat template renders it, with the request's tools and template arguments
+    (`ValueError` where the template refuses it, `UnsupportedContent` for parts a text-only model cannot read)."""
+    return tokenizer.apply_chat_template(
+        request.messages,
+        tools=request.tools,
+        add_generation_prompt=request.add_generation_prompt,
+        continue_final_message=request.continue_final_message,
+        chat_template_kwargs=chat_template_kwargs(request),
+        documents=request.documents,
+    )
+
+
 def render_chat(request: ChatCompletionRequest, tokenizer: Tokenizer, add_special_tokens: bool = False) -> list[int]:
     """The conversation's token ids: rendered by the model's chat template, encoded without special tokens
     beyond the template's own (as vLLM encodes a chat prompt, unless asked to add them)."""
     try:
-        text = tokenizer.apply_chat_template(
-            request.messages,
-            tools=request.tools,
-            add_generation_prompt=request.add_generation_prompt,
-            continue_final_message=request.continue_final_message,
-            chat_template_kwargs=chat_template_kwargs(request),
-            documents=request.documents,
-        )
+        text = chat_prompt_text(request, tokenizer)
     except UnsupportedContent as exc:
         raise ApiError(400, str(exc), code="invalid_value", param=exc.param) from exc
     except ValueError as exc:  # the model's template refuses these messages (roles out of order, say)

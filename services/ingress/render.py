@@ -197,6 +197,16 @@ class _Answer:
         index = prompt_index * self._shape.n + frame.index
         return index, self._choices[index]
 
+    def _taken(self, frame: TokenChunk, prompt_index: int) -> tuple[int, _Choice, bool] | None:
+        """`frame` added to its choice: the choice's index, the choice, and whether this was its first output;
+        None for a frame of a choice already finished."""
+        index, choice = self._choice(frame, prompt_index)
+        if choice.finish_reason is not None:
+            return None
+        first_output = choice.tokens == 0
+        choice.add(frame)
+        return index, choice, first_output
+
     def add(self, frame: TokenChunk, prompt_index: int = 0) -> None:
         self._choice(frame, prompt_index)[1].add(frame)
 
@@ -260,11 +270,9 @@ class ChatRenderer(_Answer):
 
     def delta(self, frame: TokenChunk, prompt_index: int = 0, notes: KvlaneNotes | None = None) -> list[bytes]:
         """The chunks `frame` makes; a choice's finishing chunk carries kvlane's `notes`, if any."""
-        index, choice = self._choice(frame, prompt_index)
-        if choice.finish_reason is not None:
+        if (taken := self._taken(frame, prompt_index)) is None:
             return []
-        first_output = choice.tokens == 0
-        choice.add(frame)
+        index, choice, first_output = taken
         if not frame.text and not frame.token_ids and first_output and frame.finish_reason is None:
             return []
         shape = self._shape
@@ -347,11 +355,9 @@ class CompletionRenderer(_Answer):
 
     def delta(self, frame: TokenChunk, prompt_index: int = 0, notes: KvlaneNotes | None = None) -> list[bytes]:
         """The chunks `frame` makes; a choice's finishing chunk carries kvlane's `notes`, if any."""
-        index, choice = self._choice(frame, prompt_index)
-        if choice.finish_reason is not None:
+        if (taken := self._taken(frame, prompt_index)) is None:
             return []
-        first_output = choice.tokens == 0
-        choice.add(frame)
+        index, choice, first_output = taken
         text = frame.text
         shape = self._shape
         echo = self._echo_texts[prompt_index]

@@ -60,7 +60,7 @@ from contracts.responses_api import (
     StreamEvent,
     event_type,
 )
-from services.ingress.completions import CHAT, Answer, Completions
+from services.ingress.completions import CHAT, Answer, Completions, TranslatedAnswer
 from services.ingress.errors import ApiError, from_decode_error
 from services.ingress.render import named_sse
 from services.ingress.response_store import ResponseStore
@@ -610,22 +610,17 @@ def not_found(response_id: str) -> ApiError:
     return ApiError(404, f"Response with id '{response_id}' not found.", code="not_found", param="response_id")
 
 
-class ResponseAnswer:
+class ResponseAnswer(TranslatedAnswer):
     """What a transport serves: one response, or a stream of events. Close it (`async with`) to end or abort it."""
 
     def __init__(self, answer: Answer, draft: ResponseDraft, parsed: bool, messages: list[dict[str, Any]],
                  store: ResponseStore | None) -> None:
-        self._answer = answer
+        super().__init__(answer)
         self._draft = draft
         self._parsed = parsed
         self._messages = messages
         self._store = store
         self._stream = ResponseStream(draft)
-        self.stream = answer.stream
-        self.request_id = answer.request_id
-
-    def degraded_header(self) -> dict[str, str]:
-        return self._answer.degraded_header()
 
     async def _keep(self, response: Response) -> None:
         if self._store is not None:
@@ -651,11 +646,6 @@ class ResponseAnswer:
         """The events that end a stream broken off by `error` (an `error` event; none once the stream has ended)."""
         return self._stream.fail(error)
 
-    async def chunks(self) -> AsyncIterator[bytes]:
-        """Each event's JSON (the NATS API's stream messages: the event's `type` is in its body)."""
-        async for event in self.events():
-            yield _ENCODER.encode(event)
-
     async def sse(self) -> AsyncIterator[bytes]:
         """The stream as server-sent events, ended by an `error` event if it broke off."""
         try:
@@ -665,9 +655,3 @@ class ResponseAnswer:
             log.warning("stream_failed", code=exc.code, error=exc.message)
             for event in self.error_events(exc):
                 yield sse_event(event)
-
-    async def __aenter__(self) -> ResponseAnswer:
-        return self
-
-    async def __aexit__(self, exc_type: object, exc: BaseException | None, traceback: object) -> None:
-        await self._answer.aclose(exc)

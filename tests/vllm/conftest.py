@@ -56,6 +56,21 @@ def vllm_settings(model_dir: Path, **overrides: object) -> VllmSettings:
     return VllmSettings(**(fields | overrides))
 
 
+@contextmanager
+def engine_environment() -> Iterator[None]:
+    """`ENGINE_ENV` in this process while an embedded engine runs (its core reads it at start); restored after."""
+    saved = {name: os.environ.get(name) for name in ENGINE_ENV}
+    os.environ.update(ENGINE_ENV)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 def reference_engine_args(model_dir: Path) -> dict:
     """The offline reference engine, configured as the workers' engines are."""
     return {"model": str(model_dir), "dtype": "float32", "max_model_len": MAX_MODEL_LEN, "block_size": BLOCK_SIZE,

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 from contracts.openai_api import ChatCompletionRequest as KvlaneChatRequest
 from contracts.openai_api import ChatMessage, ContentPart
-from services.ingress.prompts import chat_template_kwargs
+from services.ingress.prompts import chat_prompt_text
 from shared.hf_tokenizer import HfTokenizer
 from shared.tokenizer import UnsupportedContent
 
@@ -86,15 +86,7 @@ class Rendering:
         return engine_input["prompt"], list(engine_input["prompt_token_ids"])
 
     def by_kvlane(self, body: dict[str, Any]) -> tuple[str, list[int]]:
-        request = msgspec.convert(body, KvlaneChatRequest)
-        text = self.kvlane.apply_chat_template(
-            request.messages,
-            tools=request.tools,
-            add_generation_prompt=request.add_generation_prompt,
-            continue_final_message=request.continue_final_message,
-            chat_template_kwargs=chat_template_kwargs(request),
-            documents=request.documents,
-        )
+        text = chat_prompt_text(msgspec.convert(body, KvlaneChatRequest), self.kvlane)
         return text, self.kvlane.encode(text, add_special_tokens=False)
 
     def assert_same(self, body: dict[str, Any]) -> str:

@@ -8,7 +8,6 @@ forced, where a test needs it, with a structured-output regex.
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -17,7 +16,7 @@ import pytest
 from contracts.messages import ApiRequest, SamplingParams
 from services.worker.engines.base import EngineConfigError, EngineOutput, EngineRequest, RequestRejected
 from shared.config import WorkerSettings
-from tests.vllm.conftest import ENGINE_ENV, MODEL, vllm_settings
+from tests.vllm.conftest import MODEL, engine_environment, vllm_settings
 
 pytestmark = [pytest.mark.vllm]
 
@@ -40,18 +39,12 @@ def tokenizer(tiny_model: Path):
 async def engine(tiny_model: Path) -> AsyncIterator:
     from services.worker.engines.vllm_setup import build_vllm_engine
 
-    saved = {name: os.environ.get(name) for name in ENGINE_ENV}
-    os.environ.update(ENGINE_ENV)
-    settings = vllm_settings(tiny_model, tool_call_parser="hermes", reasoning_parser="qwen3", enable_auto_tool_choice=True)
-    engine, _ = build_vllm_engine(WorkerSettings(model=MODEL, engine="vllm", vllm=settings))
-    await engine.start()
-    yield engine
-    await engine.shutdown()
-    for name, value in saved.items():
-        if value is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = value
+    with engine_environment():
+        settings = vllm_settings(tiny_model, tool_call_parser="hermes", reasoning_parser="qwen3", enable_auto_tool_choice=True)
+        engine, _ = build_vllm_engine(WorkerSettings(model=MODEL, engine="vllm", vllm=settings))
+        await engine.start()
+        yield engine
+        await engine.shutdown()
 
 
 def chat_prompt(tokenizer, thinking: bool = False) -> list[int]:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -12,7 +11,7 @@ import pytest
 from contracts.messages import SamplingParams
 from services.worker.engines.base import EngineOutput, EngineRequest, PushesOutputs
 from shared.config import WorkerSettings
-from tests.vllm.conftest import ENGINE_ENV, MODEL, vllm_settings
+from tests.vllm.conftest import MODEL, engine_environment, vllm_settings
 
 pytestmark = [pytest.mark.vllm]
 
@@ -23,17 +22,11 @@ PROMPT = [11 + (i * 37) % 900 for i in range(70)]
 async def engine(tiny_model: Path) -> AsyncIterator:
     from services.worker.engines.vllm_setup import build_vllm_engine
 
-    saved = {name: os.environ.get(name) for name in ENGINE_ENV}
-    os.environ.update(ENGINE_ENV)
-    engine, _ = build_vllm_engine(WorkerSettings(model=MODEL, engine="vllm", vllm=vllm_settings(tiny_model)))
-    await engine.start()
-    yield engine
-    await engine.shutdown()
-    for name, value in saved.items():
-        if value is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = value
+    with engine_environment():
+        engine, _ = build_vllm_engine(WorkerSettings(model=MODEL, engine="vllm", vllm=vllm_settings(tiny_model)))
+        await engine.start()
+        yield engine
+        await engine.shutdown()
 
 
 def request(request_id: str, max_tokens: int) -> EngineRequest:

@@ -12,7 +12,6 @@ the tiny model (Qwen's chat tokens, random weights), as in test_vllm_api.py.
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -21,7 +20,7 @@ import pytest
 from contracts.messages import ApiRequest, SamplingParams
 from services.worker.engines.base import EngineOutput, EngineRequest, RequestRejected
 from shared.config import WorkerSettings
-from tests.vllm.conftest import ENGINE_ENV, MODEL, vllm_settings
+from tests.vllm.conftest import MODEL, engine_environment, vllm_settings
 
 pytestmark = [pytest.mark.vllm]
 
@@ -68,16 +67,10 @@ def tokenizer(tiny_model: Path):
 
 @pytest.fixture(scope="module")
 async def engine(tiny_model: Path) -> AsyncIterator:
-    saved = {name: os.environ.get(name) for name in ENGINE_ENV}
-    os.environ.update(ENGINE_ENV)
-    engine = await started_engine(tiny_model)
-    yield engine
-    await engine.shutdown()
-    for name, value in saved.items():
-        if value is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = value
+    with engine_environment():
+        engine = await started_engine(tiny_model)
+        yield engine
+        await engine.shutdown()
 
 
 def chat_prompt(tokenizer) -> list[int]:

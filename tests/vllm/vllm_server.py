@@ -22,6 +22,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from tests.waiting import wait_for
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -59,13 +61,12 @@ class VllmServe:
             return False
 
     def wait_healthy(self, timeout_s: float) -> float:
+        """Seconds until /health answers; fails at once, with its log, if the server exits first."""
         started = time.monotonic()
-        while not self.healthy():
-            if self.process.poll() is not None:
-                raise RuntimeError(f"vllm serve exited {self.process.returncode}:\n{self.log_tail()}")
-            if time.monotonic() - started > timeout_s:
-                raise TimeoutError(f"vllm serve not healthy within {timeout_s:.0f}s:\n{self.log_tail()}")
-            time.sleep(0.2)
+        wait_for(lambda: self.process.poll() is not None or self.healthy(), timeout_s,
+                 f"vllm serve healthy (its log: {self.log_path})")
+        if self.process.poll() is not None:
+            raise RuntimeError(f"vllm serve exited {self.process.returncode}:\n{self.log_tail()}")
         return time.monotonic() - started
 
     def stop(self, timeout_s: float = 20.0) -> None:
