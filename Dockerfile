@@ -32,6 +32,7 @@ COPY pyproject.toml README.md ./
 COPY contracts ./contracts
 COPY shared ./shared
 COPY services ./services
+COPY launch ./launch
 COPY kvlane ./kvlane
 COPY loadtest ./loadtest
 RUN python3 -m pip install --no-cache-dir ".${KVLANE_EXTRAS}"

@@ -48,13 +48,13 @@ test: $(STAMP)
 	$(BIN)/python -m pytest
 
 bench: $(STAMP)
-	$(BIN)/python -m loadtest.overhead
+	$(BIN)/python -m loadtest.dataplane.overhead
 
 bench-vllm: $(STAMP)
-	$(BIN)/python -m loadtest.vllm_vs_direct
+	$(BIN)/python -m loadtest.dataplane.vllm_vs_direct
 
 bench-disagg: $(STAMP)
-	$(BIN)/python -m loadtest.disagg_bench
+	$(BIN)/python -m loadtest.routing.disagg_bench
 
 clean:
 	rm -rf $(VENV) *.egg-info

@@ -5,10 +5,12 @@ Two measurements:
 * pure core: `Router.admit` over N nodes (measured speeds, cached
   prefixes in the prefix index), then the slot's release, in one process;
   no I/O. Each policy is measured as the balancer routes (on the chain
-  index, for the policies that support it) and, side by side, on a fresh
-  snapshot per decision (the reference the index is checked against;
-  `--no-snapshot` skips it).
+  index, where every policy decides for a fleet without decode nodes) and,
+  side by side, on a fresh snapshot per decision (the reference the index
+  is checked against; `--no-snapshot` skips it).
   `--heartbeat-every N` replaces one node's heartbeat every N decisions.
+  What exists once the router is built is frozen out of the garbage
+  collector, as a balancer process freezes its startup heap.
 * through NATS: a real nats-server, redis-server, balancer and
   cache-manager process (slots in Redis and a KV lease per decision, the
   defaults: the balancer takes the lease with the slot in one Redis script
@@ -52,12 +54,13 @@ from benchmarks.route_window import RouteWindow
 from contracts import subjects
 from contracts.balancer import BalancerStatus, BalancerStatusReply, BalancerStatusRequest
 from contracts.messages import EngineStats, Heartbeat, RequestFinished, RouteDecision, RouteReply, RouteRequest, Usage, WorkerRegistration
-from kvlane.launcher import Launcher, free_port
-from services.balancer.main import build_router, fallback_step_model
+from launch.launcher import Launcher, free_port
+from services.balancer.building import build_router, fallback_step_model
 from services.balancer.policies import POLICY_NAMES
-from shared.block_hash import chained_block_hashes
+from shared.kv.block_hash import chained_block_hashes
 from shared.config import BalancerSettings, ClusterSettings, KvlaneConfig, LoggingSettings, NatsSettings, RedisSettings, to_env
 from shared.heartbeats import HeartbeatSender
+from shared.runner import freeze_startup_heap
 
 SIZES = (4, 16, 64, 256)
 MODEL = "bench-model"
@@ -103,6 +106,9 @@ def bench_core(policy: str, nodes: int, decisions: int, use_index: bool = True, 
     """`use_index=False`: every decision on a fresh snapshot. `heartbeat_every`: a new heartbeat from the next node every that many decisions."""
     settings = BalancerSettings(policy=policy, slots=msgspec.structs.replace(BalancerSettings().slots, store="local"))  # type: ignore[arg-type]
     router = build_router(settings, fallback_step_model(settings.speed.fallback_profile), use_index=use_index)
+    # As a balancer process does once started: what exists now is left out of every garbage collection,
+    # which would otherwise scan this process's whole heap (compiler and all) every few thousand decisions.
+    freeze_startup_heap()
     now = time.time()
     heartbeats = [make_heartbeat(i, now) for i in range(nodes)]
     for hb in heartbeats:
@@ -368,7 +374,7 @@ def main() -> None:
     concurrent = args.decisions or concurrent
     report: dict = {"sizes": sizes, "core": {}, "core_snapshot": {}, "nats": {}, "concurrency": args.concurrency,
                     "allocate_kv": not args.no_kv, "heartbeat_every": args.heartbeat_every, "client": args.client}
-    print("pure core (admit + release, no I/O): as the balancer routes (on the chain index where the policy supports it),"
+    print("pure core (admit + release, no I/O): as the balancer routes (on the chain index),"
           " and on a snapshot per decision")
     for policy in policies:
         report["core"][policy] = {}

@@ -41,10 +41,10 @@ from rich.table import Table
 from contracts import subjects
 from contracts.cache import AllocateRequest, CacheReply, LookupRequest, ReleaseRequest
 from contracts.messages import EngineStats, Heartbeat, WorkerRegistration
-from kvlane.launcher import Launcher, free_port
-from shared.kv_allocation import Demand, NodeCapacity, rank
+from launch.launcher import Launcher, free_port
+from shared.kv.allocation import Demand, NodeCapacity, rank
 from shared.config import CacheManagerSettings, KvlaneConfig, NatsSettings, RedisSettings, to_env
-from shared.prefix_index import PrefixIndex
+from shared.kv.prefix_index import PrefixIndex
 from shared.state import ClusterState, connect_redis
 
 NODE_COUNTS = (4, 16, 64, 256)

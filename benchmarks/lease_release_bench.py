@@ -1,6 +1,6 @@
-"""What releasing a finished request costs in Redis: its slot's script and then the ledger's lease script (the
-balancer and the cache-manager each a round trip), against the lease freed inside the slot's script
-(`RedisSlotStore(releases_leases=True)`), on a real redis-server.
+"""What releasing a finished request costs in Redis: its slot's script and then the ledger's lease script (as when
+the balancer freed slots and the cache-manager leases, each a round trip: `SlotsAlone`), against the lease freed
+inside the slot's script (`RedisSlotStore`, as the balancers do now), on a real redis-server.
 
 Requests are placed first (slot and lease in one script each, on 64 nodes), then released in bursts of 64, as
 one burst of `RequestFinished` is: by the replica that placed them (their chains known), then again by another
@@ -23,16 +23,23 @@ from pathlib import Path
 
 import redis.asyncio as redis
 
-from kvlane.launcher import Launcher, free_port
+from launch.launcher import Launcher, free_port
 from services.balancer.slot_store import RedisSlotStore
-from shared.block_ledger import BlockLedger
-from shared.kv_allocation import NodeAsk
+from shared.kv.block_ledger import BlockLedger
+from shared.kv.allocation import NodeAsk
 
 NODES = 64
 BURST = 64
 ASK = NodeAsk(blocks=4, cached_blocks=0, pool="general", general_capacity=1 << 30, short_capacity=0)
 
 Release = Callable[[list[tuple[str, str]], list[str | None] | None], Awaitable[None]]
+
+
+class SlotsAlone(RedisSlotStore):
+    """The slot store as it was while the cache-managers freed leases: its scripts never touch the ledger."""
+
+    def _lease_keys(self, request_id: str, worker_id: str) -> list[str]:
+        return []
 
 
 def cpu_seconds(pid: int) -> float:
@@ -59,7 +66,7 @@ async def bench(requests: int, rounds: int, folder: Path) -> None:
     client = redis.Redis(port=port)
     try:
         ledger = BlockLedger(client, lease_ttl_s=60)
-        apart, inside = RedisSlotStore(client), RedisSlotStore(client, releases_leases=True)
+        apart, inside = SlotsAlone(client), RedisSlotStore(client)
         deadline = time.time() + 3600
 
         async def place(tag: str) -> tuple[list[tuple[str, str]], list[str | None]]:

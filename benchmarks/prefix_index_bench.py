@@ -24,7 +24,7 @@ import random
 import time
 from pathlib import Path
 
-from shared.prefix_index import PrefixIndex
+from shared.kv.prefix_index import PrefixIndex
 
 BLOCK_SIZE = 16
 

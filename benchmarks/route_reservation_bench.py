@@ -3,9 +3,9 @@ both in one script (`RedisSlotStore.reserve_with_lease`), on a real redis-server
 
 Each decision reserves a slot and a lease for a new request on one of 64
 nodes, and its release follows in batches of finished requests: the slot,
-then the lease, for the first way (as when the cache-manager freed leases);
-both in the slot's release script for the second (`RedisSlotStore(...,
-releases_leases=True)`, as the balancers do now). The two ways alternate in rounds, so a
+then the lease, for the first way (as when the cache-manager freed leases:
+`lease_release_bench.SlotsAlone`); both in the slot's release script for the
+second (`RedisSlotStore`, as the balancers do now). The two ways alternate in rounds, so a
 machine busy with other work slows both alike. Latency from sequential
 decisions, decisions per second and the Redis server's CPU per decision
 from `--concurrency` in flight.
@@ -26,10 +26,11 @@ from pathlib import Path
 
 import redis.asyncio as redis
 
-from kvlane.launcher import Launcher, free_port
+from launch.launcher import Launcher, free_port
+from benchmarks.lease_release_bench import SlotsAlone
 from services.balancer.slot_store import RedisSlotStore
-from shared.block_ledger import BlockLedger
-from shared.kv_allocation import NodeAsk
+from shared.kv.block_ledger import BlockLedger
+from shared.kv.allocation import NodeAsk
 
 NODES = 64
 ASK = NodeAsk(blocks=4, cached_blocks=0, pool="general", general_capacity=1 << 30, short_capacity=0)
@@ -73,8 +74,8 @@ async def bench(decisions: int, rounds: int, concurrency: int, folder: Path) -> 
     redis_pid = launcher.start_redis(port).popen.pid
     client = redis.Redis(port=port, max_connections=concurrency + 4)
     try:
-        slots, ledger = RedisSlotStore(client), BlockLedger(client, lease_ttl_s=60)
-        slots_and_leases = RedisSlotStore(client, releases_leases=True)
+        slots, ledger = SlotsAlone(client), BlockLedger(client, lease_ttl_s=60)
+        slots_and_leases = RedisSlotStore(client)
         deadline = time.time() + 3600
 
         async def two_trips(request_id: str, worker_id: str) -> None:

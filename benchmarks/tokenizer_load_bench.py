@@ -32,7 +32,7 @@ directory, side = sys.argv[1], sys.argv[2]
 turns = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there, how are you?"}]
 if side == "kvlane":
     from contracts.openai_api import ChatMessage
-    from shared.tokenizer import load_tokenizer
+    from shared.tokenizer_spec import load_tokenizer
     tokenizer = load_tokenizer("hf:" + directory)
     ids = tokenizer.encode(tokenizer.apply_chat_template([ChatMessage(**t) for t in turns]))
 else:
@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=DEFAULT_OUTPUT)
     args = parser.parse_args(argv)
     if args.model_dir is None:
-        from kvlane.tiny_model import default_cache_dir, ensure_tiny_model
+        from launch.tiny_model import default_cache_dir, ensure_tiny_model
 
         args.model_dir = ensure_tiny_model(default_cache_dir())
     runs: dict[str, list[dict]] = {"kvlane": [], "transformers": []}

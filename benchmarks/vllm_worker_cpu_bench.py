@@ -37,7 +37,7 @@ from contracts.messages import (
     WorkerRegistration,
     WorkerReply,
 )
-from kvlane.launcher import Launcher, free_port
+from launch.launcher import Launcher, free_port
 from shared.bus import Bus
 from shared.config import ClusterSettings, NatsSettings, RedisSettings, TracingSettings, VllmSettings, WorkerSettings
 from shared.telemetry import Telemetry
@@ -103,7 +103,7 @@ async def run_client(nats_url: str, inbox: str, streams: int, requests: int, pro
 
 
 async def measure(args: argparse.Namespace) -> dict:
-    from kvlane.tiny_model import make_tiny_model
+    from launch.tiny_model import make_tiny_model
     from services.worker.engines.vllm_setup import build_vllm_engine
     from services.worker.service import WorkerService
     from shared.state import ClusterState, connect_redis

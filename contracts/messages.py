@@ -401,7 +401,7 @@ class RequestFinished(Struct, tag="finished", tag_field="type"):
     """Published once per request the worker ran, however it ended (not for an attempt that a later attempt of
     the same request took the place of on that worker: the request went on there).
 
-    A map, not `Compact`: the load-test harness reads it by field name (`loadtest/events.py`), so that a
+    A map, not `Compact`: the load-test harness reads it by field name (`loadtest/bench/events.py`), so that a
     field added later does not break a run.
     """
 
@@ -536,7 +536,7 @@ HeartbeatMessage = Heartbeat | LoadReport
 class KvEvents(Compact, tag="kv_events", tag_field="type"):
     """What entered and left one worker's prefix cache since its previous batch.
 
-    Hashes are kvlane's chained block hashes (`shared.block_hash`), never an
+    Hashes are kvlane's chained block hashes (`shared.kv.block_hash`), never an
     engine's own. A batch holds each hash's net change only, so the order of
     `stored` and `removed` does not matter. `seq` rises by one per batch: a
     subscriber that sees a gap knows its view of this worker is incomplete.

@@ -14,8 +14,8 @@ from collections.abc import Callable
 import msgspec
 
 from contracts.autoscaler import ScalingDecision
-from kvlane.fleet import Fleet
-from kvlane.launcher import Process
+from launch.fleet import Fleet
+from launch.launcher import Process
 
 _ID_PREFIX = {"aggregated": "w", "prefill": "p", "decode": "d"}
 

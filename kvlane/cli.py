@@ -12,10 +12,10 @@ from pathlib import Path
 
 from rich.console import Console
 
-from kvlane.fleet import start_fleet, with_overrides
-from kvlane.fleet_mix import fleet_nodes, parse_fleet
-from kvlane.launcher import LaunchError, Launcher
-from kvlane.supervisor import Supervisor, restart_policy_from
+from launch.fleet import start_fleet, with_overrides
+from launch.fleet_mix import fleet_nodes, parse_fleet
+from launch.launcher import LaunchError, Launcher
+from launch.supervisor import Supervisor, restart_policy_from
 from shared.config import ConfigError, KvlaneConfig, WorkerSettings, load_config
 
 
@@ -75,7 +75,7 @@ def _up(args: argparse.Namespace, console: Console) -> int:
     launcher = Launcher(log_dir)
     security = None
     if args.secure:
-        from kvlane.secure import Security
+        from launch.secure import Security
 
         security = Security(log_dir / "secure", tls=args.tls)
     if args.mode == "disaggregated":
@@ -156,7 +156,7 @@ def _start_autoscaling(fleet, console: Console):
 
     from contracts import subjects
     from kvlane.autoscale import FleetActuator
-    from kvlane.launcher import wait_services_ready
+    from launch.launcher import wait_services_ready
 
     try:
         wait_services_ready([fleet.add_autoscaler()])
@@ -182,7 +182,7 @@ def _with_vllm_model(config: KvlaneConfig, console: Console) -> KvlaneConfig:
     """Without a configured model directory, serve the tiny test model (built once into a cache directory)."""
     if config.worker.vllm.model:
         return config
-    from kvlane.tiny_model import default_cache_dir, ensure_tiny_model
+    from launch.tiny_model import default_cache_dir, ensure_tiny_model
 
     console.print(f"no worker.vllm.model configured: serving the tiny random-weight test model from {default_cache_dir()}")
     directory = ensure_tiny_model(default_cache_dir())
@@ -197,7 +197,7 @@ def _with_vllm_model(config: KvlaneConfig, console: Console) -> KvlaneConfig:
 
 
 def _make_tiny_model(args: argparse.Namespace, console: Console) -> int:
-    from kvlane.tiny_model import make_tiny_model
+    from launch.tiny_model import make_tiny_model
 
     directory = make_tiny_model(args.directory, seed=args.seed)
     console.print(f"tiny model written to {directory}")
@@ -328,7 +328,7 @@ def build_parser() -> argparse.ArgumentParser:
     keys = commands.add_parser("keys", help="create, list and revoke API keys (ingress.auth.required turns them on)")
     add_keys_arguments(keys)
     keys.set_defaults(handler=_keys)
-    # `kvlane bench` has its own parser (loadtest/bench.py); everything after the word goes to it.
+    # `kvlane bench` has its own parser (loadtest/bench/command.py); everything after the word goes to it.
     commands.add_parser("bench", help="run a workload against fresh sim fleets, one per routing policy", add_help=False)
     commands.add_parser("simulate", help="the same comparison in virtual time, in one process (no servers)", add_help=False)
     commands.add_parser("calibrate", help="measure a vLLM node's step times and fit its step-time profile", add_help=False)
@@ -338,16 +338,16 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["bench"]:
-        from loadtest.bench import main as bench_main
+        from loadtest.bench.command import main as bench_main
 
         sys.exit(bench_main(argv[1:]))
     if argv[:1] == ["simulate"]:
-        from loadtest.simulate import main as simulate_main
+        from loadtest.simulation.command import main as simulate_main
 
         sys.exit(simulate_main(argv[1:]))
     if argv[:1] == ["calibrate"]:
-        # Like bench: its own parser in loadtest/calibrate.py takes everything after the word.
-        from loadtest.calibrate import main as calibrate_main
+        # Like bench: its own parser in loadtest/simulation/calibrate.py takes everything after the word.
+        from loadtest.simulation.calibrate import main as calibrate_main
 
         sys.exit(calibrate_main(argv[1:]))
     args = build_parser().parse_args(argv)

@@ -69,7 +69,7 @@ class QueueSettings(Section):
 
 
 class SpeedSettings(Section):
-    # Step-time profile (shared/step_profile.py) assumed for a node
+    # Step-time profile (shared/kv/step_profile.py) assumed for a node
     # until its heartbeats show measured speed.
     fallback_profile: str = "tiny-cpu"
     # Weight of the newest measurement in the moving averages (speed, queue growth).
@@ -164,8 +164,10 @@ class DegradationSettings(Section):
 
 class BalancerSettings(Section):
     policy: BalancerPolicyName = "jffc_per_request"
-    # Confirm every decision with a KV allocation from the cache-manager
-    # (off only for fleets that run without one, such as pure routing benchmarks).
+    # Confirm every decision with a KV lease from the ledger, which the
+    # balancer frees again when the request ends (the cache-manager only
+    # preempts when the node has no room, and reaps leases nobody freed).
+    # Off only for fleets without leases, such as pure routing benchmarks.
     allocate_kv: bool = True
     allocate_timeout_s: PositiveFloat = 2.0
     # Seeds `random` and `power_of_two`, so runs can be replayed.
@@ -185,10 +187,3 @@ class BalancerSettings(Section):
     jffc_per_request: JffcPerRequestSettings = msgspec.field(default_factory=JffcPerRequestSettings)
     disaggregation: DisaggregationSettings = msgspec.field(default_factory=DisaggregationSettings)
     degradation: DegradationSettings = msgspec.field(default_factory=DegradationSettings)
-
-    @property
-    def releases_kv_leases(self) -> bool:
-        """Whether the balancers free each finished request's KV lease, in the script that frees its slot: they
-        do where they take leases and keep slots in Redis. Otherwise the cache-managers free it on
-        `RequestFinished`; both services read this one setting, so exactly one of them does."""
-        return self.allocate_kv and self.slots.store == "redis"

@@ -350,6 +350,7 @@ def _settle(waiting: asyncio.Future, result: Any) -> None:
         waiting.set_result(result)
 
 
+# nats-py internals (`Subscription._future`, what it asks of one): tests/unit/test_dependency_internals.py pins them.
 class _AtOnce:
     """What nats-py takes for a request's reply future, handing it every message of a subscription instead.
 

@@ -44,7 +44,9 @@ class ClusterView:
         # `models()` is asked on every request; its answer holds until a node it did not count is heard, a node
         # leaves or changes model or draining, or the first node it counted on goes stale.
         self._models: dict[str, WorkerRegistration] | None = None
-        self._models_valid = (float("inf"), -float("inf"))  # the instants between which `_models` holds
+        # From when `_models` holds, and the oldest sighting among the nodes it counted: it holds while that node is
+        # live, judged by the same expression as `live` (a precomputed expiry instant can round the other way).
+        self._models_valid = (float("inf"), float("inf"))
         self._models_counted: frozenset[str] = frozenset()  # the nodes live when it was read
 
     def assemble(self, message: HeartbeatMessage) -> Heartbeat | None:
@@ -74,7 +76,7 @@ class ClusterView:
         # A node `models` did not count (new, or stale then: a resync's heartbeat, seen as of when Redis stored it,
         # can bring one back without moving its last sighting past the TTL), one that changed what `models` reads,
         # or one now due to go stale sooner than the answer assumed, changes its answer.
-        if (entry is None or worker_id not in self._models_counted or seen_at + self._ttl_s < self._models_valid[1]
+        if (entry is None or worker_id not in self._models_counted or seen_at < self._models_valid[1]
                 or entry.heartbeat.draining != heartbeat.draining or entry.heartbeat.registration != heartbeat.registration):
             self._models = None
 
@@ -108,7 +110,8 @@ class ClusterView:
 
     def models(self, now: float) -> dict[str, WorkerRegistration]:
         """One registration per served model (any live, non-draining worker's). Do not change what it returns."""
-        if self._models is None or not self._models_valid[0] <= now <= self._models_valid[1]:
+        since, oldest_seen = self._models_valid
+        if self._models is None or now < since or now - oldest_seen > self._ttl_s:
             live = [e for e in self._nodes.values() if now - e.seen_at <= self._ttl_s]
             self._models = {}
             for entry in live:
@@ -116,7 +119,7 @@ class ClusterView:
                     self._models.setdefault(entry.heartbeat.registration.model, entry.heartbeat.registration)
             self._models_counted = frozenset(e.heartbeat.registration.worker_id for e in live)
             # A node that goes stale takes its model with it; a heartbeat only moves its node's expiry later.
-            self._models_valid = (now, min((e.seen_at + self._ttl_s for e in live), default=float("inf")))
+            self._models_valid = (now, min((e.seen_at for e in live), default=float("inf")))
         return self._models
 
 

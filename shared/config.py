@@ -270,7 +270,7 @@ class SimSettings(Section):
     max_batched_tokens: PositiveInt = 2048
     max_model_len: PositiveInt = 4096
     seed: int = 0
-    # The link KV travels over from a prefill node (shared/kv_links.py).
+    # The link KV travels over from a prefill node (shared/kv/links.py).
     kv_link: str = "rdma-400g"
     # The tokenizer ingress encodes this worker's prompts with: "" the sim's own; "hf:<model dir>"
     # a real model's (its token counts, prefix hashes and chat template; a vocabulary within the

@@ -35,7 +35,8 @@ from nats.js.object_store import ObjectStore
 
 from contracts.messages import WorkerRegistration
 from contracts.model_files import MODEL_FILES_BUCKET, TokenizerFiles
-from shared.tokenizer import HF_PREFIX, Tokenizer, load_tokenizer
+from shared.tokenizer import HF_PREFIX, Tokenizer
+from shared.tokenizer_spec import load_tokenizer
 
 log = structlog.get_logger("kvlane.model_store")
 
@@ -152,6 +153,7 @@ async def publish_tokenizer(nc: NatsClient, model: str, directory: str | Path, t
     answers "unavailable" until it has elected its leader.
     """
     # The server says in its INFO whether it runs JetStream: without it, there is nothing to retry.
+    # `_server_info` is nats-py's private copy of that INFO: tests/unit/test_dependency_internals.py pins it.
     if not (getattr(nc, "_server_info", None) or {}).get("jetstream"):
         raise ModelFilesError(f"cannot publish the tokenizer of {model}: JetStream is not enabled on the NATS server")
     files = await asyncio.to_thread(read_tokenizer_files, directory)

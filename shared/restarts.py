@@ -1,7 +1,7 @@
 """When `kvlane up` restarts a process that exited on its own, and when it gives up.
 
 A pure state machine (no processes, no clock of its own): the supervisor
-(kvlane/supervisor.py) tells it when each process started and exited, and
+(launch/supervisor.py) tells it when each process started and exited, and
 asks which restarts are due. The rules are systemd's and Kubernetes':
 
 * an exit is followed by a restart after a delay that doubles with each

@@ -10,7 +10,7 @@ import redis.asyncio as redis
 
 from contracts import subjects
 from contracts.messages import EngineStats, Heartbeat
-from kvlane.fleet import Fleet
+from launch.fleet import Fleet
 from tests.waiting import until
 
 _decoder = msgspec.json.Decoder(Heartbeat)

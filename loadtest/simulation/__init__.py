@@ -1,5 +1,5 @@
 """`kvlane simulate`: the fleet in virtual time, one process, kvlane's own routing and allocation code inside.
 
 See `loadtest/simulation/world.py` for what is simulated and how, and
-`loadtest/simulate.py` for the command line.
+`loadtest/simulation/command.py` for the command line.
 """

@@ -255,7 +255,7 @@ def per_request_ms(latencies: Latencies) -> dict[str, list[float]]:
 
 def read_delays(path: Path) -> tuple[tuple[tuple[str, Spread | SpreadByLoad], ...], tuple[tuple[str, tuple[float, ...]], ...]]:
     """`Latencies.spreads` and `Latencies.per_request` from a JSON file: quantile tables in milliseconds
-    (`spreads_ms`' shape) as the document or under "spreads_ms" (`loadtest.fidelity`'s calibration.json),
+    (`spreads_ms`' shape) as the document or under "spreads_ms" (`loadtest.simulation.fidelity`'s calibration.json),
     and measured requests' delays under "per_request_ms". ValueError when it holds neither or a bad one."""
     document = json.loads(path.read_text())
     if not isinstance(document, dict):

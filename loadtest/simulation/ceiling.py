@@ -34,8 +34,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from shared.block_hash import chained_block_hashes
-from shared.step_profile import StepTimeProfile
+from shared.kv.block_hash import chained_block_hashes
+from shared.kv.step_profile import StepTimeProfile
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from loadtest.simulation.events import EventQueue
 from services.worker.engines.base import net_kv_delta
 from services.worker.engines.sim import StepStats, build_scheduler
 from services.worker.sim import SimRequest, StepOutcome
-from shared.step_profile import StepTimeProfile
+from shared.kv.step_profile import StepTimeProfile
 from shared.config import SimSettings
 
 StepListener = Callable[["SimNode", StepOutcome], None]

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 
 from contracts.autoscaler import PoolDecision
 from contracts.messages import WorkerRole
-from kvlane.fleet_mix import FleetNode
-from loadtest.client import RequestRecord
+from launch.fleet_mix import FleetNode
+from loadtest.bench.client import RequestRecord
 from loadtest.simulation.events import EventQueue
 from loadtest.simulation.node import SimNode
 from services.autoscaler.core import Autoscaler, Observations, pool_gauges

@@ -2,9 +2,11 @@
 
 Everything that decides is kvlane's own code: the ingress's request
 preparation (`services.ingress.prompts.prepare`: chat template, context
-limits, block hashes), the balancer's `Router` with its policies, slot
+limits, block hashes) and its request state machine
+(`services.ingress.flight.RequestFlight`: routing again, resumptions and
+their bounds), the balancer's `Router` with its policies, slot
 table and central queue, the cache-manager's allocation and preemption
-core (`shared.kv_allocation`), the health prober's verdict state machine,
+core (`shared.kv.allocation`), the health prober's verdict state machine,
 and one `SimScheduler` per node. What is modelled instead of run is the
 I/O between them: every message takes `Latencies.hop_s`, every route
 decision `decision_s`, or, where `Latencies.spreads` has a measured
@@ -13,7 +15,7 @@ the run's seeded generators; heartbeats, KV-event batches and health
 probes come at the live intervals (`cluster.*`, `health.*`), so routing
 sees signals exactly as stale as it would live.
 
-Clients follow `loadtest.driver`: open loop (sessions at their arrival
+Clients follow `loadtest.bench.driver`: open loop (sessions at their arrival
 times) or closed loop, turns of a session one after another, a
 conversation's next prompt holding the answers it received. Each request
 ends exactly once, as a `RequestRecord` whose times are simulated seconds.
@@ -23,7 +25,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,10 +34,10 @@ import msgspec
 from contracts import subjects
 from contracts.messages import ErrorReply, RouteRequest, StepTime, WorkerRegistration, WorkerRole
 from contracts.openai_api import ChatCompletionRequest, CompletionRequest
-from kvlane.fleet_mix import FleetNode
-from loadtest.client import RequestRecord
-from loadtest.driver import CANCELLED, DriveLimits, request_body
-from loadtest.metrics import WorkerRun
+from launch.fleet_mix import FleetNode
+from loadtest.bench.client import RequestRecord
+from loadtest.bench.driver import CANCELLED, DriveLimits, request_body
+from loadtest.bench.metrics import WorkerRun
 from loadtest.simulation.balancer import SimBalancer
 from loadtest.simulation.ceiling import PrefixOracle, Served
 from loadtest.simulation.delays import Delays, Latencies
@@ -43,15 +45,16 @@ from loadtest.simulation.events import EventQueue
 from loadtest.simulation.ledger import MemoryLedger, SimAllocator
 from loadtest.simulation.node import SimNode
 from loadtest.simulation.scaling import ScalingTimeline, SimScaler
-from loadtest.workloads import Session, WorkloadSpec, sessions
+from loadtest.bench.workloads import Session, WorkloadSpec, sessions
 from services.balancer.router import Placement
 from services.health_prober.health import NodeHealth
 from services.ingress.errors import ApiError
+from services.ingress.flight import Fail, Route, RequestFlight, StreamInterrupted
 from services.ingress.prompts import PreparedRequest, prepare
 from services.worker.sim import SimRequest, StepOutcome
-from shared.kv_links import advertised_kv_transfer, get_link
-from shared.step_profile import get_profile
-from shared.config import AutoscalerSettings, KvlaneConfig
+from shared.kv.links import advertised_kv_transfer, get_link
+from shared.kv.step_profile import get_profile
+from shared.config import AutoscalerSettings, IngressSettings, KvlaneConfig
 from shared.tokenizer import SimTokenizer
 
 
@@ -103,32 +106,43 @@ class InvariantBroken(AssertionError):
     pass
 
 
-class _Flight:
-    """One request from the client's side: its record, what ingress knows, where it runs now."""
+# What the balancer's preemption of a request looks like to ingress (its node says "preempted").
+_PREEMPTED = StreamInterrupted("preempted to make room", None, preempted=True)
 
-    __slots__ = ("record", "session", "turn", "history", "prepared", "output", "worker_id", "decode_id", "excluded",
-                 "migrations", "preemptions", "dispatches", "accepted_at", "done", "stream_s", "delays")
+
+def _http_error(error: ApiError) -> str:
+    """An error ingress answers, as the load-test client records an HTTP error."""
+    return f"http_{error.status}: {error.message}"[:200]
+
+
+class _Flight:
+    """One request from the client's side: its record, where it runs now, and ingress's decisions about it
+    (`ingress`: attempts, exclusions, bounds, the tokens it has)."""
+
+    __slots__ = ("record", "session", "turn", "history", "prepared", "ingress", "worker_id", "decode_id",
+                 "accepted_at", "done", "stream_s", "delays")
 
     def __init__(self, record: RequestRecord, session: Session, turn: int, history: list[tuple[str, str]],
-                 prepared: PreparedRequest) -> None:
+                 prepared: PreparedRequest, settings: IngressSettings) -> None:
         self.record = record
         self.session = session
         self.turn = turn
         self.history = history
         self.prepared = prepared
-        self.output: list[int] = []
+        self.ingress = RequestFlight(settings, prepared.sampling.max_tokens, prepared.sampling.n)
         self.worker_id: str | None = None  # the node running it now (its prefill node, first, on a two-node chain)
         self.decode_id = ""  # the decode node of a two-node chain
-        self.excluded: list[str] = []
-        self.migrations = 0
-        self.preemptions = 0
-        self.dispatches = 0
         self.accepted_at = 0.0
         self.done = False
         # Its tokens' way to the client, drawn at its first token: they arrive in the order they were made.
         self.stream_s: float | None = None
         # Its control-plane delays, where they are drawn per request together (`Delays.for_request`).
         self.delays: dict[str, float] | None = None
+
+    @property
+    def output(self) -> Sequence[int]:
+        """The tokens it has produced, over all its attempts."""
+        return self.ingress.produced
 
 
 class Simulation:
@@ -311,7 +325,7 @@ class Simulation:
             flight = flights.get(request_id)
             if flight is None or flight.worker_id != node.worker_id:
                 continue
-            flight.output.append(token)
+            flight.ingress.on_tokens((token,))
             record = flight.record
             if flight.stream_s is None:
                 flight.stream_s = self._delay("stream", flight.delays)
@@ -387,20 +401,20 @@ class Simulation:
             self._on_record(record)
             self._session_over()
             return
-        flight = _Flight(record, session, turn, history, prepared)
+        flight = _Flight(record, session, turn, history, prepared, self._config.ingress)
         record.prompt_tokens = len(prepared.prompt_token_ids)
         if self._oracle is not None:
             self._oracle.started(record.request_id, prepared.block_hashes, record.prompt_tokens)
         self._flights[record.request_id] = flight
         self._events.after(self._spec.request_timeout_s, self._time_out, flight)
         flight.delays = self._delay.for_request()
-        self._events.after(self._delay("ingress", flight.delays), self._route_unless_done, flight)
+        self._events.after(self._delay("ingress", flight.delays), self._route_unless_done, flight, flight.ingress.start())
 
     def _registration(self) -> WorkerRegistration:
         return next(iter(self.nodes.values())).registration
 
-    def _route(self, flight: _Flight) -> None:
-        prepared, produced = flight.prepared, len(flight.output)
+    def _route(self, flight: _Flight, attempt: Route) -> None:
+        prepared, produced = flight.prepared, len(attempt.produced)
         route = RouteRequest(
             request_id=flight.record.request_id or "",
             model=prepared.model,
@@ -409,7 +423,7 @@ class Simulation:
             # Time left, as ingress sends it: the balancer turns it into a moment on its own clock.
             timeout_s=max(0.0, self._origin + flight.record.sent_s + self._spec.request_timeout_s - self._events.now),
             block_hashes=prepared.block_hashes,
-            exclude_workers=list(flight.excluded),
+            exclude_workers=list(attempt.exclude),
             priority=prepared.priority,
         )
         flight.worker_id = None
@@ -427,9 +441,9 @@ class Simulation:
             self.balancer.withdraw(placement.request_id)
             return
         # The decision goes back to ingress, which hands the request to the worker (or its prefill node).
-        allowed = len(flight.output) + placement.request.max_tokens
-        if allowed < flight.prepared.sampling.max_tokens:  # degraded under overload, as ingress applies it
-            sampling = msgspec.structs.replace(flight.prepared.sampling, max_tokens=allowed)
+        handing = flight.ingress.on_decision(placement.request.max_tokens)
+        if handing.capped:  # degraded under overload, as ingress applies it
+            sampling = msgspec.structs.replace(flight.prepared.sampling, max_tokens=handing.max_tokens)
             flight.prepared = msgspec.structs.replace(flight.prepared, sampling=sampling)
         prefill = placement.prefill.worker_id if placement.prefill is not None else None
         self._events.after(self._delay("handover", flight.delays), self._dispatch, flight, placement.chain.worker_id,
@@ -442,35 +456,34 @@ class Simulation:
 
     def preempted(self, request_id: str) -> None:
         flight = self._flights.get(request_id)
-        if flight is None or flight.worker_id is None:
+        if flight is None or flight.worker_id is None or flight.ingress.over:
             return
         node = self.nodes[flight.worker_id]
         self._events.after(self._lat.hop_s, node.abort, request_id)
-        if flight.preemptions >= self._config.ingress.preemption_resumes:
-            self._events.after(2 * self._lat.hop_s, self._fail, flight, f"http_503: preempted {flight.preemptions} times", 503)
+        resume = flight.ingress.on_interrupted(_PREEMPTED)
+        if isinstance(resume, Fail):
+            self._events.after(2 * self._lat.hop_s, self._fail, flight, _http_error(resume.error), resume.error.status)
             return
-        flight.preemptions += 1
         flight.worker_id = None
-        self._events.after(2 * self._lat.hop_s, self._route_unless_done, flight)
+        self._events.after(2 * self._lat.hop_s, self._route_unless_done, flight, resume)
 
-    def _route_unless_done(self, flight: _Flight) -> None:
+    def _route_unless_done(self, flight: _Flight, route: Route) -> None:
         if not flight.done:
-            self._route(flight)
+            self._route(flight, route)
 
     def _dispatch(self, flight: _Flight, worker_id: str, prefill_id: str | None = None) -> None:
-        if flight.done:
+        if flight.done or flight.ingress.over:
             self.balancer.withdraw(flight.record.request_id or "")
             return
         node = self.nodes[prefill_id or worker_id]
         if not node.alive:
             # No responders on its inbox: ingress routes again without it.
-            flight.dispatches += 1
-            if flight.dispatches >= self._config.ingress.dispatch_attempts:
-                self._fail(flight, "http_503: no worker accepted the request", 503)
+            elsewhere = flight.ingress.on_refused(node.worker_id)
+            if isinstance(elsewhere, Fail):
+                self._fail(flight, _http_error(elsewhere.error), elsewhere.error.status)
                 return
             self.counters["dispatch_retries"] += 1
-            flight.excluded.append(node.worker_id)
-            self._route(flight)
+            self._route(flight, elsewhere)
             return
         if prefill_id is not None:
             # The prompt runs on the prefill node, which keeps its KV for the decode node to pull.
@@ -524,17 +537,16 @@ class Simulation:
             self._worker_lost(flight, worker_id)
 
     def _worker_lost(self, flight: _Flight, worker_id: str) -> None:
-        if flight.done or flight.worker_id != worker_id:
+        if flight.done or flight.ingress.over or flight.worker_id != worker_id:
             return
-        settings = self._config.ingress
-        # Every migration here follows a node's death: both bounds apply to the one count.
-        if flight.migrations >= min(settings.migration_attempts, settings.node_loss_resumes):
+        # Every migration here follows a node's death: both bounds apply (`migration_attempts`, `node_loss_resumes`).
+        resume = flight.ingress.on_interrupted(
+            StreamInterrupted(f"worker {worker_id} is gone", "timeout", worker_id, node_lost=True))
+        if isinstance(resume, Fail):
             self._fail(flight, "stream_error: worker_lost")
             return
-        flight.migrations += 1
         self.counters["migrations"] += 1
-        flight.excluded.append(worker_id)
-        self._route(flight)
+        self._route(flight, resume)
 
     def _time_out(self, flight: _Flight) -> None:
         if not flight.done:

@@ -1,7 +1,11 @@
-"""A chosen chain's KV blocks: straight from the ledger, or from the cache-manager.
+"""A chosen chain's KV blocks: straight from the ledger, or from the cache-manager's preemption.
 
 A route decision stands only with an allocation: the slot says the chain
 may run one more request, the lease says its KV memory holds this one.
+The balancer owns its requests' leases: it takes them and frees them with
+their slots (the Redis slot store in its own scripts, the local one
+through `release_many`). The cache-manager preempts when a node has no
+room, and reaps the leases nobody freed.
 
 The node is chosen already, so there is nothing to rank: the balancer asks
 the shared Redis ledger for the blocks itself (one round trip, the ledger's
@@ -23,7 +27,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Literal
 
 import msgspec
@@ -36,11 +40,11 @@ from contracts import subjects
 from contracts.cache import AllocateReply, AllocateRequest, Allocation, PrefixesRouted, RoutedPrefix
 from contracts.messages import ErrorReply, RouteRequest
 from services.balancer.snapshot import ChainState
-from shared.block_ledger import BlockLedger, Reservation
+from shared.kv.block_ledger import BlockLedger, Reservation
 from shared.bus import Bus, BusError, NoResponders, RequestTimeout
 from shared.coalescer import Coalescer
 from shared.config import CacheManagerSettings
-from shared.kv_allocation import Demand, NodeAsk, ask_on_node
+from shared.kv.allocation import Demand, NodeAsk, ask_on_node
 from shared.spans import annotate_allocation
 
 log = structlog.get_logger("kvlane.balancer")
@@ -172,6 +176,16 @@ class KvAllocator:
 
     async def close(self) -> None:
         await self._routed.close()
+
+    async def release_many(self, releases: Sequence[tuple[str, str]]) -> None:
+        """Free the leases of (request_id, worker_id) pairs, in one round trip: the release of a store that keeps
+        slots apart from the ledger (`LocalSlotStore`). A lease the ledger cannot free now expires and is reaped."""
+        if self._ledger is None:
+            return
+        try:
+            await self._ledger.release_many(releases)
+        except (RedisError, OSError) as exc:
+            log.warning("lease_release_failed", requests=len(releases), error=str(exc))
 
     async def _from_ledger(self, ledger: BlockLedger, request: RouteRequest, chain: ChainState) -> Allocation | Unleased | None:
         """The lease, or None when the node has no room for it."""

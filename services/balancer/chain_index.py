@@ -14,10 +14,10 @@ refreshes a row only when something about it changed:
   `SlotTable` marks it): its used slots, and with them its load and
   whether it is free.
 
-A decision then reads whole columns: policies with a `choose_indexed`
-score every free chain in one compiled call (numba; a loop over the rows,
+A decision then reads whole columns: every policy's `choose_indexed`
+scores every free chain in one compiled call (numba; a loop over the rows,
 where numpy would take some twenty calls over them, each a microsecond or
-two at 256 nodes) and never look at a busy one. Only what belongs to the
+two at 256 nodes) and never looks at a busy one. Only what belongs to the
 request (its cached prefix blocks, the workers it excludes) and what
 drifts with time (the prefill backlog) is computed per decision. The
 kernels are compiled when this module is imported, not at the first
@@ -33,12 +33,16 @@ not read until a request that does not exclude it), because facts take
 the trackers' values of the moment they are first read.
 
 A list with decode nodes (two-node chains are costed per request) or one
-worker twice is not indexed: the router takes the snapshot path for it.
+worker twice is not indexed (`sync` says so): the router takes the snapshot
+path for it. So does a decision whose figures hold a NaN (`Decision.settled`),
+where `min` over the chains' keys, which the snapshot path takes, is not
+defined by value alone.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Mapping, Sequence
 
 import numba
@@ -51,18 +55,19 @@ from services.balancer.snapshot import ChainState, NodeFacts, SnapshotBuilder, c
 
 # The columns of each block, in block row order; the kernels below read them by position.
 FLOAT_COLUMNS = ("a", "b", "c", "d", "per_request", "step_at_batch", "present", "health", "drain_per_s", "backlog_left",
-                 "backlog_since", "load", "speed", "kv_usage", "growth_penalty")
-INT_COLUMNS = ("block_size", "kv_tokens", "request_blocks", "slots_total", "slots_used", "finished")
+                 "backlog_since", "load", "speed", "kv_usage", "growth_penalty", "utilisation")
+INT_COLUMNS = ("block_size", "kv_tokens", "request_blocks", "slots_total", "slots_used", "finished", "in_flight", "heard",
+               "waiting", "kv_blocks_used", "kv_blocks_total")
 BOOL_COLUMNS = ("busy", "eligible", "free")
 _A, _B, _C, _D, _PER_REQUEST, _STEP_AT_BATCH, _PRESENT, _HEALTH, _DRAIN_PER_S, _BACKLOG_LEFT, _BACKLOG_SINCE = map(
     FLOAT_COLUMNS.index, ("a", "b", "c", "d", "per_request", "step_at_batch", "present", "health", "drain_per_s", "backlog_left",
                           "backlog_since"))
-_BLOCK_SIZE, _KV_TOKENS, _REQUEST_BLOCKS = map(INT_COLUMNS.index, ("block_size", "kv_tokens", "request_blocks"))
+_GROWTH_PENALTY, _UTILISATION = map(FLOAT_COLUMNS.index, ("growth_penalty", "utilisation"))
+_BLOCK_SIZE, _KV_TOKENS, _REQUEST_BLOCKS, _SLOTS_TOTAL, _SLOTS_USED = map(
+    INT_COLUMNS.index, ("block_size", "kv_tokens", "request_blocks", "slots_total", "slots_used"))
+_IN_FLIGHT, _HEARD, _WAITING, _KV_BLOCKS_USED, _KV_BLOCKS_TOTAL = map(
+    INT_COLUMNS.index, ("in_flight", "heard", "waiting", "kv_blocks_used", "kv_blocks_total"))
 _BUSY = BOOL_COLUMNS.index("busy")
-
-
-class Unindexable(Exception):
-    """The indexed figures cannot settle this decision (a NaN score): decide on a snapshot instead."""
 
 
 class ChainIndex:
@@ -82,6 +87,7 @@ class ChainIndex:
     speed: np.ndarray
     kv_usage: np.ndarray
     growth_penalty: np.ndarray
+    utilisation: np.ndarray  # `ChainState.utilisation`
     block_size: np.ndarray
     kv_tokens: np.ndarray
     # The leading blocks of the last decision's request cached on each row (a column, not a
@@ -90,6 +96,11 @@ class ChainIndex:
     slots_total: np.ndarray
     slots_used: np.ndarray
     finished: np.ndarray
+    in_flight: np.ndarray  # `ChainState.in_flight`
+    heard: np.ndarray  # running + waiting in the last heartbeat
+    waiting: np.ndarray
+    kv_blocks_used: np.ndarray
+    kv_blocks_total: np.ndarray
     busy: np.ndarray
     eligible: np.ndarray
     free: np.ndarray
@@ -131,6 +142,7 @@ class ChainIndex:
         # What the request-cost kernel writes: every row's cost, and the free rows tied at the lowest.
         self._seconds = np.zeros(rows, dtype=np.float64)
         self._tied = np.zeros(rows, dtype=np.int64)
+        self._extent = np.zeros(2, dtype=np.float64)
         self._request_rows: list[int] = []  # rows of `request_blocks` that are not 0
 
     def sync(self, heartbeats: Sequence[Heartbeat]) -> bool:
@@ -239,6 +251,8 @@ class ChainIndex:
         self.block_size[row] = facts.block_size
         self.kv_tokens[row] = facts.kv_blocks_used * facts.block_size
         self.kv_usage[row] = facts.kv_blocks_used / facts.kv_blocks_total if facts.kv_blocks_total else 0.0
+        self.kv_blocks_used[row], self.kv_blocks_total[row] = facts.kv_blocks_used, facts.kv_blocks_total
+        self.heard[row], self.waiting[row] = facts.running + facts.waiting, facts.waiting
         self.growth_penalty[row] = facts.growth_penalty
         # A node out of routing keeps a weight of 1 here: it is never chosen, and scores divide by it.
         self.health[row] = facts.health_weight if facts.health_weight > 0 else 1.0
@@ -272,11 +286,18 @@ class ChainIndex:
         self.slots_used[row] = used
         in_flight = max(used, facts.running + facts.waiting - int(self.finished[row]))
         present = in_flight + facts.growth_penalty
+        self.in_flight[row] = in_flight
         self.present[row] = present
         self.load[row] = present / facts.health_weight if facts.health_weight > 0 else float("inf")
         self.step_at_batch[row] = facts.model.a + facts.model.c * (present + 1)
         self.busy[row] = present > 0
         self.free[row] = bool(self.eligible[row]) and facts.slots_total - used > 0
+        # As `ChainState.utilisation` computes it, so that it is the same float.
+        if facts.gpu_utilization is not None:
+            self.utilisation[row] = facts.gpu_utilization
+        else:
+            kv_usage = facts.kv_blocks_used / facts.kv_blocks_total if facts.kv_blocks_total else 0.0
+            self.utilisation[row] = max(kv_usage, used / facts.slots_total if facts.slots_total else 1.0)
 
     def state(self, row: int, cached_blocks: int, now: float) -> ChainState:
         facts = self._facts[row]
@@ -293,6 +314,8 @@ class Decision:
         self.eligible = eligible  # the rows the request may take, free or not
         self.cached = cached  # row -> leading prompt blocks cached there
         self.now = now
+        # False once a figure a policy asked for was NaN: the decision is then left to a snapshot (`Router.place`).
+        self.settled = True
         self._serial = index._decisions
 
     @functools.cached_property
@@ -323,26 +346,53 @@ class Decision:
         return self.index._seconds.copy()
 
     def cheapest(self, prompt_tokens: int, output_tokens: int, imposed_weight: float) -> list[int]:
-        """The free rows of least `request_seconds`, in row order; empty when none is free."""
-        tied = self._cost(prompt_tokens, output_tokens, imposed_weight)
-        return [self.index._tied.item(0)] if tied == 1 else self.index._tied[:tied].tolist()
+        """The free rows of least `request_seconds`, in row order; empty when none is free or one is NaN (`settled`)."""
+        return self._tied(self._cost(prompt_tokens, output_tokens, imposed_weight))
 
     def _cost(self, prompt_tokens: int, output_tokens: int, imposed_weight: float) -> int:
+        index = self._current()
+        return _request_seconds(index._floats, index._ints, index._bools, self.free, prompt_tokens, output_tokens,
+                                self.now, float(imposed_weight), index._seconds, index._tied)
+
+    def least_kv_cost(self, prompt_tokens: int, output_tokens: int, overlap_weight: float) -> list[int]:
+        """The free rows of least `KvCost.cost`, in row order; empty when none is free or one is NaN (`settled`)."""
+        index = self._current()
+        return self._tied(_kv_cost(index._floats, index._ints, self.free, prompt_tokens, output_tokens, float(overlap_weight),
+                                   index._seconds, index._tied))
+
+    def best_scored(self, prompt_tokens: int, output_tokens: int, request_blocks: int, load_weight: float,
+                    cache_weight: float, fit_weight: float) -> list[int]:
+        """The free rows of highest `ScoreBased.score`, in row order; empty when none is free or one is NaN (`settled`)."""
+        index = self._current()
+        return self._tied(_negated_score(index._floats, index._ints, self.free, prompt_tokens, output_tokens, request_blocks,
+                                         float(load_weight), float(cache_weight), float(fit_weight), index._seconds, index._tied))
+
+    def load_extent(self) -> tuple[float, float] | None:
+        """(least, most) load of the rows the request may take, as `min` and `max` over them; None when a load is NaN (`settled`)."""
+        extent = self.index._extent
+        if not _extent(self.index.load, self.eligible, extent):
+            self.settled = False
+            return None
+        return extent.item(0), extent.item(1)
+
+    def _current(self) -> ChainIndex:
         index = self.index
         if self._serial != index._decisions:
             raise RuntimeError("this decision's request columns belong to a later decision now")
-        tied = _request_seconds(index._floats, index._ints, index._bools, self.free, prompt_tokens, output_tokens,
-                                self.now, float(imposed_weight), index._seconds, index._tied)
-        if tied < 0:
-            raise Unindexable("a NaN score")
-        return tied
+        return index
+
+    def _tied(self, count: int) -> list[int]:
+        """The rows a kernel wrote to `_tied`; a negative count (a NaN) unsettles the decision."""
+        if count < 0:
+            self.settled = False
+            return []
+        return [self.index._tied.item(0)] if count == 1 else self.index._tied[:count].tolist()
 
     def least(self, *columns: str) -> list[int]:
         """Free rows with the smallest values of these float columns, compared as tuples, in row order.
 
         A name with a leading "-" compares that column's negation (largest first). A NaN
-        on a row still in the running raises `Unindexable` (`min` over the chains' keys
-        would not be defined).
+        on a row still in the running unsettles the decision (`settled`) and gives no rows.
         """
         keys = _KEYS.get(columns)
         if keys is None:
@@ -352,10 +402,7 @@ class Decision:
             keys = _KEYS[columns] = (np.array([FLOAT_COLUMNS.index(c.removeprefix("-")) for c in columns], dtype=np.int64),
                                      np.array([c.startswith("-") for c in columns], dtype=bool))
         index = self.index
-        tied = _least(index._floats, self.free, keys[0], keys[1], index._tied)
-        if tied < 0:
-            raise Unindexable("a NaN score")
-        return [index._tied.item(0)] if tied == 1 else index._tied[:tied].tolist()
+        return self._tied(_least(index._floats, self.free, keys[0], keys[1], index._tied))
 
     def state(self, row: int) -> ChainState:
         return self.index.state(row, self.cached.get(row, 0), self.now)
@@ -455,6 +502,99 @@ def _least(floats: np.ndarray, free: np.ndarray, keys: np.ndarray, negated: np.n
             break
     return count
 
+
+
+@_compiled("int64(float64[:, ::1], int64[:, ::1], boolean[::1], int64, int64, float64, float64[::1], int64[::1])")
+def _kv_cost(floats: np.ndarray, ints: np.ndarray, free: np.ndarray, prompt: int, output: int, overlap_weight: float,
+             costs: np.ndarray, tied: np.ndarray) -> int:
+    """Writes each free row's `KvCost.cost` to `costs` and the free rows tied at the least to `tied`; returns how many.
+
+    0: no row is free; -1: a free row's cost is NaN. The scalar code's operations in its order.
+    """
+    health = floats[_HEALTH]
+    block_size, request_blocks, in_flight, heard, kv_blocks_used = (
+        ints[_BLOCK_SIZE], ints[_REQUEST_BLOCKS], ints[_IN_FLIGHT], ints[_HEARD], ints[_KV_BLOCKS_USED])
+    lowest = np.inf
+    count = 0
+    for row in range(free.shape[0]):
+        if not free[row]:
+            continue
+        size = block_size[row]
+        prompt_blocks = math.ceil(prompt / size)
+        new_blocks = math.ceil((prompt + output) / size)
+        prefill_blocks = max(0, prompt_blocks - request_blocks[row])
+        unseen = max(0, in_flight[row] - heard[row])  # reservations the last heartbeat does not show yet
+        decode_blocks = kv_blocks_used[row] + (unseen + 1) * new_blocks
+        cost = (overlap_weight * prefill_blocks + decode_blocks) / health[row]
+        costs[row] = cost
+        if cost != cost:
+            return -1
+        if cost < lowest or count == 0:
+            lowest = cost
+            tied[0] = row
+            count = 1
+        elif cost == lowest:
+            tied[count] = row
+            count += 1
+    return count
+
+
+@_compiled("int64(float64[:, ::1], int64[:, ::1], boolean[::1], int64, int64, int64, float64, float64, float64, float64[::1], int64[::1])")
+def _negated_score(floats: np.ndarray, ints: np.ndarray, free: np.ndarray, prompt: int, output: int, request_blocks: int,
+                   load_weight: float, cache_weight: float, fit_weight: float, keys: np.ndarray, tied: np.ndarray) -> int:
+    """Writes each free row's `-ScoreBased.score` to `keys` and the free rows tied at the least to `tied`; returns how many.
+
+    0: no row is free; -1: a free row's score is NaN. The scalar code's operations in its order.
+    """
+    health, utilisation, growth_penalty = floats[_HEALTH], floats[_UTILISATION], floats[_GROWTH_PENALTY]
+    block_size, cached, waiting = ints[_BLOCK_SIZE], ints[_REQUEST_BLOCKS], ints[_WAITING]
+    kv_blocks_used, kv_blocks_total, slots_total, slots_used = (
+        ints[_KV_BLOCKS_USED], ints[_KV_BLOCKS_TOTAL], ints[_SLOTS_TOTAL], ints[_SLOTS_USED])
+    lowest = np.inf
+    count = 0
+    for row in range(free.shape[0]):
+        if not free[row]:
+            continue
+        queue = waiting[row] + growth_penalty[row]
+        load = (0.4 * utilisation[row] + 0.3 * queue / 10) / health[row]
+        need = max(1, math.ceil((prompt + output) / block_size[row]) - cached[row])
+        free_blocks = max(0, kv_blocks_total[row] - kv_blocks_used[row])
+        fit = 0.5 * min(1.0, free_blocks / need) + 0.5 * (slots_total[row] - slots_used[row]) / max(1, slots_total[row])
+        match = cached[row] / request_blocks if request_blocks else 0.0  # match_ratio
+        key = -(-load_weight * load + cache_weight * match + fit_weight * fit)
+        keys[row] = key
+        if key != key:
+            return -1
+        if key < lowest or count == 0:
+            lowest = key
+            tied[0] = row
+            count = 1
+        elif key == lowest:
+            tied[count] = row
+            count += 1
+    return count
+
+
+@_compiled("boolean(float64[::1], boolean[::1], float64[::1])")
+def _extent(values: np.ndarray, rows: np.ndarray, extent: np.ndarray) -> bool:
+    """Writes `min` and `max` of `values` over `rows` to `extent` as Python's builtins take them; False on a NaN."""
+    found = False
+    lowest = highest = 0.0
+    for row in range(values.shape[0]):
+        if not rows[row]:
+            continue
+        value = values[row]
+        if value != value:
+            return False
+        if not found:
+            lowest = highest = value
+            found = True
+        elif value < lowest:
+            lowest = value
+        elif value > highest:
+            highest = value
+    extent[0], extent[1] = lowest, highest
+    return True
 
 
 @_compiled("void(float64[:, ::1], int64[:, ::1], boolean[::1], boolean[::1], float64, float64, int64, boolean[::1])")

@@ -31,7 +31,7 @@ from collections.abc import Sequence
 
 from services.balancer.snapshot import ChainState
 from shared.config import DisaggregationSettings
-from shared.kv_links import hand_off_seconds
+from shared.kv.links import hand_off_seconds
 
 
 def prefill_finish_s(candidate: ChainState, prompt_tokens: int) -> float:

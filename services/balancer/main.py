@@ -6,50 +6,16 @@ import asyncio
 import uuid
 
 from services.balancer.allocation import KvAllocator
-from services.balancer.central_queue import CentralQueue
+from services.balancer.building import build_router, fallback_step_model
 from services.balancer.metrics import BalancerMetrics
-from services.balancer.policies import make_policy
-from services.balancer.router import Router
 from services.balancer.service import BalancerService
 from services.balancer.slot_store import LocalSlotStore, RedisSlotStore
-from services.balancer.slot_table import SlotTable
-from services.balancer.snapshot import SnapshotBuilder
-from services.balancer.speed import StepModel
 from services.balancer.status import SlotRates
-from services.balancer.trackers import QueueGrowth, SpeedTracker
-from shared.block_ledger import BlockLedger
-from shared.config import BalancerSettings, KvlaneConfig
+from shared.kv.block_ledger import BlockLedger
+from shared.config import KvlaneConfig
 from shared.metrics_http import serve_metrics
-from shared.prefix_index import PrefixIndex
 from shared.runner import announce_ready
 from shared.service_context import service_context
-from shared.step_profile import get_profile
-
-
-def fallback_step_model(profile_name: str) -> StepModel:
-    """The named sim profile's coefficients: what a node is assumed to do before it is measured."""
-    try:
-        profile = get_profile(profile_name)
-    except KeyError as exc:
-        raise SystemExit(f"balancer.speed.fallback_profile: {exc.args[0]}") from None
-    return StepModel(a=profile.a, b=profile.b, c=profile.c, d=profile.d, per_request=profile.per_request)
-
-
-def build_router(settings: BalancerSettings, model: StepModel, use_index: bool = True) -> Router:
-    """The routing core; `use_index=False` decides on a fresh snapshot per request (benchmarks compare the two)."""
-    speed = SpeedTracker(model, settings.speed.smoothing, settings.speed.equal_within)
-    builder = SnapshotBuilder(settings, speed, QueueGrowth(settings.speed.smoothing))
-    return Router(
-        make_policy(settings.policy, settings),
-        builder,
-        PrefixIndex(settings.prefix_index_max_blocks),
-        SlotTable(),
-        CentralQueue(settings.queue.max_length),
-        settings.queue,
-        settings.disaggregation,
-        settings.degradation,
-        use_index=use_index,
-    )
 
 
 async def main(config: KvlaneConfig, stop: asyncio.Event) -> None:
@@ -57,13 +23,14 @@ async def main(config: KvlaneConfig, stop: asyncio.Event) -> None:
     model = fallback_step_model(settings.speed.fallback_profile)
     balancer_id = f"b-{uuid.uuid4().hex[:8]}"
     async with service_context(config, "balancer", balancer_id) as ctx:
-        # With leases, slot and lease of a finished request go in one script (the cache-managers then leave them).
-        store = RedisSlotStore(ctx.redis, settings.releases_kv_leases) if settings.slots.store == "redis" else LocalSlotStore()
         metrics = BalancerMetrics()
         allocator = None
         if settings.allocate_kv:
             ledger = BlockLedger(ctx.redis, config.cache_manager.lease_ttl_s)
             allocator = KvAllocator(ctx.bus, settings.allocate_timeout_s, ledger, config.cache_manager, tracer=ctx.telemetry.tracer)
+        # Whatever frees a request's slot frees its KV lease: the Redis store in the slot's own script.
+        store = (RedisSlotStore(ctx.redis) if settings.slots.store == "redis"
+                 else LocalSlotStore(allocator.release_many if allocator is not None else None))
         router = build_router(settings, model)
         metrics.track_degradation(router.degradation.counts)
         service = BalancerService(

@@ -22,14 +22,14 @@ from msgspec import Struct
 
 from contracts.messages import ErrorReply, Heartbeat, RouteRequest
 from services.balancer.central_queue import CentralQueue, QueuedRequest
-from services.balancer.chain_index import ChainIndex, Unindexable
+from services.balancer.chain_index import ChainIndex
 from services.balancer.degradation import Degradation
 from services.balancer.policies import RoutingPolicy
 from services.balancer.slot_table import SlotTable
 from services.balancer.disaggregation import choose_prefill, prefill_saturated, remote_prompt_ready_s
 from services.balancer.snapshot import GENERATING_ROLES, ChainState, ClusterSnapshot, NodeFacts, SnapshotBuilder
 from shared.config import DegradationSettings, DisaggregationSettings, QueueSettings
-from shared.prefix_index import PrefixIndex
+from shared.kv.prefix_index import PrefixIndex
 
 HeartbeatsFor = Callable[[str], Sequence[Heartbeat]]
 K = TypeVar("K")
@@ -85,7 +85,7 @@ class Router:
         self.cache_holds = 0
         self._held: set[str] = set()
         self._known_workers: set[str] = set()
-        # Policies that can choose from columns decide on the chain index; the others on a snapshot.
+        # Decisions are made on the chain index whenever it can index the fleet (`RoutingPolicy`).
         self.chains = ChainIndex(builder, table) if use_index else None
 
     def place(self, request: RouteRequest, heartbeats: Sequence[Heartbeat], expires_at: float,
@@ -97,17 +97,29 @@ class Router:
         With `may_hold`, None also when the request is to wait for a busy node caching its prompt (`holds_for_cache`).
         """
         cached = self.index.match(request.block_hashes) if request.block_hashes else {}
-        # Synced whatever the policy, so that the index stays current if the policy changes.
-        if self.chains is not None and self.chains.sync(heartbeats) and hasattr(self.policy, "choose_indexed"):
-            try:
-                return self._place_indexed(request, cached, expires_at, backlog_bound, may_hold)
-            except Unindexable:
-                pass
+        # Synced whatever the fleet, so that the index stays current when it becomes indexable again.
+        if self.chains is not None and self.chains.sync(heartbeats):
+            decision = self.chains.decision(request, cached)
+            if backlog_bound < math.inf:
+                decision.limit_backlog(backlog_bound, request.prompt_tokens)
+            if may_hold and self.holds_for_cache(request, decision.cached, decision.eligible.item, decision.free.item):
+                return None
+            fast_forwards = self.policy.fast_forwards
+            row = self.policy.choose_indexed(request, decision)
+            if decision.settled:
+                if row is None:
+                    return None
+                return self._reserve(request, decision.state(row), None, expires_at, fast_forwards, heartbeats, cached)
+        return self._place_on_snapshot(request, heartbeats, expires_at, backlog_bound, may_hold, cached)
+
+    def _place_on_snapshot(self, request: RouteRequest, heartbeats: Sequence[Heartbeat], expires_at: float,
+                           backlog_bound: float, may_hold: bool, cached: Mapping[str, int]) -> Placement | None:
+        """`place` on a fresh snapshot: for a fleet with decode nodes, each paired with its prefill node."""
         snapshot = self.builder.snapshot(request, heartbeats, self.table.used, cached)
         prefill_for: dict[str, ChainState] = {}
         if any(c.node.role == "decode" for c in snapshot.chains):
             snapshot, prefill_for = self._with_prefill_nodes(request, snapshot, heartbeats, cached)
-        holding = may_hold and getattr(self.policy, "cache_hold_share", 0.0) > 0
+        holding = may_hold and self.policy.cache_hold_share > 0
         cached_chains = {c.chain_id: c.cached_blocks for c in snapshot.chains if c.cached_blocks} if holding else {}
         if backlog_bound < math.inf:
             # Waiting instead ends in a prefill of the whole prompt, at best on the fastest node (`Decision.limit_backlog`).
@@ -122,36 +134,21 @@ class Router:
             # Every chain still in the snapshot before the backlog bound is one the request may take.
             if self.holds_for_cache(request, cached_chains, None, free.__contains__):
                 return None
-        fast_forwards = getattr(self.policy, "fast_forwards", 0)
+        fast_forwards = self.policy.fast_forwards
         chain = self.policy.choose(request, snapshot)
         if chain is None:
             return None
+        return self._reserve(request, chain, prefill_for.get(chain.chain_id), expires_at, fast_forwards, heartbeats, cached)
+
+    def _reserve(self, request: RouteRequest, chain: ChainState, prefill: ChainState | None, expires_at: float,
+                 fast_forwards: int, heartbeats: Sequence[Heartbeat], cached: Mapping[str, int]) -> Placement:
+        """Reserve a slot on the chosen chain; `fast_forwards`: the policy's count before it chose."""
         if chain.free_slots <= 0 or not self.table.reserve(request.request_id, chain.chain_id, chain.node.slots_total, expires_at):
             raise RuntimeError(f"policy {self.policy.name} chose full chain {chain.chain_id}")
-        prefill = prefill_for.get(chain.chain_id)
         if prefill is None and chain.node.role == "decode" and self._prefill_saturated(chain, request, heartbeats, cached):
             self.degradation.counts["local_prefill"] += 1
         self.builder.note_sent(prefill or chain, request)
-        return Placement(request, chain, expires_at, prefill, fast_forward=getattr(self.policy, "fast_forwards", 0) > fast_forwards)
-
-    def _place_indexed(self, request: RouteRequest, cached: Mapping[str, int], expires_at: float,
-                       backlog_bound: float, may_hold: bool) -> Placement | None:
-        """`place` on the chain index: only aggregated nodes, so no prefill node to pair."""
-        assert self.chains is not None
-        decision = self.chains.decision(request, cached)
-        if backlog_bound < math.inf:
-            decision.limit_backlog(backlog_bound, request.prompt_tokens)
-        if may_hold and self.holds_for_cache(request, decision.cached, decision.eligible.item, decision.free.item):
-            return None
-        fast_forwards = getattr(self.policy, "fast_forwards", 0)
-        row = self.policy.choose_indexed(request, decision)  # type: ignore[attr-defined]
-        if row is None:
-            return None
-        chain = decision.state(row)
-        if chain.free_slots <= 0 or not self.table.reserve(request.request_id, chain.chain_id, chain.node.slots_total, expires_at):
-            raise RuntimeError(f"policy {self.policy.name} chose full chain {chain.chain_id}")
-        self.builder.note_sent(chain, request)
-        return Placement(request, chain, expires_at, None, fast_forward=getattr(self.policy, "fast_forwards", 0) > fast_forwards)
+        return Placement(request, chain, expires_at, prefill, fast_forward=self.policy.fast_forwards > fast_forwards)
 
     def holds_for_cache(self, request: RouteRequest, cached: Mapping[K, int], eligible: Callable[[K], bool] | None,
                         free: Callable[[K], bool]) -> bool:
@@ -168,7 +165,7 @@ class Router:
         load a slot on the caching node frees about as soon as one elsewhere;
         the caller bounds the wait (`may_hold` in `place`).
         """
-        share = getattr(self.policy, "cache_hold_share", 0.0)
+        share = self.policy.cache_hold_share
         if not share or not cached or not request.block_hashes:
             return False
         bar = share * len(request.block_hashes)
@@ -192,7 +189,7 @@ class Router:
         it would otherwise place a request behind any backlog rather than
         leave it queued, since it sees only free chains.
         """
-        if not getattr(self.policy, "bounds_backlog", False):
+        if not self.policy.bounds_backlog:
             return math.inf
         return self.degradation.backlog_bound_s(self.queue, request.priority, now)
 

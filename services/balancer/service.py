@@ -7,9 +7,9 @@ in this process's central queue (the reply is sent when a slot frees, or a
 with the global slot store, so replicas never oversubscribe a chain.
 Every replica hears every `RequestFinished` and releases that request's
 slot (idempotent), so a freed slot is visible to all of them at once, and
-a crashed replica's reservations are still released. Where the balancers
-take KV leases and keep slots in Redis (`BalancerSettings.releases_kv_leases`)
-the same script frees the request's lease, and the cache-managers leave it.
+a crashed replica's reservations are still released. The store's release
+frees the request's KV lease too (`slot_store`): the balancers take and free
+every lease, and the cache-managers only reap those nobody freed.
 """
 
 from __future__ import annotations
@@ -46,18 +46,32 @@ from contracts.messages import (
 )
 from services.balancer.allocation import KvAllocator, LeaseCall, Unleased
 from services.balancer.central_queue import QueuedRequest
+from services.balancer.core import (
+    Abort,
+    BalancerCore,
+    Drain,
+    Effect,
+    Placed,
+    ReadUsage,
+    Refused,
+    Release,
+    ReleaseEarlier,
+    Requeued,
+    Reserve,
+    Waiting,
+)
 from services.balancer.metrics import BalancerMetrics
 from services.balancer.presence import ReplicaPresence
-from services.balancer.router import Placement, Queued, Router
-from services.balancer.slot_store import RedisSlotStore, SlotStore, worker_of
+from services.balancer.router import Placement, Router
+from services.balancer.slot_store import RedisSlotStore, SlotStore
 from services.balancer.status import SlotRates, build_status
 from services.balancer.trackers import ArrivalRate
-from shared.block_ledger import Reservation
+from shared.kv.block_ledger import Reservation
 from shared.bus import Bus
 from shared.cluster import ClusterView
 from shared.config import BalancerSettings
 from shared.coalescer import Coalescer
-from shared.log_throttle import LogThrottle
+from services.balancer.log_throttle import LogThrottle
 from shared.periodic import Periodic
 from shared.telemetry import set_error
 
@@ -94,6 +108,8 @@ class BalancerService:
         # The trace of each queued request: its placement (and KV allocation) happen in the drain task.
         self._waiting_traces: dict[str, otel_context.Context] = {}
         self.router = router
+        # The decisions: this service carries out their effects over NATS and the store.
+        self.core = BalancerCore(router, self._routable, lambda: self._view.live(self._clock()))
         self._store = store
         self._settings = settings
         self._metrics = metrics
@@ -120,9 +136,6 @@ class BalancerService:
         self._finished: Coalescer[tuple[str, str, str | None]] = Coalescer("slot-releases", self._release_globally)
         # Per model: (reuse until, its routable nodes); emptied whenever a heartbeat or a departure changes them.
         self._routable_nodes: dict[str, tuple[float, list[Heartbeat]]] = {}
-        # Chains whose global count a reservation's reply gave since the last tick: the tick's read would tell no
-        # more, so it reads only the others (under load, reading every chain was most of the tick).
-        self._counted_chains: set[str] = set()
         self._decision_counters: dict[str, Counter] = {}
         # Read once: a filtered-out `log.debug` still costs microseconds through structlog's lazy proxy, on every route.
         self._logs_routes = _logs_debug(log)
@@ -198,47 +211,27 @@ class BalancerService:
         return msgspec.structs.replace(decision, handed_over=True)
 
     async def route(self, request: RouteRequest) -> RouteReply:
-        now = self._wall_clock()
         self._arrivals.arrived()
-        if request.timeout_s <= 0:
-            return ErrorReply(code="deadline_exceeded", message="request deadline passed before routing", status=504)
-        if request.hand_over is not None and (refusal := _bad_hand_over(request)) is not None:
-            return refusal
         superseded = self._waiters.pop(request.request_id, None)
         if superseded is not None and not superseded.done():
             superseded.set_result(ErrorReply(code="superseded", message="a newer route request has the same id", status=409))
-        if request.exclude_workers or self.router.table.holder(request.request_id) is not None:
-            # Ingress routes again after failing to reach the chosen worker: free that slot first. The store finds
-            # it through its node: the chain this replica gave it, else whichever excluded worker it was on.
-            chain_id = self.router.table.release(request.request_id)
-            if chain_id is not None:
-                releases, chains = [(request.request_id, worker_of(chain_id))], [chain_id]
+        started = time.perf_counter()
+        effects = self.core.route(request, self._wall_clock())
+        self._metrics.decision_seconds.observe(time.perf_counter() - started)
+        # The last effect is the request's own: a reservation to make, its reply, or its wait in the queue.
+        while True:
+            for index in range(len(effects) - 1):
+                await self._carry_out(effects[index])
+            last = effects[-1]
+            kind = type(last)
+            if kind is Reserve:
+                effects = await self._confirm(last)  # type: ignore[arg-type]
+            elif kind is Placed:
+                return self._count(self._decision(last), "placed")  # type: ignore[arg-type]
+            elif kind is Waiting:
+                return self._count(await self._wait(last.entry), "queued")  # type: ignore[union-attr]
             else:
-                releases, chains = [(request.request_id, worker_id) for worker_id in request.exclude_workers], None
-            with contextlib.suppress(*_STORE_ERRORS):
-                await self._store.release_many(releases, chains)
-        heartbeats = self._routable(request.model)
-        refusal = self.router.unroutable(request, heartbeats, lambda: self._view.live(self._clock()))
-        if refusal is not None:
-            return refusal
-        # Each failed confirmation marks a chain full, so this ends within one try per chain.
-        for _ in range(len(heartbeats) + 1):
-            started = time.perf_counter()
-            outcome = self.router.admit(request, heartbeats, now)
-            self._metrics.decision_seconds.observe(time.perf_counter() - started)
-            match outcome:
-                case Placement():
-                    confirmed = await self._confirm(outcome, None)
-                    if confirmed is None:
-                        continue
-                    return self._count(confirmed, "placed")
-                case Queued(entry=entry, evicted=evicted):
-                    if evicted is not None:
-                        self._resolve(evicted.request_id, self.router.degradation.evicted_reply(evicted))
-                    return self._count(await self._wait(entry), "queued")
-                case ErrorReply():
-                    return self._count(outcome, "refused")
-        return self._count(self.router.refusal("no_capacity", "other balancers took every free slot"), "refused")
+                return self._count(last.reply, "refused")  # type: ignore[union-attr]
 
     def _count(self, reply: RouteReply, outcome: str) -> RouteReply:
         if isinstance(reply, ErrorReply) and outcome != "refused":
@@ -253,8 +246,19 @@ class BalancerService:
                 _annotate_route(span, reply, outcome, self.router.policy.name)
         return reply
 
-    async def _confirm(self, placement: Placement, entry: QueuedRequest | None) -> RouteDecision | ErrorReply | None:
-        """Make `placement` global; None when another replica holds the chain's last slot (already undone)."""
+    def _decision(self, placed: Placed) -> RouteDecision:
+        placement, entry = placed.placement, placed.entry
+        chain, prefill = placement.chain, placement.prefill
+        return RouteDecision(
+            placement.request_id, chain.worker_id, chain.node.inbox, self.router.policy.name, chain.cached_blocks,
+            prefill_worker_id=prefill.worker_id if prefill else "", prefill_inbox=prefill.node.inbox if prefill else "",
+            queued_s=0.0 if entry is None else max(0.0, self._wall_clock() - entry.enqueued_at),
+            max_tokens=placement.request.max_tokens, started_at=chain.node.started_at,
+        )
+
+    async def _confirm(self, reserve: Reserve) -> list[Effect]:
+        """Take the placement's slot and KV lease in the store (both or neither); the core's effects of the answer."""
+        placement = reserve.placement
         chain = placement.chain
         reserved = None
         try:
@@ -268,15 +272,8 @@ class BalancerService:
                 log.warning("slot_store_unavailable_using_local_counts", error=str(exc))
             self._store_degraded = True
             taken, used = True, -1
-        if used >= 0:
-            self._counted_chains.add(chain.chain_id)
-        if not taken:
-            self._metrics.slot_conflicts.inc()
-            self.router.undo(placement, used, entry)
-            return None
-        if used >= 0:
-            self.router.table.set_global_used(chain.chain_id, used)
-        if self._allocator is not None:
+        leased = True
+        if taken and self._allocator is not None:
             allocation = await self._allocator.allocate(placement.request, chain, reserved)
             if isinstance(allocation, Unleased):
                 # Redis or the cache-manager is out of reach: as with slots,
@@ -284,12 +281,15 @@ class BalancerService:
                 # bounds the node, and leases resume once they answer.
                 self._unleased(allocation, placement.request_id)
             elif isinstance(allocation, ErrorReply):
-                await self._release(placement.request_id)
-                # No KV room there now: treat the chain as full until the next usage refresh.
-                self._metrics.slot_conflicts.inc()
-                self.router.undo(placement, chain.node.slots_total, entry)
-                self._counted_chains.discard(chain.chain_id)  # that refresh must read it
-                return None
+                leased = False
+                await self._give_back(placement)
+        if not (taken and leased):
+            self._metrics.slot_conflicts.inc()
+            started = time.perf_counter()
+            effects = self.core.confirmed(reserve, taken, used, leased)
+            if reserve.entry is None:  # placed again
+                self._metrics.decision_seconds.observe(time.perf_counter() - started)
+            return effects
         if self._logs_routes:
             log.debug("routed", request_id=placement.request_id, worker_id=chain.worker_id, slots_used=used,
                       cached_blocks=chain.cached_blocks)
@@ -298,13 +298,15 @@ class BalancerService:
             if span.is_recording():
                 span.set_attributes({"kvlane.route.chain_id": chain.chain_id, "kvlane.route.fast_forward": placement.fast_forward,
                                      "kvlane.route.slots_used": used})
-        prefill = placement.prefill
-        return RouteDecision(
-            placement.request_id, chain.worker_id, chain.node.inbox, self.router.policy.name, chain.cached_blocks,
-            prefill_worker_id=prefill.worker_id if prefill else "", prefill_inbox=prefill.node.inbox if prefill else "",
-            queued_s=0.0 if entry is None else max(0.0, self._wall_clock() - entry.enqueued_at),
-            max_tokens=placement.request.max_tokens, started_at=chain.node.started_at,
-        )
+        return self.core.confirmed(reserve, taken, used, leased)
+
+    async def _give_back(self, placement: Placement) -> None:
+        """The slot a refused lease leaves taken (the store took it alone): a reservation is both or neither."""
+        try:
+            await self._store.release_many([(placement.request_id, placement.chain.worker_id)], [placement.chain.chain_id])
+        except _STORE_ERRORS as exc:
+            log.debug("slot_release_failed", request_id=placement.request_id, error=str(exc))
+            self._store_degraded = True
 
     def _unleased(self, unleased: Unleased, request_id: str) -> None:
         self._metrics.unleased_routes.labels(unleased.reason).inc()
@@ -338,9 +340,8 @@ class BalancerService:
         try:
             return await asyncio.wait_for(future, max(0.0, entry.deadline - self._wall_clock()))
         except asyncio.TimeoutError:
-            self.router.queue.remove(entry.request_id)
             self._metrics.queue_wait.labels("timeout").observe(self._wall_clock() - entry.enqueued_at)
-            return self.router.refusal("queue_timeout", f"no slot freed within {entry.deadline - entry.enqueued_at:.1f}s")
+            return self.core.queue_deadline(entry).reply
         finally:
             if self._waiters.get(entry.request_id) is future:
                 del self._waiters[entry.request_id]
@@ -368,46 +369,80 @@ class BalancerService:
             self._drain_again = False
             # Confirmed together, not one after another: their reservations share one round trip to the store
             # (`ScriptBatch`), so a full fleet serves its queue at the store's batch rate, not one request per trip.
-            await asyncio.gather(*(self._serve_queued(entry, placement)
-                                   for entry, placement in self.router.dispatch_queued(self._routable)))
+            await asyncio.gather(*(self._serve_queued(reserve) for reserve in self.core.dispatch()))
         self._metrics.queue_length.set(len(self.router.queue))
 
-    async def _serve_queued(self, entry: QueuedRequest, placement: Placement) -> None:
+    async def _serve_queued(self, reserve: Reserve) -> None:
+        entry = reserve.entry
+        assert entry is not None
         # Its placement and allocation belong to the queued request's trace, not to whatever woke the drain.
         token = otel_context.attach(self._waiting_traces.get(entry.request_id, otel_context.Context()))
         try:
-            confirmed = await self._confirm(placement, entry)
+            effects = await self._confirm(reserve)
         finally:
             otel_context.detach(token)
-        if confirmed is None:
-            self._drain_again = True  # that chain is now known full; others may still fit
-            return
-        self._metrics.queue_wait.labels("served").observe(self._wall_clock() - entry.enqueued_at)
-        if not self._resolve(entry.request_id, confirmed) and isinstance(confirmed, RouteDecision):
-            # The client gave up while the slot was being confirmed.
-            await self._release(entry.request_id)
+        await self._carry_out_all(effects)
+
+    # --- effects ----------------------------------------------------------------------
+
+    async def _carry_out_all(self, effects: list[Effect]) -> None:
+        for effect in effects:
+            await self._carry_out(effect)
+
+    async def _carry_out(self, effect: Effect) -> None:
+        """One effect of an event (a route request's own reply and reservations are `route`'s)."""
+        match effect:
+            case Refused(request_id=request_id, reply=reply):
+                self._resolve(request_id, reply)
+            case Placed(entry=entry) if entry is not None:
+                self._metrics.queue_wait.labels("served").observe(self._wall_clock() - entry.enqueued_at)
+                if not self._resolve(entry.request_id, self._decision(effect)):
+                    # The client gave up while the slot was being confirmed.
+                    await self._carry_out_all(self.core.unanswered(entry.request_id))
+            case Requeued():
+                self._drain_again = True  # that chain is now known full; others may still fit
+            case Drain():
+                self._schedule_drain()
+            case Release(request_id=request_id, worker_id=worker_id, chain_id=chain_id):
+                released: list[tuple[str, int] | None] = []
+                if worker_id is not None:
+                    try:
+                        released = await self._store.release_many([(request_id, worker_id)], [chain_id])
+                    except _STORE_ERRORS as exc:
+                        log.debug("slot_release_failed", request_id=request_id, error=str(exc))
+                        self._store_degraded = True
+                # Not before the store freed it: another replica could not take it yet, nor could this one.
+                self._carry_out_now(self.core.released(released))
+            case ReleaseEarlier(releases=releases, chains=chains):
+                with contextlib.suppress(*_STORE_ERRORS):
+                    await self._store.release_many(releases, chains)
+            case Abort(request_id=request_id, worker_id=worker_id):
+                # This replica may have handed the request over before its route reply reached a client that had
+                # left; a worker that never got it ignores the abort.
+                with contextlib.suppress(Exception):
+                    await self._bus.publish(subjects.worker_inbox(worker_id),
+                                            AbortRequest(request_id=request_id, reason="client_disconnected"))
+            case _:
+                self._carry_out_now([effect])
+
+    def _carry_out_now(self, effects: list[Effect]) -> None:
+        """The effects that need no I/O: replies and drains."""
+        for effect in effects:
+            if type(effect) is Drain:
+                self._schedule_drain()
+            elif type(effect) is Refused:
+                self._resolve(effect.request_id, effect.reply)  # type: ignore[union-attr]
+            # NodesGone: the core forgot them; Preempted: the cache-manager stops what it preempts.
 
     # --- events ---------------------------------------------------------------------
 
     def _on_finished(self, event: RequestFinished, msg: Msg) -> None:
-        request_id, worker_id = event.request_id, event.worker_id
-        chain_id = self.router.finished(request_id, worker_id)
-        if chain_id is None and self.router.table.holder(request_id) is not None and self._is_prefill_node(worker_id):
-            # A prefill node ends a request only when it never handed it over: the slot and the KV lease are its
-            # decode node's, which will never run it. (From any other node, this is the late end of an attempt
-            # resumed elsewhere, whose slot and lease the resumed attempt holds.)
-            chain_id = self.router.table.release(request_id)
-            assert chain_id is not None
-            worker_id = worker_of(chain_id)
-        self._finished.put((request_id, worker_id, chain_id))
-
-    def _is_prefill_node(self, worker_id: str) -> bool:
-        return any(hb.registration.worker_id == worker_id and hb.registration.role == "prefill"
-                   for hb in self._view.live(self._clock()))
+        for release in self.core.finished(event.request_id, event.worker_id):
+            assert isinstance(release, Release) and release.worker_id is not None
+            self._finished.put((release.request_id, release.worker_id, release.chain_id))
 
     async def _release_globally(self, finished: list[tuple[str, str, str | None]]) -> None:
-        """Free finished requests' slots (and, with `RedisSlotStore.releases_leases`, their KV leases, in the same
-        scripts) in the store, then give the slots to queued requests."""
+        """Free finished requests' slots and KV leases in the store, then give the slots to queued requests."""
         releases = [(request_id, worker_id) for request_id, worker_id, _ in finished]
         try:
             released = await self._store.release_many(releases, [chain_id for *_, chain_id in finished])
@@ -415,95 +450,56 @@ class BalancerService:
             log.debug("slot_release_failed", requests=len(releases), error=str(exc))
             self._store_degraded = True
             released = []
-        for chain_used in released:
-            if chain_used is not None:
-                self.router.table.set_global_used(*chain_used)
         # Not before the store freed them: another replica could not take them yet, nor could this one.
-        self._schedule_drain()
+        self._carry_out_now(self.core.released(released))
 
     async def _on_withdrawn(self, event: RouteWithdrawn, msg: Msg) -> None:
-        # Every replica hears it: the one holding the request queued, and whichever holds its slot.
-        if self.router.queue.remove(event.request_id) is not None:
-            self._resolve(event.request_id, ErrorReply(code="withdrawn", message="the client left", status=499))
-        worker_id = await self._release(event.request_id)
-        if worker_id is not None:
-            # This replica may have handed the request over before its route reply reached a client that had left;
-            # a worker that never got it ignores the abort.
-            with contextlib.suppress(Exception):
-                await self._bus.publish(subjects.worker_inbox(worker_id),
-                                        AbortRequest(request_id=event.request_id, reason="client_disconnected"))
-        self._schedule_drain()
-
-    async def _release(self, request_id: str, worker_id: str | None = None) -> str | None:
-        """Free the slot this replica gave `request_id`; its node, or None when this replica placed it nowhere."""
-        chain_id = self.router.table.release(request_id, worker_id)
-        if chain_id is None:
-            # Not placed by this replica: the one that placed it hears the same and knows its node; the store
-            # finds a slot only through its node. Missed, it goes at the request's deadline, and its lease when it
-            # lapses unrenewed (or the cache-managers free it: they hear withdrawals too).
-            return None
-        try:
-            released = (await self._store.release_many([(request_id, worker_of(chain_id))], [chain_id]))[0]
-        except _STORE_ERRORS as exc:
-            log.debug("slot_release_failed", request_id=request_id, error=str(exc))
-            self._store_degraded = True
-            return worker_of(chain_id)
-        if released is not None:
-            self.router.table.set_global_used(*released)
-        return worker_of(chain_id)
+        # Every replica hears it: the one holding the request queued, and whichever holds its slot. Not placed by
+        # this replica, its slot is the placing one's to free (the store finds a slot only through its node). Missed,
+        # it goes at the request's deadline, and its lease when it lapses unrenewed and is reaped.
+        await self._carry_out_all(self.core.withdrawn(event.request_id))
 
     def heard(self, heartbeat: Heartbeat) -> None:
         """A heartbeat the cluster watcher just recorded in the view (`ClusterWatcher.add_heartbeat_listener`)."""
         # The routable nodes listed next must include it.
         self._routable_nodes.clear()
-        self.router.observe(heartbeat)
-        self._schedule_drain()
+        self._carry_out_now(self.core.heartbeat(heartbeat))
 
     def _on_kv_events(self, events: KvEvents, msg: Msg) -> None:
-        self.router.index.apply(events.worker_id, events.stored, events.removed, events.cleared)
+        self.core.kv_events(events)
 
     async def _on_health(self, verdict: HealthVerdict, msg: Msg) -> None:
-        self.router.builder.set_health_weight(verdict.worker_id, verdict.weight)
-        self._schedule_drain()
+        self._carry_out_now(self.core.health(verdict))
 
     async def _on_worker_left(self, event: WorkerLeft, msg: Msg) -> None:
         self._view.remove(event.worker_id)  # as the cluster watcher does, maybe later: routes must not go there now
         self._routable_nodes.clear()
-        self.router.forget([event.worker_id])
+        self.core.worker_left(event.worker_id)
 
     # --- housekeeping -----------------------------------------------------------------
 
     async def tick(self) -> None:
-        """Expire reservations, drop nodes that left, re-read the global usage of chains no reservation counted since the
-        last tick, retry the queue."""
+        """Expire reservations and queued requests, drop nodes that left, re-read the global usage of chains no
+        reservation counted since the last tick, retry the queue."""
         now = self._wall_clock()
-        table = self.router.table
-        live = self._view.live(self._clock())
-        released, _ = self.router.prune(now, live)
+        expired = self.core.expired
+        effects = self.core.tick(now)
         self._routable_nodes.clear()
-        self._metrics.expired_reservations.inc(released)
-        live_chains = {self.router.builder.facts(hb).chain_id: hb for hb in live}
-        try:
-            if self._store_degraded:
-                await self._restore_holds()
-            unknown, self._counted_chains = sorted(live_chains.keys() - self._counted_chains), set()
-            usage = await self._store.usage(unknown, now)
-        except _STORE_ERRORS as exc:
-            if not self._store_degraded:
-                log.warning("slot_usage_read_failed", error=str(exc))
-            self._store_degraded = True
-            usage = {}
-        for chain_id, used in usage.items():
-            table.set_global_used(chain_id, used)
-        for entry in self.router.queue.expire(now):
-            self._resolve(entry.request_id, self.router.refusal("queue_timeout", "no slot freed before the deadline"))
+        self._metrics.expired_reservations.inc(self.core.expired - expired)
+        for effect in effects:
+            if isinstance(effect, ReadUsage):
+                await self._read_usage(effect.chains, now)
+            else:
+                self._carry_out_now([effect])
         self._metrics.arrival_rate.set(self._arrivals.tick(now))
-        fast_forwards = getattr(self.router.policy, "fast_forwards", 0)
+        fast_forwards = self.router.policy.fast_forwards
         self._metrics.fast_forwards.inc(fast_forwards - self._fast_forwards_seen)
         self._fast_forwards_seen = fast_forwards
         self._metrics.cache_holds.inc(self.router.cache_holds - self._cache_holds_seen)
         self._cache_holds_seen = self.router.cache_holds
         self._metrics.queue_length.set(len(self.router.queue))
+        table, facts = self.router.table, self.router.builder.facts
+        live_chains = {facts(hb).chain_id: hb for hb in self._view.live(self._clock())}
         for chain_id in self._gauged_chains.keys() - live_chains.keys():
             del self._gauged_chains[chain_id]
             self._metrics.slots_used.remove(chain_id)
@@ -514,8 +510,19 @@ class BalancerService:
                 gauges = self._gauged_chains[chain_id] = (self._metrics.slots_used.labels(chain_id),
                                                           self._metrics.slots_total.labels(chain_id))
             gauges[0].set(table.used(chain_id))
-            gauges[1].set(self.router.builder.facts(heartbeat).slots_total)
-        self._schedule_drain()
+            gauges[1].set(facts(heartbeat).slots_total)
+
+    async def _read_usage(self, chains: list[str], now: float) -> None:
+        try:
+            if self._store_degraded:
+                await self._restore_holds()
+            usage = await self._store.usage(chains, now)
+        except _STORE_ERRORS as exc:
+            if not self._store_degraded:
+                log.warning("slot_usage_read_failed", error=str(exc))
+            self._store_degraded = True
+            usage = {}
+        self._carry_out_now(self.core.counted(usage))
 
     async def _restore_holds(self) -> None:
         """Write this replica's reservations back to the store (after an outage or a Redis restart lost them)."""
@@ -545,7 +552,7 @@ class BalancerService:
             rates=self._rates,
             arrival_rate=self._arrivals.per_second,
             now=self._wall_clock(),
-            fast_forwards=getattr(self.router.policy, "fast_forwards", 0),
+            fast_forwards=self.router.policy.fast_forwards,
             model=request.model,
             block_hashes=request.block_hashes,
         )
@@ -571,18 +578,3 @@ def _annotate_route(span: Span, reply: RouteReply, outcome: str, policy: str) ->
     if reply.prefill_worker_id:
         attributes["kvlane.prefill_worker.id"] = reply.prefill_worker_id
     span.set_attributes(attributes)
-
-
-def _bad_hand_over(request: RouteRequest) -> ErrorReply | None:
-    """Why a route request's `hand_over` cannot be sent on as it is, or None."""
-    hand_over = request.hand_over
-    assert hand_over is not None
-    if not hand_over.accept_to:
-        problem = "a hand_over needs an accept_to"
-    elif hand_over.request_id != request.request_id or hand_over.model != request.model:
-        problem = "the hand_over is for another request or model"
-    elif hand_over.kv_ref is not None:
-        problem = "a hand_over runs the whole request: no kv_ref"
-    else:
-        return None
-    return ErrorReply(code="bad_request", message=problem, status=400)

@@ -10,15 +10,16 @@ restarted worker has a new chain id (`snapshot.chain_id_of`), so it starts
 with an empty set.
 
 With a ledger, `reserve_with_lease` takes the slot and the request's KV
-lease (shared/block_ledger.py) in one script: one round trip per route
-decision, and a refusal of either leaves both untouched. Built with
-`releases_leases`, its release frees the request's lease with the slot, in
-the same script: the slot's key may be gone (it expired at the request's
-deadline while the request ran on) or name another chain, and the lease
-still goes. A replica that did not place the request reads its chain with
-a script that frees the lease at once. Every replica releases every
-finished request and the ledger credits a lease's blocks once
-(`block_ledger.RELEASE_FUNCTION`). The reservations
+lease (shared/kv/block_ledger.py) in one script: one round trip per route
+decision, and a refusal of either leaves both untouched. Its release
+frees the request's lease with the slot, in the same script: the slot's
+key may be gone (it expired at the request's deadline while the request
+ran on) or name another chain, and the lease still goes. A replica that
+did not place the request reads its chain with a script that frees the
+lease at once. Every replica releases every finished request and the
+ledger credits a lease's blocks once (`block_ledger.RELEASE_FUNCTION`).
+The balancers thus free every lease they take; the cache-managers only
+reap those nobody freed (a crashed balancer's, say). The reservations
 asked for within one event-loop iteration go to Redis in one pipeline
 (`ScriptBatch`): each script still runs atomically on its own, so nothing
 changes for replica safety, while a burst of route decisions costs one
@@ -35,7 +36,9 @@ another node keeps its first slot until that attempt's end releases it
 or its deadline passes.
 
 `LocalSlotStore` is the single-process stand-in: the `SlotTable` alone is
-the truth, so every placement is confirmed.
+the truth, so every placement is confirmed. Its release frees the
+request's lease through the balancer's allocator (`KvAllocator.release_many`),
+so with either store whatever frees a request's slot frees its lease.
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol
 
 import hiredis
@@ -53,7 +56,7 @@ from redis.commands.core import AsyncScript
 from redis.exceptions import NoScriptError, ResponseError
 
 from contracts import subjects
-from shared.block_ledger import (
+from shared.kv.block_ledger import (
     ALLOCATE_FUNCTION,
     RELEASE_FUNCTION,
     Reservation,
@@ -169,8 +172,8 @@ class SlotStore(Protocol):
         ...
 
     async def release(self, request_id: str, worker_id: str) -> tuple[str, int] | None:
-        """Free `request_id`'s slot on `worker_id`'s chain (and, where the store frees leases, its KV lease on
-        `worker_id`); (chain, its count after), or None if it held no slot there (see `SlotTable.release`). Idempotent."""
+        """Free `request_id`'s slot on `worker_id`'s chain and its KV lease on `worker_id`; (chain, its count after),
+        or None if it held no slot there (see `SlotTable.release`). Idempotent."""
         ...
 
     async def release_many(self, releases: Sequence[tuple[str, str]],
@@ -185,14 +188,23 @@ class SlotStore(Protocol):
 
 
 class LocalSlotStore:
+    _release_leases: Callable[[Sequence[tuple[str, str]]], Awaitable[None]] | None = None
+
+    def __init__(self, release_leases: Callable[[Sequence[tuple[str, str]]], Awaitable[None]] | None = None) -> None:
+        """`release_leases`: frees the KV leases of (request_id, worker_id) pairs (`KvAllocator.release_many`);
+        None where the balancer takes no leases."""
+        self._release_leases = release_leases
+
     async def reserve(self, request_id: str, chain_id: str, slots: int, expires_at: float) -> tuple[bool, int]:
         return True, -1
 
     async def release(self, request_id: str, worker_id: str) -> tuple[str, int] | None:
-        return None
+        return (await self.release_many([(request_id, worker_id)]))[0]
 
     async def release_many(self, releases: Sequence[tuple[str, str]],
                            chains: Sequence[str | None] | None = None) -> list[tuple[str, int] | None]:
+        if releases and self._release_leases is not None:
+            await self._release_leases(releases)
         return [None] * len(releases)
 
     async def usage(self, chain_ids: Sequence[str], now: float) -> dict[str, int]:
@@ -322,15 +334,13 @@ class ScriptBatch:
 
 
 class RedisSlotStore:
-    def __init__(self, client: redis.Redis, releases_leases: bool = False) -> None:
-        """`releases_leases`: every release frees the request's KV lease on the node as well (the ledger shares
-        this Redis); `BalancerSettings.releases_kv_leases` says whether the balancers or the cache-managers do."""
+    def __init__(self, client: redis.Redis) -> None:
+        """Every release frees the request's KV lease on the node as well: the ledger shares this Redis."""
         self._redis = client
         self._reserve = client.register_script(_RESERVE)
         self._reserve_with_lease = client.register_script(_RESERVE_WITH_LEASE)
         self._release = client.register_script(_RELEASE)
         self._read_and_release_lease = client.register_script(_READ_AND_RELEASE_LEASE)
-        self.releases_leases = releases_leases
         self._batch = ScriptBatch(client)
 
     async def reserve(self, request_id: str, chain_id: str, slots: int, expires_at: float) -> tuple[bool, int]:
@@ -361,13 +371,12 @@ class RedisSlotStore:
         if not releases:
             return []
         released: list[tuple[str, int] | None] = [None] * len(releases)
-        leases = self.releases_leases
         # Where the chain is known (this replica placed the request) the release goes straight into the next
         # batch of scripts, with the route decisions'. Its script checks the request's key still names that chain,
         # and frees the lease either way.
         known = [i for i, chain_id in enumerate(chains or ()) if chain_id is not None]
         if known:
-            replies = await _gathered(self._release_calls([(*releases[i], chains[i], leases) for i in known]))  # type: ignore[index]
+            replies = await _gathered(self._release_calls([(*releases[i], chains[i], True) for i in known]))  # type: ignore[index]
             for i, reply in zip(known, replies, strict=True):
                 released[i] = _released(chains[i], reply)  # type: ignore[index]
         # The others, and a request that moved to another chain of its node meanwhile: a request's key names
@@ -377,11 +386,11 @@ class RedisSlotStore:
         unknown = [i for i in range(len(releases)) if released[i] is None]
         if not unknown:
             return released
-        with_lease = set(unknown).difference(known) if leases else set()
+        with_lease = set(unknown).difference(known)
         read = await _gathered([
             self._batch.call(self._read_and_release_lease,
                              [request_slot_key(releases[i][1], releases[i][0]),
-                              *(release_keys(releases[i][1], releases[i][0]) if i in with_lease else ())],
+                              *(self._lease_keys(*releases[i]) if i in with_lease else ())],
                              [releases[i][0]])
             for i in unknown])
         held = [(i, chain_id.decode()) for i, (chain_id, _) in zip(unknown, read, strict=True) if chain_id]
@@ -393,9 +402,13 @@ class RedisSlotStore:
     def _release_calls(self, releases: Sequence[tuple[str, str, str, bool]]) -> list[asyncio.Future]:
         """The release script for each (request_id, worker_id, chain_id, with its lease), in the next batch."""
         return [self._batch.call(self._release, [request_slot_key(worker_id, request_id), chain_slots_key(chain_id),
-                                                 *(release_keys(worker_id, request_id) if lease else ())],
+                                                 *(self._lease_keys(request_id, worker_id) if lease else ())],
                                  [request_id, chain_id])
                 for request_id, worker_id, chain_id, lease in releases]
+
+    def _lease_keys(self, request_id: str, worker_id: str) -> list[str]:
+        """The ledger's keys a release frees the request's lease through (benchmarks of slots alone give none)."""
+        return release_keys(worker_id, request_id)
 
     async def usage(self, chain_ids: Sequence[str], now: float) -> dict[str, int]:
         if not chain_ids:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 
-from shared.block_ledger import BlockLedger
+from shared.kv.block_ledger import BlockLedger
 from services.cache_manager.metrics import CacheMetrics
 from services.cache_manager.service import CacheManagerService, prewarm_leadership
 from shared.config import KvlaneConfig
@@ -21,8 +21,7 @@ async def main(config: KvlaneConfig, stop: asyncio.Event) -> None:
         metrics = CacheMetrics()
         ledger = BlockLedger(ctx.redis, settings.lease_ttl_s)
         service = CacheManagerService(settings, ctx.bus, ctx.view, ledger, metrics, manager_id, tracer=ctx.telemetry.tracer,
-                                      prewarm_leader=prewarm_leadership(ctx.redis, settings, manager_id),
-                                      releases_finished=not config.balancer.releases_kv_leases)
+                                      prewarm_leader=prewarm_leadership(ctx.redis, settings, manager_id))
         metrics_runner = None
         try:
             await service.start()

@@ -1,12 +1,15 @@
 """The cache-manager: the cluster's view of KV memory, wired to NATS and Redis.
 
-It answers allocate / release / lookup / status on `kvlane.v1.cache.request`
-(a queue group: replicas share the work and the Redis ledger), renews
-leases from workers' `RenewLeases`, releases on `RequestFinished` where the
-balancers do not (`BalancerSettings.releases_kv_leases`: with the Redis slot
-store they free a finished request's lease in the script that frees its
-slot), keeps the prefix index from workers' `KvEvents`, and pre-warms hot
-prefixes. Leases of withdrawn routes it releases either way.
+The balancers take their requests' KV leases from the ledger and free them
+when the requests end; what is left here is what they cannot do on their
+own. On `kvlane.v1.cache.request` (a queue group: replicas share the work
+and the Redis ledger) it answers a balancer whose node had no room by
+preempting lower-priority requests there, and answers release, lookup,
+status and allocations for clients that lease nothing themselves. It
+renews leases from workers' `RenewLeases`, reaps the expired ones (a
+crashed balancer's, a dead worker's), keeps the prefix index from workers'
+`KvEvents`, and pre-warms hot prefixes. A withdrawn route's lease it frees
+too: one its preemption granted may land after the balancer's release.
 
 Any number of replicas may run. Requests, renewals and releases go to one
 replica each (queue groups) and every change to the ledger is one atomic
@@ -52,22 +55,20 @@ from contracts.messages import (
     GenerateRequest,
     Heartbeat,
     KvEvents,
-    RequestFinished,
     RouteWithdrawn,
     SamplingParams,
     WorkerLeft,
 )
 from services.cache_manager.metrics import CacheMetrics
 from services.cache_manager.prewarm import HotPrefixTracker, plan_prewarms
-from shared.block_ledger import BlockLedger
+from shared.kv.block_ledger import BlockLedger
 from shared.bus import Bus
 from shared.cluster import ClusterView
 from shared.config import CacheManagerSettings
-from shared.coalescer import Coalescer
-from shared.kv_allocation import Demand, NodeCapacity, ask_on_node, plan_preemption, rank
-from shared.leadership import Leadership
+from shared.kv.allocation import Demand, NodeCapacity, ask_on_node, plan_preemption, rank
+from services.cache_manager.leadership import Leadership
 from shared.periodic import Periodic
-from shared.prefix_index import PrefixIndex
+from shared.kv.prefix_index import PrefixIndex
 from shared.spans import annotate_allocation
 
 log = structlog.get_logger("kvlane.cache_manager")
@@ -98,9 +99,7 @@ class CacheManagerService:
         clock: Callable[[], float] = time.monotonic,
         tracer: Tracer | None = None,
         prewarm_leader: Leadership | None = None,
-        releases_finished: bool = True,
     ) -> None:
-        """`releases_finished`: free the lease of each `RequestFinished`; False where the balancers do."""
         self._settings = settings
         self._tracer = tracer or trace.NoOpTracer()
         self._bus = bus
@@ -117,9 +116,6 @@ class CacheManagerService:
         self._maintenance = Periodic("cache-maintenance", maintenance_interval_s(settings), self._maintain)
         # None: this replica pre-warms alone.
         self._prewarm_leader = prewarm_leader
-        # Leases of finished requests go back a batch at a time: one Redis round trip per burst.
-        self._finished: Coalescer[tuple[str, str]] = Coalescer("lease-releases", self._release_finished)
-        self._releases_finished = releases_finished
 
     async def start(self) -> None:
         # Before answering anything: a replica that returns after an outage finds the ledger full of the
@@ -133,16 +129,12 @@ class CacheManagerService:
         await self._bus.subscribe(subjects.CACHE_ROUTED, PrefixesRouted, self._on_routed, traced=False)
         # These only update memory: handled as nats-py reads them, without a task per message.
         await self._bus.subscribe(subjects.KV_EVENTS_ALL, KvEvents, self._on_kv_events, traced=False, at_once=True)
-        if self._releases_finished:
-            await self._bus.subscribe(subjects.REQUEST_FINISHED, RequestFinished, self._on_finished, queue=queue, traced=False,
-                                      at_once=True)
         await self._bus.subscribe(subjects.ROUTE_WITHDRAWN, RouteWithdrawn, self._on_withdrawn, queue=queue)
         await self._bus.subscribe(subjects.WORKER_LEFT, WorkerLeft, self._on_worker_left)
         self._maintenance.start()
 
     async def stop(self) -> None:
         await self._maintenance.stop()
-        await self._finished.close()
         if self._prewarm_leader is not None:
             await self._prewarm_leader.resign()
 
@@ -199,8 +191,9 @@ class CacheManagerService:
         cached = self.index.match(request.block_hashes)
         self._observe_prefix(request.model, request.block_hashes, request.prefix_token_ids)
         if request.worker_id is not None:
-            # One node, nothing to rank: the ledger's script checks room and picks the pool itself,
-            # so the usual case costs one round trip; only a refusal reads usage (and may preempt).
+            # A balancer's route whose lease the ledger refused on its node (balancers lease themselves): what is
+            # asked is room, by preemption. One try on the ledger first, in one round trip: a lease may have ended
+            # meanwhile, and no request need then be preempted.
             granted = await self._reserve_on(request, demand, heartbeats[request.worker_id], cached)
             if granted is not None:
                 return granted
@@ -315,15 +308,6 @@ class CacheManagerService:
         for prefix in routed.prefixes:
             self._observe_prefix(prefix.model, prefix.block_hashes, prefix.prefix_token_ids)
 
-    def _on_finished(self, event: RequestFinished, msg: Msg) -> None:
-        self._finished.put((event.request_id, event.worker_id))
-
-    async def _release_finished(self, releases: list[tuple[str, str]]) -> None:
-        try:
-            await self._ledger.release_many(releases)
-        except (RedisError, OSError) as exc:
-            log.warning("lease_release_failed", requests=len(releases), error=str(exc))
-
     async def _release_anywhere(self, request_id: str) -> None:
         try:
             # Only the request is known: its lease, if any, is on one of the nodes alive (a lease on a node that
@@ -334,8 +318,8 @@ class CacheManagerService:
             log.warning("lease_release_failed", request_id=request_id, error=str(exc))
 
     async def _on_withdrawn(self, event: RouteWithdrawn, msg: Msg) -> None:
-        # Also where the balancers free leases: only the one that placed the request knows its node, and a lease
-        # the cache-manager granted may land after that balancer's release.
+        # The balancer that placed the request frees its lease, but a lease a preemption here granted may land
+        # after that release.
         await self._release_anywhere(event.request_id)
 
     def _on_kv_events(self, events: KvEvents, msg: Msg) -> None:

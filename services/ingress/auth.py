@@ -30,7 +30,7 @@ from services.ingress.errors import ApiError
 from services.ingress.prompts import PreparedRequest
 from shared.api_keys import ApiKeyStore, KeyRecord, bearer_token, key_id_of, load_keys_file
 from shared.config import AuthSettings
-from shared.key_limits import KeyLimiter
+from services.ingress.key_limits import KeyLimiter
 from shared.periodic import Periodic
 
 log = structlog.get_logger("kvlane.ingress")

@@ -14,6 +14,10 @@ sequence. At most `migration_attempts` resumptions, and of those at most
 crashes its engine must not take the fleet down node by node); then an
 explicit error.
 
+Those decisions are `RequestFlight`'s (services/ingress/flight.py), a pure
+state machine the virtual-time simulator runs too; this module does the I/O
+around it: route requests, hand-overs, relaying, aborts, spans, metrics.
+
 The route request carries the worker's request (`hand_over`), and the
 balancer sends it on to the node it chose as it replies: the worker's
 answer comes straight here, one NATS round trip sooner than if this side
@@ -32,7 +36,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import NamedTuple
 
 import msgspec
@@ -60,6 +64,7 @@ from contracts.messages import (
 from services.ingress.balancers import RouteAsker
 from services.ingress.errors import ApiError
 from services.ingress.feedback import StreamSpeedNorms
+from services.ingress.flight import Done, Fail, RequestFlight, StreamInterrupted
 from services.ingress.metrics import IngressMetrics
 from services.ingress.prompts import PreparedRequest
 from shared.bus import Bus, BusError, NoResponders, ReplySlot, ReplyStream, RequestTimeout, StreamReceiver
@@ -69,33 +74,6 @@ from shared.telemetry import error_type, set_error
 log = structlog.get_logger("kvlane.ingress")
 
 _RETRYABLE_WORKER_CODES = {"draining"}
-
-
-class StreamInterrupted(Exception):
-    """The stream broke off; `culprit` is the node at fault (excluded next time) and `feedback` what it did.
-
-    `restarted`: the culprit's process died and a new one runs under its id; that one is not excluded.
-    `node_lost`: the culprit's process died (restarted, or gone from the cluster).
-    """
-
-    def __init__(self, reason: str, feedback: FeedbackKind | None, culprit: str = "", preempted: bool = False,
-                 handed_back: bool = False, restarted: bool = False, node_lost: bool = False) -> None:
-        super().__init__(reason)
-        self.reason = reason
-        self.feedback = feedback
-        self.culprit = culprit
-        self.preempted = preempted
-        self.handed_back = handed_back
-        self.restarted = restarted
-        self.node_lost = node_lost or restarted
-
-    @property
-    def cause(self) -> str:
-        """Why, in one word (the migrations metric's label): preempted, handed_back (the worker is leaving),
-        error, timeout, or reconnect (frames lost)."""
-        if self.preempted:
-            return "preempted"
-        return "handed_back" if self.handed_back else (self.feedback or "reconnect")
 
 
 class _Attempt:
@@ -208,23 +186,22 @@ class Dispatcher:
         """
         # On this host's monotonic clock; each message carries the time left (hosts' clocks disagree).
         deadline = time.monotonic() + self._settings.request_timeout_s
-        excluded: list[str] = []
-        produced: list[int] = []
-        out_seq = handovers = refused = migrations = node_losses = preemptions = unanswered = 0
+        flight = RequestFlight(self._settings, prepared.sampling.max_tokens, prepared.sampling.n)
+        route = flight.start()
         while True:
-            attempt = _Attempt(self._tracer, trace_context, handovers + 1, request_id, len(produced))
+            attempt = _Attempt(self._tracer, trace_context, route.attempt, request_id, len(route.produced))
             # Where the worker answers if the balancer sends the request on: listened to before it can.
             reply = await self._bus.reply_slot() if self._settings.balancer_hands_over else None
-            with contextlib.ExitStack() as closing, self._streams.open(f"{request_id}-{handovers}") as stream:
+            with contextlib.ExitStack() as closing, self._streams.open(f"{request_id}-{route.attempt - 1}") as stream:
                 if reply is not None:
                     closing.callback(reply.close)
-                handovers += 1
                 hand_over = None if reply is None else _HandOver(
-                    self._worker_request(request_id, prepared, None, stream, deadline, produced, accept_to=reply.subject), reply,
+                    self._worker_request(request_id, prepared, None, stream, deadline, route.produced, accept_to=reply.subject),
+                    reply,
                 )
                 try:
-                    decision = await self._route(request_id, prepared, deadline, excluded, len(produced), attempt.context,
-                                                 hand_over, last_ask=unanswered > 0)
+                    decision = await self._route(request_id, prepared, deadline, route.exclude, len(route.produced),
+                                                 attempt.context, hand_over)
                 except asyncio.CancelledError as exc:
                     # The client left while its request was routed or queued: a slot and a lease may
                     # be reserved for it by now (and the request handed over); free them rather than
@@ -235,14 +212,20 @@ class Dispatcher:
                     attempt.end()
                     raise
                 except RouteUnanswered as exc:
-                    # Asked again as a new attempt: a worker the silent balancer handed the request to answers and
-                    # streams to this attempt's reply slot and stream, not into the next one's; and is told to stop.
-                    unanswered += 1
+                    again = flight.on_unanswered(str(exc))
+                    if isinstance(again, Fail):
+                        attempt.failed(again.error)
+                        attempt.end()
+                        raise again.error from exc
+                    log.warning("route_unanswered", request_id=request_id, error=str(exc))
                     attempt.failed(exc)
                     attempt.end()
+                    # Asked again as a new attempt: a worker the silent balancer handed the request to answers and
+                    # streams to this attempt's reply slot and stream, not into the next one's; and is told to stop.
                     if reply is not None:
                         closing.pop_all()
                         self._bus.spawn(self._abort_when_accepted(request_id, reply, stream.subject, deadline))
+                    route = again
                     continue
                 except BaseException as exc:
                     attempt.failed(exc)
@@ -251,73 +234,47 @@ class Dispatcher:
                 attempt.routed(decision)
                 if self._metrics is not None:
                     self._metrics.queued(prepared.model, decision.queued_s)
-                if 0 < decision.max_tokens < prepared.sampling.max_tokens - len(produced):
-                    capped = len(produced) + decision.max_tokens
-                    prepared = msgspec.structs.replace(prepared, sampling=msgspec.structs.replace(prepared.sampling, max_tokens=capped))
-                    on_capped(capped)
+                handing = flight.on_decision(decision.max_tokens)
+                if handing.capped:
+                    sampling = msgspec.structs.replace(prepared.sampling, max_tokens=handing.max_tokens)
+                    prepared = msgspec.structs.replace(prepared, sampling=sampling)
+                    on_capped(handing.max_tokens)
                 # From the hand-over on, the chain's nodes may be running the request: unless it
                 # ended (or was abandoned) here, whatever stops this attempt aborts it there: the
                 # client hanging up (its handler cancelled, or this generator closed), an error.
                 settled = False
                 try:
-                    accepted = await self._hand_over(request_id, prepared, decision, stream, deadline, produced,
+                    accepted = await self._hand_over(request_id, prepared, decision, stream, deadline, flight.produced,
                                                      attempt.context, hand_over)
                     if isinstance(accepted, str):
-                        refused_by = accepted
                         # A node that was merely slow to accept may run it all the same.
                         settled = True
-                        attempt.refused(refused_by)
+                        attempt.refused(accepted)
                         await self._abort(request_id, stream.subject, decision, "not_accepted", attempt.context)
-                        excluded.append(refused_by)
-                        refused += 1
-                        if refused >= self._settings.dispatch_attempts:
-                            raise ApiError(
-                                503, f"no worker accepted the request after {refused} attempts",
-                                code="no_capacity", retry_after_s=1.0,
-                            )
+                        elsewhere = flight.on_refused(accepted)
+                        if isinstance(elsewhere, Fail):
+                            raise elsewhere.error
+                        route = elsewhere
                         continue
                     async for frame in self._relay(request_id, decision, stream, accepted):
-                        if isinstance(frame, TokenChunk):
-                            produced.extend(frame.token_ids)
-                        settled = isinstance(frame, StreamEnd)
-                        if settled:
+                        relayed = flight.on_frame(frame)
+                        if isinstance(relayed, Done):
+                            settled = True
                             attempt.outcome = "finished"
-                        # Renumbered only after a resumption: until then the node's numbering is the client's.
-                        yield frame if frame.seq == out_seq else msgspec.structs.replace(frame, seq=out_seq)
-                        out_seq += 1
+                        yield relayed.frame
                     return
                 except StreamInterrupted as exc:
                     settled = True  # _abandon tells the workers
                     attempt.interrupted(exc)
                     await self._abandon(request_id, stream.subject, decision, exc, accepted, attempt.context)
-                    if prepared.sampling.n > 1 and produced:
-                        # Its choices' tokens are interleaved: a resumption would not know which to continue.
-                        raise ApiError(502, f"request failed: {exc.reason} (a request with n > 1 resumes only before "
-                                       "its first token)", code="stream_interrupted") from exc
-                    # Preemptions are bounded apart from failures: a low-priority
-                    # request may legitimately give way several times.
-                    if exc.preempted:
-                        preemptions += 1
-                        if preemptions > self._settings.preemption_resumes:
-                            raise ApiError(503, f"preempted {preemptions} times", code="preempted", retry_after_s=1.0) from exc
-                    elif migrations >= self._settings.migration_attempts:
-                        raise ApiError(
-                            502, f"request failed after {migrations} resumptions: {exc.reason}", code="stream_interrupted"
-                        ) from exc
-                    elif exc.node_lost and node_losses >= self._settings.node_loss_resumes:
-                        raise ApiError(
-                            502, f"request failed: {node_losses + 1} nodes died while running it (the last: {exc.reason})",
-                            code="stream_interrupted",
-                        ) from exc
-                    else:
-                        migrations += 1
-                        node_losses += exc.node_lost
+                    resumed = flight.on_interrupted(exc)
+                    if isinstance(resumed, Fail):
+                        raise resumed.error from exc
                     if self._metrics is not None:
                         self._metrics.migrated(prepared.model, exc.cause)
-                    if exc.culprit and not exc.restarted:
-                        excluded.append(exc.culprit)
                     log.warning("stream_resumed", request_id=request_id, worker_id=exc.culprit or decision.worker_id,
-                                reason=exc.reason, tokens_so_far=len(produced))
+                                reason=exc.reason, tokens_so_far=len(flight.produced))
+                    route = resumed
                 except BaseException as exc:
                     attempt.failed(exc)
                     raise
@@ -340,11 +297,10 @@ class Dispatcher:
                                         AbortRequest(request_id=request_id, reason="route_unanswered", stream_to=stream_to))
 
     async def _route(
-        self, request_id: str, prepared: PreparedRequest, deadline: float, excluded: list[str], produced: int,
-        context: Context | None = None, hand_over: _HandOver | None = None, last_ask: bool = False,
+        self, request_id: str, prepared: PreparedRequest, deadline: float, excluded: Sequence[str], produced: int,
+        context: Context | None = None, hand_over: _HandOver | None = None,
     ) -> RouteDecision:
-        """The balancer's decision; raises `ApiError`, or `RouteUnanswered` when no balancer answered in time,
-        unless this is the `last_ask`."""
+        """The balancer's decision; raises `ApiError`, or `RouteUnanswered` when no balancer answered in time."""
         route = RouteRequest(
             request_id=request_id,
             model=prepared.model,
@@ -352,7 +308,7 @@ class Dispatcher:
             max_tokens=prepared.sampling.max_tokens - produced,
             timeout_s=max(0.0, deadline - time.monotonic()),
             block_hashes=prepared.block_hashes,
-            exclude_workers=excluded,
+            exclude_workers=list(excluded),
             priority=prepared.priority,
             tenant=prepared.tenant,
             prefix_token_ids=prepared.prompt_token_ids[: self._settings.forward_prefix_tokens],
@@ -360,16 +316,13 @@ class Dispatcher:
         )
         # The balancer may hold the request in its central queue, at most
         # `max_queue_wait_s` (then it answers 503 itself). No answer by then, or
-        # the replica fell silent, means it went away holding it: ask again, once in the request's life.
+        # the replica fell silent, means it went away holding it (`RequestFlight.on_unanswered` decides what then).
         timeout = self._settings.route_timeout_s + min(self._max_queue_wait_s, route.timeout_s)
         try:
             reply = await self._routes.ask(route, timeout, context)
         except NoResponders as exc:
             raise ApiError(503, "no balancer is running", code="balancer_unavailable", retry_after_s=1.0) from exc
         except RequestTimeout as exc:
-            if last_ask:
-                raise ApiError(503, f"routing failed: {exc}", code="balancer_unavailable", retry_after_s=1.0) from exc
-            log.warning("route_unanswered", request_id=request_id, error=str(exc))
             raise RouteUnanswered(str(exc)) from exc
         except BusError as exc:
             raise ApiError(503, f"routing failed: {exc}", code="balancer_unavailable", retry_after_s=1.0) from exc
@@ -379,7 +332,7 @@ class Dispatcher:
 
     def _worker_request(
         self, request_id: str, prepared: PreparedRequest, decision: RouteDecision | None, stream: ReplyStream,
-        deadline: float, produced: list[int], accept_to: str = "",
+        deadline: float, produced: Sequence[int], accept_to: str = "",
     ) -> GenerateRequest | PrefillRequest:
         """What the chain's first node gets: a `PrefillRequest` naming the decode node for a two-node chain.
         `accept_to`: where a `GenerateRequest` is answered, when the balancer sends it on."""
@@ -399,7 +352,7 @@ class Dispatcher:
 
     async def _hand_over(
         self, request_id: str, prepared: PreparedRequest, decision: RouteDecision, stream: ReplyStream,
-        deadline: float, produced: list[int], context: Context | None = None, hand_over: _HandOver | None = None,
+        deadline: float, produced: Sequence[int], context: Context | None = None, hand_over: _HandOver | None = None,
     ) -> GenerateAccepted | str:
         """The chain's first node's acceptance; or, when it refused, its id (gone or draining: route again).
 

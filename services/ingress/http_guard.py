@@ -139,7 +139,7 @@ class GuardedHandler(RequestHandler):
     It reads three of its base's private fields: `_request_count` (request
     heads parsed), `_request_in_progress` and `_messages` (parsed, not yet
     handled), and sets `_lingering_time`; tests/integration/test_http_hardening.py
-    fails if aiohttp changes them.
+    and tests/unit/test_dependency_internals.py fail if aiohttp changes them.
     """
 
     def __init__(self, manager: GuardedServer, *, guard: HttpGuard, **kwargs: Any) -> None:
@@ -241,6 +241,7 @@ class GuardedRunner(web.AppRunner):
         self._guard = guard
 
     async def _make_server(self) -> web.Server:
+        # aiohttp internals (this method, the server's `_loop` and `_kwargs`): tests/unit/test_dependency_internals.py.
         plain = await super()._make_server()
         return GuardedServer(
             self._guard, plain.request_handler, request_factory=plain.request_factory,

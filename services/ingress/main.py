@@ -30,7 +30,7 @@ from services.ingress.served_events import ServedEvents
 from shared.api_keys import ApiKeyStore
 from shared.bus import StreamReceiver
 from shared.config import KvlaneConfig
-from shared.key_limits import KeyLimiter
+from services.ingress.key_limits import KeyLimiter
 from shared.model_store import ModelFileCache, default_cache_dir
 from shared.periodic import Periodic
 from shared.runner import announce_ready

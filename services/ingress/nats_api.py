@@ -126,12 +126,14 @@ class NatsApi:
 
     def _endpoint(self, name: str) -> Endpoint:
         assert self._service is not None
+        # nats.micro internals (`Service._endpoints`, `Endpoint._name`): tests/unit/test_dependency_internals.py pins them.
         return next(endpoint for endpoint in self._service._endpoints if endpoint._name == name)
 
     async def _complete(self, endpoint: Endpoint, start: Starter, request: Request) -> None:
         started = time.perf_counter_ns()
         failure: ApiError | None = None
         try:
+            # A micro `Request` shows its reply subject only on its private `_msg`: tests/unit/test_dependency_internals.py.
             if not request._msg.reply:
                 raise ApiError(400, "a request needs a reply subject", code="missing_reply_subject")
             failure = await self._serve(start, request)
@@ -201,6 +203,7 @@ def _account(endpoint: Endpoint, elapsed_ns: int, failure: ApiError | None) -> N
     nats.micro times only the handler, which here just starts the request's
     task; the task reports when the request is done.
     """
+    # nats.micro's private statistics fields: tests/unit/test_dependency_internals.py pins them.
     endpoint._processing_time += elapsed_ns
     endpoint._average_processing_time = int(endpoint._processing_time / max(1, endpoint._num_requests))
     if failure is not None:

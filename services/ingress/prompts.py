@@ -17,7 +17,7 @@ from msgspec import Struct
 from contracts.messages import ApiRequest, SamplingParams, WorkerRegistration
 from contracts.openai_api import ChatCompletionRequest, CompletionRequest, NamedToolChoice
 from services.ingress.errors import ApiError
-from shared.block_hash import chained_block_hashes
+from shared.kv.block_hash import chained_block_hashes
 from shared.tokenizer import Tokenizer, UnsupportedContent
 
 # The request body's prompt fields: they ride as token ids, not in the body the engine reads.

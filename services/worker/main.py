@@ -23,8 +23,8 @@ from contracts.messages import KvTransfer, StepTime, WorkerRegistration, WorkerR
 from services.worker.amx import request_amx_permission
 from services.worker.engines.base import Engine, EngineConfigError, EngineFacts
 from services.worker.engines.sim import SimEngine
-from shared.kv_links import advertised_kv_transfer, get_link
-from shared.step_profile import get_profile
+from shared.kv.links import advertised_kv_transfer, get_link
+from shared.kv.step_profile import get_profile
 from services.worker.batched_state import BatchedClusterState
 from services.worker.metrics import WorkerMetrics
 from services.worker.service import WorkerService
@@ -35,7 +35,8 @@ from shared.model_store import with_published_tokenizer
 from shared.runner import ServiceMain, announce_ready
 from shared.state import ClusterState, connect_redis
 from shared.telemetry import Telemetry
-from shared.tokenizer import HF_PREFIX, SimTokenizer, load_tokenizer
+from shared.tokenizer import HF_PREFIX, SimTokenizer
+from shared.tokenizer_spec import load_tokenizer
 
 log = structlog.get_logger("kvlane.worker")
 

@@ -142,7 +142,7 @@ def default_root() -> Path:
 def write_served_directory(files: Mapping[str, bytes], root: str | Path) -> Path:
     """`files` as the directory `<root>/<their revision>`, written unless it holds them already.
 
-    Written beside and renamed, as `kvlane.tiny_model` writes models: a
+    Written beside and renamed, as `launch.tiny_model` writes models: a
     reader (an ingress on this host, another worker starting with the same
     override) sees the whole set or nothing.
     """

@@ -20,8 +20,8 @@ from redis.asyncio import Redis
 
 from contracts import subjects
 from contracts.balancer import BalancerStatus, BalancerStatusReply, BalancerStatusRequest
-from kvlane.fleet import Fleet, start_fleet
-from kvlane.launcher import Launcher, free_port
+from launch.fleet import Fleet, start_fleet
+from launch.launcher import Launcher, free_port
 from shared.config import (
     ClusterSettings,
     IngressSettings,
@@ -32,7 +32,7 @@ from shared.config import (
     SimSettings,
     WorkerSettings,
 )
-from shared.block_ledger import BlockLedger
+from shared.kv.block_ledger import BlockLedger
 from shared.state import connect_redis
 from tests.integration.redis_cluster import redis_cluster
 from tests.waiting import until

@@ -6,8 +6,8 @@ from collections import Counter
 from contextlib import AbstractAsyncContextManager
 
 from contracts.messages import RequestFinished
-from kvlane.fleet import Fleet
-from loadtest.hangup import FinishedWatch
+from launch.fleet import Fleet
+from loadtest.dataplane.hangup import FinishedWatch
 
 
 class FinishedLog(FinishedWatch):

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import redis
 
-from kvlane.launcher import free_port
+from launch.launcher import free_port
 
 MASTERS = 3
 READY_TIMEOUT_S = 30.0

@@ -12,7 +12,7 @@ import nats
 import pytest
 
 from contracts import subjects
-from kvlane.fleet import Fleet
+from launch.fleet import Fleet
 from tests.integration.conftest import MODEL, launch, stop_and_check
 
 pytestmark = pytest.mark.integration

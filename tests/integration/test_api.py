@@ -15,7 +15,7 @@ import pytest
 
 from contracts import subjects
 from contracts.messages import EngineStats, Heartbeat, WorkerRegistration
-from kvlane.fleet import Fleet
+from launch.fleet import Fleet
 from tests.integration.conftest import MODEL
 
 pytestmark = pytest.mark.integration

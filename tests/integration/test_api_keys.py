@@ -22,8 +22,8 @@ import pytest
 
 from contracts import subjects
 from kvlane.cli import build_parser
-from kvlane.fleet import Fleet, with_overrides
-from kvlane.launcher import Process, free_port, wait_services_ready
+from launch.fleet import Fleet, with_overrides
+from launch.launcher import Process, free_port, wait_services_ready
 from shared.api_keys import make_record, write_keys_file
 from shared.config import to_env
 from tests.integration.conftest import MODEL, launch, stop_and_check

@@ -19,7 +19,7 @@ import redis
 
 from contracts import subjects
 from contracts.autoscaler import ScalingDecision
-from kvlane.launcher import free_port
+from launch.launcher import free_port
 from shared.config import RedisSettings, load_config
 from shared.credentials import redis_url_and_options
 from tests.integration.conftest import MODEL

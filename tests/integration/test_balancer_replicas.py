@@ -14,11 +14,11 @@ from rich.console import Console
 
 from contracts import subjects
 from contracts.messages import Heartbeat
-from kvlane.fleet import with_overrides
-from kvlane.launcher import free_port, wait_services_ready
+from launch.fleet import with_overrides
+from launch.launcher import free_port, wait_services_ready
 from kvlane.status import fetch_statuses, render_status
 from services.balancer.slot_store import RedisSlotStore
-from shared.block_ledger import BlockLedger
+from shared.kv.block_ledger import BlockLedger
 from shared.config import RedisSettings, to_env
 from shared.state import connect_redis
 from tests.integration.conftest import MODEL, flush, launch, stop_and_check

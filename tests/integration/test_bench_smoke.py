@@ -9,8 +9,8 @@ import json
 
 import pytest
 
-from kvlane.launcher import servers_available
-from loadtest.bench import main
+from launch.launcher import servers_available
+from loadtest.bench.command import main
 
 pytestmark = pytest.mark.integration
 

@@ -12,7 +12,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from contracts.messages import (
     ErrorReply, RouteDecision, RouteReply, RouteRequest, StreamBatch, StreamEnd, StreamMessage, Timings, TokenChunk, Usage,
 )
-from kvlane.launcher import Launcher, free_port
+from launch.launcher import Launcher, free_port
 from shared.bus import Bus, NoResponders, RequestTimeout, StreamReceiver, is_final
 from shared.config import NatsSettings, TracingSettings
 from shared.stream_outbox import StreamOutbox

@@ -19,9 +19,9 @@ import pytest
 
 from contracts import subjects
 from contracts.messages import KvEvents
-from kvlane.fleet import Fleet, with_overrides
-from kvlane.launcher import wait_services_ready
-from shared.block_hash import chained_block_hashes
+from launch.fleet import Fleet, with_overrides
+from launch.launcher import wait_services_ready
+from shared.kv.block_hash import chained_block_hashes
 from shared.tokenizer import SimTokenizer
 from tests.integration.conftest import MODEL, launch, stop_and_check
 from tests.integration.test_cluster import async_client

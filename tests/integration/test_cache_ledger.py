@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from services.balancer.slot_store import RedisSlotStore
-from shared.block_ledger import LEDGER_NODES_KEY, BlockLedger, expiry_key, lease_key
+from shared.kv.block_ledger import LEDGER_NODES_KEY, BlockLedger, expiry_key, lease_key
 from shared.config import RedisSettings
 from shared.state import connect_redis
 
@@ -45,9 +45,8 @@ class LedgerMachine(RuleBasedStateMachine):
         # As the cache-managers' maintenance does: the nodes alive join the ledger's index of nodes to reap.
         self.run(self.ledger.reap(sorted(self.live_nodes)))
         self.leases: dict[str, tuple[str, int, str]] = {}
+        # A balancer's store: a slot's release frees its request's lease on the node too.
         self.slot_store = RedisSlotStore(self.client)
-        # A balancer's store where the balancers free leases: a slot's release frees its request's lease too.
-        self.leasing_store = RedisSlotStore(self.client, releases_leases=True)
         self.slots: dict[str, str] = {}  # request id -> its node, for the slots taken with a lease
         self.counter = 0
 
@@ -115,38 +114,32 @@ class LedgerMachine(RuleBasedStateMachine):
             assert result.preempted == [] and result.reservation.blocks == room
 
     @precondition(lambda self: self.slots)
-    @rule(data=st.data())
-    def release_slots(self, data) -> None:
+    @rule(data=st.data(), placed_here=st.booleans())
+    def release_slots(self, data, placed_here: bool) -> None:
         rids = data.draw(st.lists(st.sampled_from(sorted(self.slots)), min_size=1, max_size=3, unique=True))
-        # Each as its node's end says, and once more from another node: that one frees nothing.
         nodes = [self.slots[rid] for rid in rids]
         others = [next(n for n in sorted(CAPACITY) if n != node) for node in nodes]
-        released = self.run(self.slot_store.release_many([*zip(rids, others), *zip(rids, nodes)]))
+        # Each as another node's end says (no slot there; a lease only if the request moved there), then as its own
+        # node's, by the replica that placed it (its chain known) or another (read first).
+        chains = [None] * len(rids) + ([chain_of(node) for node in nodes] if placed_here else [None] * len(rids))
+        released = self.run(self.slot_store.release_many([*zip(rids, others), *zip(rids, nodes)], chains))
         assert released[:len(rids)] == [None] * len(rids)
-        assert [chain for chain, _ in released[len(rids):]] == [chain_of(self.slots.pop(rid)) for rid in rids]
-
-    @precondition(lambda self: self.slots)
-    @rule(data=st.data(), placed_here=st.booleans())
-    def release_slots_with_their_leases(self, data, placed_here: bool) -> None:
-        rids = data.draw(st.lists(st.sampled_from(sorted(self.slots)), min_size=1, max_size=3, unique=True))
-        nodes = [self.slots[rid] for rid in rids]
-        # By the replica that placed them (their chains known) or another (read first); then again, freeing nothing.
-        chains = [chain_of(node) for node in nodes] if placed_here else None
-        released = self.run(self.leasing_store.release_many([*zip(rids, nodes)], chains))
-        assert [chain for chain, _ in released] == [chain_of(node) for node in nodes]
-        for rid in rids:
+        assert [chain for chain, _ in released[len(rids):]] == [chain_of(node) for node in nodes]
+        for rid, node, other in zip(rids, nodes, others, strict=True):
             self.slots.pop(rid)
-            self.leases.pop(rid, None)  # unless released, preempted or reaped already: then nothing is credited
-        assert self.run(self.leasing_store.release_many([*zip(rids, nodes)], chains)) == [None] * len(rids)
+            if rid in self.leases and self.leases[rid][0] in (node, other):
+                self.leases.pop(rid)  # unless released, preempted or reaped already: then nothing is credited
+        # Again: nothing left to free.
+        assert self.run(self.slot_store.release_many([*zip(rids, nodes)], chains[len(rids):])) == [None] * len(rids)
 
     @precondition(lambda self: set(self.leases) - set(self.slots))
     @rule(data=st.data())
     def release_leases_without_slots(self, data) -> None:
-        # Leases the cache-manager granted, or whose slots went first: a balancer's release frees them alone.
+        # Leases a preemption granted, or whose slots went first: a balancer's release frees them alone.
         rids = data.draw(st.lists(st.sampled_from(sorted(set(self.leases) - set(self.slots))), min_size=1, max_size=3,
                                   unique=True))
         nodes = [self.leases.pop(rid)[0] for rid in rids]
-        assert self.run(self.leasing_store.release_many([*zip(rids, nodes)])) == [None] * len(rids)
+        assert self.run(self.slot_store.release_many([*zip(rids, nodes)])) == [None] * len(rids)
 
     def free(self, node: str) -> dict[str, int]:
         general, short = CAPACITY[node]

@@ -28,9 +28,10 @@ from contracts.cache import (
     RoutedPrefix,
 )
 from contracts.messages import ErrorReply, GenerateRequest, KvEvents, SamplingParams, WorkerRequest
-from kvlane.launcher import wait_services_ready
-from shared.block_ledger import BlockLedger, lease_key
+from launch.launcher import wait_services_ready
+from shared.kv.block_ledger import BlockLedger, lease_key
 from tests.integration.conftest import MODEL, launch
+from tests.waiting import until
 
 pytestmark = pytest.mark.integration
 NUM_BLOCKS = 64
@@ -153,7 +154,8 @@ async def test_bad_input_gets_error_replies_and_the_service_keeps_serving(tmp_pa
 
 async def test_the_balancer_leases_kv_itself_and_reports_what_it_placed(tmp_path: Path) -> None:
     """The chosen node has room: the lease comes from the ledger in the balancer's own round trip (the
-    cache-manager is stopped meanwhile and need not answer), and the placed prefix goes to it for pre-warming."""
+    cache-manager is stopped meanwhile and need not answer), the balancer frees it when the request ends, and the
+    placed prefix goes to the cache-manager for pre-warming."""
     fleet = launch(tmp_path, workers=1, speed=0.2)
     nc = await nats.connect(fleet.config.nats.url)
     client = redis.Redis.from_url(fleet.config.redis.url)
@@ -179,6 +181,12 @@ async def test_the_balancer_leases_kv_itself_and_reports_what_it_placed(tmp_path
                 assert lease[b"worker_id"] == b"w0" and int(lease[b"blocks"]) > 0
                 text = b"".join([chunk async for chunk in response.content.iter_any()])
         assert b"[DONE]" in text
+
+        async def lease_freed() -> bool:
+            return not await client.exists(lease_key("w0", request_id))
+
+        # Well within the lease TTL, and with no cache-manager to reap it: the balancer's release.
+        await until(lease_freed, 5, "the balancer freed the finished request's lease")
         await asyncio.wait_for(heard.wait(), timeout=10)
         (prefix,) = routed[0].prefixes
         assert prefix.model == MODEL and prefix.block_hashes and prefix.prefix_token_ids

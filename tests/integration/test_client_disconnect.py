@@ -2,7 +2,7 @@
 client hung up, or ingress gave up handing it over and routed it elsewhere.
 
 The sim fleet here; `tests/vllm/test_vllm_engine.py` does the same against vLLM.
-`python -m loadtest.hangup` runs the streaming scenario many times in a row.
+`python -m loadtest.dataplane.hangup` runs the streaming scenario many times in a row.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from kvlane.fleet import Fleet
-from loadtest import hangup
-from loadtest.hangup import FinishedWatch, Options, request_body, soak
+from launch.fleet import Fleet
+from loadtest.dataplane import hangup
+from loadtest.dataplane.hangup import FinishedWatch, Options, request_body, soak
 from tests.integration.conftest import MODEL, launch, stop_and_check
 
 pytestmark = pytest.mark.integration

@@ -22,7 +22,7 @@ from contracts.messages import (
     SamplingParams,
     WorkerReply,
 )
-from kvlane.fleet import Fleet
+from launch.fleet import Fleet
 from tests.integration.conftest import FAST_HEARTBEATS, MODEL, until_status
 from tests.waiting import until
 from tests.integration.finished_log import watch_finished
@@ -145,7 +145,7 @@ async def test_garbage_on_balancer_and_worker_subjects_gets_error_replies(shared
 
 async def test_prefix_blocks_are_published_as_kv_events(shared_fleet: Fleet) -> None:
     from contracts.messages import KvEvents
-    from shared.block_hash import chained_block_hashes
+    from shared.kv.block_hash import chained_block_hashes
     from shared.tokenizer import SimTokenizer
 
     prompt = "a long shared system prompt that fills several kv blocks " * 6

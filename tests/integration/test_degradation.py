@@ -16,8 +16,8 @@ import aiohttp
 import pytest
 
 from contracts.balancer import BalancerStatus
-from kvlane.fleet import Fleet, with_overrides
-from kvlane.launcher import wait_services_ready
+from launch.fleet import Fleet, with_overrides
+from launch.launcher import wait_services_ready
 from tests.integration.conftest import MODEL, launch, stop_and_check, until_status
 
 pytestmark = pytest.mark.integration

@@ -1,4 +1,4 @@
-"""`loadtest.disagg_bench --quick` end to end: two sim nodes, aggregated vs 1P:1D, one rate, JSON and plot written.
+"""`loadtest.routing.disagg_bench --quick` end to end: two sim nodes, aggregated vs 1P:1D, one rate, JSON and plot written.
 
 Only shape, success and sane numbers are checked, never which layout wins: timing depends on the machine.
 """
@@ -9,8 +9,8 @@ import json
 
 import pytest
 
-from kvlane.launcher import servers_available
-from loadtest.disagg_bench import capacity, main, parse_layouts
+from launch.launcher import servers_available
+from loadtest.routing.disagg_bench import capacity, main, parse_layouts
 
 pytestmark = pytest.mark.integration
 

@@ -34,8 +34,8 @@ from contracts.messages import (
     TokenChunk,
     WorkerRequest,
 )
-from kvlane.fleet import Fleet, with_overrides
-from shared.block_hash import chained_block_hashes
+from launch.fleet import Fleet, with_overrides
+from shared.kv.block_hash import chained_block_hashes
 from shared.bus import addressed_frames
 from shared.tokenizer import SimTokenizer
 from tests.integration.conftest import MODEL, launch, until_status

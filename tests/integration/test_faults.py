@@ -31,11 +31,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from contracts import subjects
 from contracts.messages import Heartbeat
-from kvlane.fleet import Fleet
+from launch.fleet import Fleet
 from services.worker.sim.tokens import prompt_digest, stream_key, token_at
 from shared.tokenizer import OUTPUT_FIRST, OUTPUT_WORDS, SimTokenizer
-from kvlane.launcher import free_port, wait_services_ready
-from shared.block_ledger import BlockLedger
+from launch.launcher import free_port, wait_services_ready
+from shared.kv.block_ledger import BlockLedger
 from tests.integration.conftest import FAST_HEARTBEATS, MODEL, launch
 from tests.waiting import until
 from tests.integration.finished_log import watch_finished

@@ -29,7 +29,7 @@ from schemathesis.checks import not_a_server_error
 from schemathesis.core.failures import FailureGroup
 from schemathesis.specs.openapi.checks import response_schema_conformance
 
-from kvlane.fleet import Fleet
+from launch.fleet import Fleet
 from tests.integration.conftest import MODEL, launch, stop_and_check
 
 pytestmark = pytest.mark.integration

@@ -63,8 +63,8 @@ from contracts.messages import (
     WorkerRequest,
 )
 from contracts.openai_api import ChatCompletionRequest, CompletionRequest, ErrorResponse
-from kvlane.fleet import Fleet, with_overrides
-from kvlane.launcher import wait_ready, wait_services_ready
+from launch.fleet import Fleet, with_overrides
+from launch.launcher import wait_ready, wait_services_ready
 from shared.runner import READY_EVENT
 from tests.integration.conftest import MODEL, launch, stop_and_check, until_status
 from tests.msgspec_strategies import json_values, near_misses, wire_values

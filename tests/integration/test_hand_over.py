@@ -37,7 +37,7 @@ from contracts.messages import (
     StreamMessage,
     WorkerRequest,
 )
-from kvlane.fleet import Fleet, with_overrides
+from launch.fleet import Fleet, with_overrides
 from shared.bus import addressed_frames, is_final
 from shared.config import IngressSettings
 from tests.integration.conftest import MODEL, launch, stop_and_check

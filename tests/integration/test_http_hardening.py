@@ -19,7 +19,7 @@ import nats
 import pytest
 
 from contracts import subjects
-from kvlane.fleet import Fleet, with_overrides
+from launch.fleet import Fleet, with_overrides
 from tests.integration.conftest import MODEL, launch, stop_and_check
 from tests.raw_http import exchange as raw_exchange
 from tests.waiting import until

@@ -20,7 +20,7 @@ import psutil
 import pytest
 
 from contracts import subjects
-from kvlane.fleet import Fleet, with_overrides
+from launch.fleet import Fleet, with_overrides
 from services.ingress.processes import METRICS_DIR_ENV
 from tests.integration.conftest import MODEL, launch, stop_and_check
 from tests.waiting import until, wait_for

@@ -1,4 +1,4 @@
-"""The per-key limiter's Lua scripts (shared/key_limits.py) against a real redis-server.
+"""The per-key limiter's Lua scripts (services/ingress/key_limits.py) against a real redis-server.
 
 Time is a fake clock passed to the scripts (milliseconds), so a window of
 60 s is crossed without waiting; one test runs on Redis's own clock.
@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import redis.asyncio as redis
 
-from kvlane.launcher import Launcher, free_port
+from launch.launcher import Launcher, free_port
 from shared.api_keys import ApiKeyStore, KeyRecord, make_record, record_key
-from shared.key_limits import KeyLimiter, Verdict, limit_keys
+from services.ingress.key_limits import KeyLimiter, Verdict, limit_keys
 
 pytestmark = pytest.mark.integration
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kvlane.launcher import free_port, port_open
+from launch.launcher import free_port, port_open
 
 pytestmark = pytest.mark.integration
 

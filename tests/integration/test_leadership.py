@@ -1,4 +1,4 @@
-"""One replica at a time leads a job (shared/leadership.py), against a real redis-server."""
+"""One replica at a time leads a job (services/cache_manager/leadership.py), against a real redis-server."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from kvlane.launcher import Launcher, free_port
+from launch.launcher import Launcher, free_port
 from shared.config import RedisSettings
-from shared.leadership import Leadership
+from services.cache_manager.leadership import Leadership
 from shared.state import connect_redis
 
 pytestmark = pytest.mark.integration

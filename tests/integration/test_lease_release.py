@@ -1,5 +1,6 @@
 """A finished request's KV lease goes in the balancer's slot release, one script with its slot, on a real Redis and
-a real Redis Cluster: whatever became of the slot, from whichever replica, and credited to the ledger once."""
+a real Redis Cluster: whatever became of the slot, from whichever replica, and credited to the ledger once. And in a
+fleet, with either slot store, the balancer gives every lease back (the cache-manager frees none)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 import redis.asyncio as redis
 
 from services.balancer.slot_store import RedisSlotStore, chain_slots_key, request_slot_key
-from shared.block_ledger import BlockLedger, expiry_key, lease_key
+from shared.kv.block_ledger import BlockLedger, expiry_key, lease_key
 from tests.integration.conftest import launch, run_leased, stop_and_check
 from tests.waiting import until
 
@@ -53,7 +54,7 @@ def count_batches(store: RedisSlotStore) -> list[int]:
 
 
 async def test_the_replica_that_placed_a_request_frees_slot_and_lease_in_one_script(redis_client: redis.Redis) -> None:
-    store, ledger = RedisSlotStore(redis_client, releases_leases=True), BlockLedger(redis_client, lease_ttl_s=60)
+    store, ledger = RedisSlotStore(redis_client), BlockLedger(redis_client, lease_ttl_s=60)
     await placed(store, ledger, "r1", "w0@1")
     await placed(store, ledger, "r2", "w0@1")
     assert await used_blocks(ledger) == (2 * BLOCKS, 0, 2)
@@ -68,7 +69,7 @@ async def test_the_replica_that_placed_a_request_frees_slot_and_lease_in_one_scr
 
 
 async def test_the_lease_goes_though_the_slot_expired_or_moved(redis_client: redis.Redis) -> None:
-    store, ledger = RedisSlotStore(redis_client, releases_leases=True), BlockLedger(redis_client, lease_ttl_s=60)
+    store, ledger = RedisSlotStore(redis_client), BlockLedger(redis_client, lease_ttl_s=60)
     # The slot lapses at the request's deadline while the request runs on (renewing its lease).
     await placed(store, ledger, "late", "w0@1", expires_at=time.time() + 0.3)
 
@@ -87,11 +88,11 @@ async def test_the_lease_goes_though_the_slot_expired_or_moved(redis_client: red
 
 
 async def test_a_replica_that_did_not_place_the_request_frees_its_lease_too(redis_client: redis.Redis) -> None:
-    placer = RedisSlotStore(redis_client, releases_leases=True)
-    other = RedisSlotStore(redis_client, releases_leases=True)
+    placer = RedisSlotStore(redis_client)
+    other = RedisSlotStore(redis_client)
     ledger = BlockLedger(redis_client, lease_ttl_s=60)
     await placed(placer, ledger, "both", "w0@1")
-    # The slot-and-lease script found no room: the slot alone, and the cache-manager's lease on the same node.
+    # The slot-and-lease script found no room: the slot alone, and the lease a preemption granted on the same node.
     assert (await placer.reserve("granted-by-cache-manager", "w1@1", 100, FAR))[0]
     assert (await ledger.reserve("granted-by-cache-manager", "w1", BLOCKS, "general", 100, 0, 1.0, 10)).granted
     # A lease whose slot is gone already (lapsed, or freed by a release that failed to reach the ledger's keys).
@@ -113,7 +114,7 @@ async def test_a_replica_that_did_not_place_the_request_frees_its_lease_too(redi
 
 
 async def test_replicas_releasing_the_same_requests_at_once_credit_each_lease_once(redis_client: redis.Redis) -> None:
-    replicas = [RedisSlotStore(redis_client, releases_leases=True) for _ in range(3)]
+    replicas = [RedisSlotStore(redis_client) for _ in range(3)]
     ledger = BlockLedger(redis_client, lease_ttl_s=60)
     requests = [(f"r{i}", NODES[i % 2]) for i in range(30)]
     for request_id, worker_id in requests:
@@ -129,7 +130,7 @@ async def test_replicas_releasing_the_same_requests_at_once_credit_each_lease_on
 
 
 async def test_a_lease_reaped_already_is_not_credited_again(redis_client: redis.Redis) -> None:
-    store, ledger = RedisSlotStore(redis_client, releases_leases=True), BlockLedger(redis_client, lease_ttl_s=60)
+    store, ledger = RedisSlotStore(redis_client), BlockLedger(redis_client, lease_ttl_s=60)
     await placed(store, ledger, "lapsed", "w0@1")
     await placed(store, ledger, "running", "w0@1")
     await redis_client.zadd(expiry_key("w0"), {"lapsed": 0})  # its worker stopped renewing it
@@ -139,30 +140,19 @@ async def test_a_lease_reaped_already_is_not_credited_again(redis_client: redis.
     assert await used_blocks(ledger) == (BLOCKS, 0, 1)
 
 
-async def test_a_store_that_does_not_release_leases_leaves_them_to_the_cache_manager(redis_client: redis.Redis) -> None:
-    store, ledger = RedisSlotStore(redis_client), BlockLedger(redis_client, lease_ttl_s=60)
-    await placed(store, ledger, "r1", "w0@1")
-    await placed(store, ledger, "r2", "w0@1")
-    await redis_client.delete(request_slot_key("w0", "r2"))
-    await redis_client.zrem(chain_slots_key("w0@1"), "r2")
-    assert await store.release_many([("r1", "w0"), ("r2", "w0")], ["w0@1", None]) == [("w0@1", 0), None]
-    assert await used_blocks(ledger) == (2 * BLOCKS, 0, 2)
-    assert await ledger.release_many([("r1", "w0"), ("r2", "w0")]) == [BLOCKS, BLOCKS]
-
-
 def local_slots(config):
-    """Slots kept by the one balancer alone: leases are then the cache-manager's to free."""
+    """Slots kept by the one balancer alone: it frees leases through its allocator, not in a slot script."""
     balancer = config.balancer
     return msgspec.structs.replace(config, balancer=msgspec.structs.replace(
         balancer, slots=msgspec.structs.replace(balancer.slots, store="local")))
 
 
-@pytest.mark.parametrize("tune", [None, local_slots], ids=["balancer-releases", "cache-manager-releases"])
-async def test_every_lease_comes_back_whichever_service_frees_it(tmp_path: Path, tune) -> None:
+@pytest.mark.parametrize("tune", [None, local_slots], ids=["redis-slots", "local-slots"])
+async def test_the_balancer_gives_every_lease_back_whatever_its_slot_store(tmp_path: Path, tune) -> None:
     # Leases outlive the test unless released: only a release gives them back in time.
     fleet = launch(tmp_path, workers=2, tune=tune, speed=0.2)
     try:
-        assert fleet.config.balancer.releases_kv_leases == (tune is None)
+        assert fleet.config.balancer.slots.store == ("redis" if tune is None else "local")
         redis_client = redis.Redis.from_url(fleet.config.redis.url)
         ledger = BlockLedger(redis_client, lease_ttl_s=60)
         await run_leased(fleet, ledger, list(NODES), 8, "leased request")

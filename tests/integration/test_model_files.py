@@ -16,8 +16,8 @@ import pytest
 
 from contracts.messages import WorkerRegistration
 from contracts.openai_api import ChatMessage
-from kvlane.fleet import Fleet, with_overrides
-from kvlane.launcher import Launcher, free_port, wait_ready, wait_services_ready
+from launch.fleet import Fleet, with_overrides
+from launch.launcher import Launcher, free_port, wait_ready, wait_services_ready
 from shared.model_store import ModelFileCache, ModelFilesError, load_served_tokenizer, publish_tokenizer, with_published_tokenizer
 from shared.hf_tokenizer import HfTokenizer
 from shared.tokenizer import SimTokenizer
@@ -35,7 +35,7 @@ CHATS = [
 @pytest.fixture(scope="module")
 def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny test model's tokenizer files alone (vocabulary, config, chat template)."""
-    from kvlane.tiny_model import build_tokenizer
+    from launch.tiny_model import build_tokenizer
 
     directory = tmp_path_factory.mktemp("tiny-tokenizer")
     build_tokenizer(seed=0).save_pretrained(directory)

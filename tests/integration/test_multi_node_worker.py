@@ -14,8 +14,8 @@ import pytest
 
 from contracts import subjects
 from contracts.messages import Heartbeat, HeartbeatMessage, LoadReport, RequestFinished
-from kvlane.fleet import Fleet, with_overrides
-from kvlane.launcher import servers_available
+from launch.fleet import Fleet, with_overrides
+from launch.launcher import servers_available
 from shared.bus import Bus
 from shared.cluster import ClusterView, ClusterWatcher
 from shared.config import TracingSettings
@@ -205,7 +205,7 @@ def test_a_vllm_worker_refuses_several_nodes(tmp_path: Path) -> None:
 
 def test_batched_heartbeats_reach_redis_in_one_round_trip_and_fail_loudly(tmp_path: Path) -> None:
     from contracts.messages import EngineStats, WorkerRegistration
-    from kvlane.launcher import Launcher, free_port
+    from launch.launcher import Launcher, free_port
     from services.worker.batched_state import BatchedClusterState
     from shared.config import RedisSettings
 

@@ -19,9 +19,9 @@ from nats.aio.msg import Msg
 
 from contracts import subjects
 from kvlane.client import KvlaneApiError, KvlaneClient
-from kvlane.fleet import Fleet, with_overrides
-from kvlane.launcher import free_port, wait_services_ready
-from loadtest.hangup import FinishedWatch
+from launch.fleet import Fleet, with_overrides
+from launch.launcher import free_port, wait_services_ready
+from loadtest.dataplane.hangup import FinishedWatch
 from shared.config import to_env
 from tests.integration.conftest import MODEL, launch, stop_and_check
 

@@ -20,9 +20,9 @@ from pathlib import Path
 import openai
 import pytest
 
-from kvlane.fleet import Fleet, start_fleet
-from kvlane.launcher import Launcher, free_port
-from kvlane.nats_cluster import NatsNode, connected_node
+from launch.fleet import Fleet, start_fleet
+from launch.launcher import Launcher, free_port
+from launch.nats_cluster import NatsNode, connected_node
 from services.worker.sim.tokens import prompt_digest, stream_key, token_at
 from shared.tokenizer import OUTPUT_FIRST, OUTPUT_WORDS, SimTokenizer
 from tests.integration.conftest import MODEL, fleet_config

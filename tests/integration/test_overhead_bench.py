@@ -11,8 +11,8 @@ import math
 
 import pytest
 
-from kvlane.launcher import servers_available
-from loadtest.overhead import BenchOptions, run_benchmark
+from launch.launcher import servers_available
+from loadtest.dataplane.overhead import BenchOptions, run_benchmark
 
 pytestmark = pytest.mark.integration
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from kvlane.launcher import Launcher, free_port
+from launch.launcher import Launcher, free_port
 from shared.config import RedisSettings
 from shared.periodic import Periodic
 from shared.state import ClusterState, connect_redis

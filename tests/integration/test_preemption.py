@@ -16,10 +16,10 @@ import redis.asyncio as redis
 from contracts import subjects
 from contracts.cache import AllocateRequest, Allocation, CacheReply, CacheStatus, CacheStatusRequest
 from contracts.messages import AbortRequest
-from kvlane.launcher import Launcher, free_port
+from launch.launcher import Launcher, free_port
 from services.cache_manager.metrics import CacheMetrics
 from services.cache_manager.service import CacheManagerService
-from shared.block_ledger import BlockLedger
+from shared.kv.block_ledger import BlockLedger
 from shared.cluster import ClusterView
 from shared.config import CacheManagerSettings
 from tests.integration.conftest import MODEL, launch

@@ -24,8 +24,8 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from kvlane.fleet import Fleet, with_overrides
-from kvlane.launcher import Launcher, Process, free_port, servers_available, wait_ready, wait_services_ready
+from launch.fleet import Fleet, with_overrides
+from launch.launcher import Launcher, Process, free_port, servers_available, wait_ready, wait_services_ready
 from shared.config import to_env
 from tests.integration.conftest import MODEL, fleet_config
 from tests.waiting import wait_for

@@ -17,7 +17,7 @@ from services.balancer.slot_store import (
     request_slot_key,
 )
 from shared.api_keys import make_record
-from shared.block_ledger import (
+from shared.kv.block_ledger import (
     BlockLedger,
     expiry_key,
     lease_key,
@@ -25,7 +25,7 @@ from shared.block_ledger import (
     usage_key,
 )
 from shared.config import RedisSettings
-from shared.key_limits import KeyLimiter, limit_keys
+from services.ingress.key_limits import KeyLimiter, limit_keys
 from shared.redis_scripts import run_batch
 from shared.state import ClusterState, connect_redis
 from tests.integration.conftest import launch, run_leased, stop_and_check

@@ -14,8 +14,8 @@ import openai
 import pytest
 
 from shared.config import to_env
-from kvlane.fleet import Fleet
-from kvlane.launcher import Process, free_port, wait_services_ready
+from launch.fleet import Fleet
+from launch.launcher import Process, free_port, wait_services_ready
 from tests.integration.conftest import MODEL, launch, stop_and_check
 
 pytestmark = pytest.mark.integration

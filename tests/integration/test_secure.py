@@ -1,7 +1,7 @@
 """A secured fleet (`kvlane up --secure`): credentials per process, least-privilege permissions.
 
 Real nats-server and redis-server, started by `Security` with the users and
-permissions of shared/permissions.py. The fleet serves everything it serves
+permissions of launch/permissions.py. The fleet serves everything it serves
 unsecured (HTTP, the NATS API, queueing, `kvlane status`, health probes, the
 autoscaler, a worker added later, prefill/decode hand-offs) while nats-server
 logs no permission violation of a kvlane service and Redis refuses none of
@@ -35,9 +35,9 @@ from contracts import subjects
 from contracts.autoscaler import ScalingDecision
 from contracts.balancer import BalancerStatusRequest
 from kvlane.client import KvlaneClient
-from kvlane.fleet import Fleet, start_fleet, with_overrides
-from kvlane.launcher import Launcher, free_port, wait_ready, wait_services_ready
-from kvlane.secure import Security
+from launch.fleet import Fleet, start_fleet, with_overrides
+from launch.launcher import Launcher, free_port, wait_ready, wait_services_ready
+from launch.secure import Security
 from kvlane.status import fetch_statuses
 from shared.config import KvlaneConfig, NatsSettings
 from shared.credentials import nats_options, redis_url_and_options
@@ -356,8 +356,8 @@ def _nats_refused_without_the_ca(port: int) -> bool:
 def test_nkey_user_over_mutual_tls_gets_its_permissions(tmp_path: Path) -> None:
     """A worker user identified by an NKey seed file, over TLS where nats-server verifies the client certificate."""
     nkeys = pytest.importorskip("nkeys")
-    from kvlane.certs import make_certs
-    from shared import permissions
+    from launch.certs import make_certs
+    from launch import permissions
 
     certs = make_certs(tmp_path / "tls")
     pair = nkeys.from_seed(nkeys.encode_seed(os.urandom(32), nkeys.PREFIX_BYTE_USER))

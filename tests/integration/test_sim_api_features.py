@@ -16,7 +16,7 @@ import jsonschema
 import openai
 import pytest
 
-from kvlane.fleet import Fleet
+from launch.fleet import Fleet
 from tests.integration.conftest import MODEL, launch, stop_and_check
 from tests.integration.test_faults import counter_total, kill_when_streaming
 

@@ -6,7 +6,7 @@ message, the route decision, the hand-over to the worker, the stream back,
 a live engine's step overhead). Those are the host's: they grow on a
 slower machine and with the load that four workers, the services, NATS,
 Redis and the load generator put on two cores, and they vary request by
-request. So the test runs `loadtest.fidelity --calibrate`, which measures
+request. So the test runs `loadtest.simulation.fidelity --calibrate`, which measures
 them first from a traced live run on the same machine
 (`loadtest.simulation.calibration`), and the simulation draws each
 request's delays from their measured distributions.
@@ -40,8 +40,8 @@ import json
 
 import pytest
 
-from kvlane.launcher import servers_available
-from loadtest.fidelity import main
+from launch.launcher import servers_available
+from loadtest.simulation.fidelity import main
 
 pytestmark = pytest.mark.integration
 

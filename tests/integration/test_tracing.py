@@ -34,8 +34,8 @@ from opentelemetry.proto.trace.v1.trace_pb2 import Status as ProtoStatus
 
 from contracts import subjects
 from contracts.messages import GenerateRequest, TokenChunk
-from kvlane.fleet import Fleet, with_overrides
-from kvlane.launcher import free_port
+from launch.fleet import Fleet, with_overrides
+from launch.launcher import free_port
 from tests.integration.conftest import MODEL, launch, stop_and_check
 from tests.integration.test_disaggregated import LONG, BusWatch, disaggregated, process, worker_of
 

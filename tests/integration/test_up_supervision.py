@@ -23,7 +23,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from kvlane.launcher import free_port
+from launch.launcher import free_port
 from tests.heartbeats import heartbeat_of
 from tests.integration.conftest import MODEL
 from tests.waiting import until

@@ -20,8 +20,8 @@ import pytest
 
 from contracts import subjects
 from contracts.messages import RequestFinished, WorkerLeft
-from kvlane.fleet import Fleet, with_overrides
-from kvlane.launcher import wait_services_ready
+from launch.fleet import Fleet, with_overrides
+from launch.launcher import wait_services_ready
 from tests.integration.conftest import MODEL, launch, until_status
 from tests.integration.test_faults import expected_text
 

@@ -16,7 +16,7 @@ from services.balancer.snapshot import ChainState, ClusterSnapshot, NodeFacts, S
 from services.balancer.speed import StepModel
 from services.balancer.trackers import QueueGrowth, SpeedTracker
 from shared.config import BalancerSettings, DegradationSettings, JffcPerRequestSettings, QueueSettings, SlotSettings
-from shared.prefix_index import PrefixIndex
+from shared.kv.prefix_index import PrefixIndex
 
 NOW_WALL = 1_700_000_000.0
 TINY = StepModel(a=2e-3, b=2e-5, c=2e-4, d=0.0)

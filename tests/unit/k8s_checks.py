@@ -31,8 +31,8 @@ from urllib.parse import urlsplit
 from contracts import subjects
 from kvlane.cli import build_parser
 from shared.config import CONFIG_FILE_ENV, ENV_PREFIX, ConfigError, KvlaneConfig, load_config
-from shared.kv_links import get_link
-from shared.step_profile import get_profile
+from shared.kv.links import get_link
+from shared.kv.step_profile import get_profile
 from tests.unit.k8s_objects import (
     AUTOSCALER_MODULE,
     WORKER_MODULES,

@@ -21,7 +21,7 @@ from shared.api_keys import (
     record_key,
     write_keys_file,
 )
-from shared.key_limits import limit_keys
+from services.ingress.key_limits import limit_keys
 
 
 def test_a_new_key_carries_its_id_and_256_random_bits() -> None:

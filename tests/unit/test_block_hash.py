@@ -1,4 +1,4 @@
-"""kvlane's chained KV-block hash (shared/block_hash.py)."""
+"""kvlane's chained KV-block hash (shared/kv/block_hash.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from shared.block_hash import ROOT_MARKER, chained_block_hashes, next_block_hash
+from shared.kv.block_hash import ROOT_MARKER, chained_block_hashes, next_block_hash
 
 token_lists = st.lists(st.integers(0, 2**32 - 1), max_size=40)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shared.kv_allocation import (
+from shared.kv.allocation import (
     Demand,
     NodeCapacity,
     RunningLease,

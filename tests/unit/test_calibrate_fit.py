@@ -7,7 +7,7 @@ import random
 import numpy as np
 import pytest
 
-from loadtest.calibrate import (
+from loadtest.simulation.calibrate import (
     COEFFICIENTS,
     LONE_FIRST_STEP,
     EngineLimits,

@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from loadtest import routing_study
-from loadtest.routing_study import search_capacity
+from loadtest.routing import routing_study
+from loadtest.routing.routing_study import search_capacity
 
 
 def falling_at(threshold: float):

@@ -7,18 +7,18 @@ import random
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from kvlane.fleet import with_overrides
-from kvlane.fleet_mix import fleet_nodes, parse_fleet
-from loadtest.bench_run import policy_sections
-from loadtest.driver import DriveLimits
+from launch.fleet import with_overrides
+from launch.fleet_mix import fleet_nodes, parse_fleet
+from loadtest.bench.run import policy_sections
+from loadtest.bench.driver import DriveLimits
 from loadtest.simulation.ceiling import NodeCost, PrefixOracle, Served, request_seconds, throughput_ceiling
 from loadtest.simulation.world import Simulation, SimulationSpec
-from loadtest.workloads import ArrivalSpec, WorkloadSpec
+from loadtest.bench.workloads import ArrivalSpec, WorkloadSpec
 from services.worker.sim import SimRequest
 from services.worker.sim.scheduler import SimScheduler
-from shared.block_hash import chained_block_hashes
+from shared.kv.block_hash import chained_block_hashes
 from shared.config import KvlaneConfig
-from shared.step_profile import StepTimeProfile, get_profile
+from shared.kv.step_profile import StepTimeProfile, get_profile
 
 BLOCK = 16
 # Every term of the step model that a request owns, non-zero, so that a term the floor drops or miscounts shows.

@@ -19,19 +19,17 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from services.balancer.central_queue import CentralQueue
-from services.balancer.policies import make_policy
+from services.balancer.policies import POLICY_NAMES, make_policy
 from services.balancer.policies.jffc import JffcPerRequest
 from services.balancer.router import Placement, Router
 from services.balancer.slot_table import SlotTable
 from services.balancer.snapshot import ClusterSnapshot, SnapshotBuilder, chain_id_of
 from services.balancer.speed import StepModel
 from services.balancer.trackers import QueueGrowth, SpeedTracker
-from shared.config import BalancerSettings, JffcPerRequestSettings, QueueSettings, SlotSettings
-from shared.prefix_index import PrefixIndex
+from shared.config import BalancerSettings, JffcPerRequestSettings, PrefixAffinitySettings, QueueSettings, ScoreSettings, SlotSettings
+from shared.kv.prefix_index import PrefixIndex
 from tests.unit.balancer_fixtures import NOW_WALL, TINY, heartbeat, request
 
-# Policies that decide on the index; the others always take the snapshot path.
-INDEXED = ("jffc_per_request", "jffc", "least_loaded", "round_robin", "random", "power_of_two")
 WORKERS = [f"w{i}" for i in range(6)]
 PREFIX = list(range(1000, 1008))  # the block hashes of `request(blocks=n)`
 WITH_D = StepModel(a=2e-3, b=2e-5, c=2e-4, d=1e-7, per_request=1e-3)
@@ -42,6 +40,10 @@ def build(policy: str, imposed_weight: float, use_index: bool, clock, model: Ste
     s = BalancerSettings(
         policy=policy, slots=SlotSettings(store="local"),  # type: ignore[arg-type]
         jffc_per_request=JffcPerRequestSettings(imposed_delay_weight=imposed_weight),
+        # Loads this small fleet reaches (a few requests per node, over a health weight) count as imbalanced.
+        prefix_affinity=PrefixAffinitySettings(balance_abs_threshold=2.0),
+        # Cache counts for little in the score: the best-scored chain is often not the cache node, which it may fast-forward to.
+        score=ScoreSettings(cache_weight=0.05),
         queue=QueueSettings(max_length=4),
     )
     builder = SnapshotBuilder(s, SpeedTracker(model, s.speed.smoothing, s.speed.equal_within), QueueGrowth(s.speed.smoothing),
@@ -76,21 +78,23 @@ class IndexMatchesSnapshot(RuleBasedStateMachine):
     def both(self, call) -> tuple:
         return call(self.indexed), call(self.reference)
 
-    def _beat(self, worker_id: str, *, running: int, waiting: int, used: int, blocks: int, decode_tps: float, role: str) -> None:
+    def _beat(self, worker_id: str, *, running: int, waiting: int, used: int, blocks: int, decode_tps: float, role: str,
+              gpu: float | None = None) -> None:
         self.now += 0.01
         hb = heartbeat(worker_id, running=running, waiting=waiting, used=used, blocks=blocks, sent_at=self.now,
                        decode_tps=decode_tps, prefill_tps=100.0, started_at=self.started.setdefault(worker_id, 1.0), role=role)
+        hb = msgspec.structs.replace(hb, stats=msgspec.structs.replace(hb.stats, gpu_utilization=gpu))
         self.nodes[worker_id] = hb
         self.both(lambda r: r.observe(hb))
 
     @rule(worker=st.sampled_from(WORKERS), running=st.integers(0, 4), waiting=st.integers(0, 3), used=st.integers(0, 200),
           blocks=st.sampled_from([0, 64, 128, 256]), decode_tps=st.sampled_from([0.0, 50.0, 200.0, 800.0]),
-          role=st.sampled_from(["aggregated"] * 6 + ["prefill", "decode"]))
+          role=st.sampled_from(["aggregated"] * 6 + ["prefill", "decode"]), gpu=st.sampled_from([None, None, 0.3, 0.65, 0.9]))
     def heartbeat_or_join(self, worker: str, running: int, waiting: int, used: int, blocks: int, decode_tps: float,
-                          role: str) -> None:
+                          role: str, gpu: float | None) -> None:
         if worker in self.nodes:
             role = self.nodes[worker].registration.role  # type: ignore[attr-defined]
-        self._beat(worker, running=running, waiting=waiting, used=used, blocks=blocks, decode_tps=decode_tps, role=role)
+        self._beat(worker, running=running, waiting=waiting, used=used, blocks=blocks, decode_tps=decode_tps, role=role, gpu=gpu)
 
     @precondition(lambda self: self.nodes)
     @rule(index=st.integers(0, 100), restart=st.booleans())
@@ -226,10 +230,13 @@ TestLeastLoadedIndex = machine_for("least_loaded", 40)
 TestRoundRobinIndex = machine_for("round_robin", 40)
 TestRandomIndex = machine_for("random", 25)
 TestPowerOfTwoIndex = machine_for("power_of_two", 25)
+TestPrefixAffinityIndex = machine_for("prefix_affinity", 100)
+TestKvCostIndex = machine_for("kv_cost", 40)
+TestScoreIndex = machine_for("score", 150)
 
 
-@pytest.mark.parametrize("policy", INDEXED)
-def test_every_indexed_policy_takes_the_index(policy: str) -> None:
+@pytest.mark.parametrize("policy", POLICY_NAMES)
+def test_every_policy_takes_the_index(policy: str) -> None:
     """Each of these policies routes an all-aggregated fleet without a snapshot."""
     router = build(policy, 1.0, True, lambda: NOW_WALL)
     router.builder.snapshot = None  # type: ignore[assignment,method-assign]
@@ -265,3 +272,45 @@ def test_a_decision_reads_the_request_columns_only_until_the_next_one() -> None:
     index.decision(request("r2"), {})
     with pytest.raises(RuntimeError):
         first.cheapest(64, 16, 1.0)
+
+
+def test_score_fast_forwards_to_the_first_of_equally_cached_nodes_as_on_a_snapshot() -> None:
+    """The prefix index lists the caching nodes in the order they stored the prefix, not in the fleet's."""
+    outcomes = []
+    for use_index in (True, False):
+        router = build("score", 1.0, use_index, lambda: NOW_WALL)
+        router.policy._settings = ScoreSettings(cache_weight=0.0)  # type: ignore[attr-defined]
+        heartbeats = [heartbeat(w, sent_at=NOW_WALL, waiting=3 if w in ("w1", "w3") else 0, blocks=1024) for w in WORKERS]
+        for worker in ("w3", "w1"):
+            router.index.apply(worker, stored=PREFIX)
+        placement = router.admit(request("r1", blocks=len(PREFIX), prompt=256), heartbeats, NOW_WALL)
+        assert isinstance(placement, Placement) and placement.fast_forward
+        outcomes.append(placement)
+    assert outcomes[0] == outcomes[1] and outcomes[0].chain.worker_id == "w1"
+
+
+def _poison_load(router: Router, row: int) -> None:
+    """Every decision on the index sees a NaN load on `row`; a snapshot still reads the node's real one."""
+    assert router.chains is not None
+    decide = router.chains.decision
+
+    def poisoned(*args, **kwargs):
+        decision = decide(*args, **kwargs)
+        decision.index.load[row] = float("nan")
+        return decision
+    router.chains.decision = poisoned  # type: ignore[method-assign]
+
+
+@pytest.mark.parametrize("policy", ["jffc", "least_loaded", "prefix_affinity"])
+def test_a_nan_figure_leaves_the_decision_to_a_snapshot_with_no_tie_turn_taken(policy: str) -> None:
+    router = build(policy, 1.0, True, lambda: NOW_WALL)
+    reference = build(policy, 1.0, False, lambda: NOW_WALL)
+    _poison_load(router, 1)
+    snapshots = []
+    snapshot = router.builder.snapshot
+    router.builder.snapshot = lambda *args: snapshots.append(1) or snapshot(*args)  # type: ignore[method-assign]
+    heartbeats = [heartbeat(w, sent_at=NOW_WALL) for w in WORKERS]
+    for i in range(3):  # identical nodes: every decision a tie, taken in turn
+        got, expected = (r.admit(request(f"r{i}"), heartbeats, NOW_WALL) for r in (router, reference))
+        assert got == expected
+    assert len(snapshots) == 3

@@ -79,8 +79,8 @@ def test_cache_manager_replicas_default_to_one_and_must_be_at_least_one(capsys: 
 
 
 def test_start_fleet_refuses_no_cache_manager_before_starting_anything(tmp_path: Path) -> None:
-    from kvlane.fleet import start_fleet
-    from kvlane.launcher import Launcher
+    from launch.fleet import start_fleet
+    from launch.launcher import Launcher
     from shared.config import KvlaneConfig
 
     launcher = Launcher(tmp_path)

@@ -16,7 +16,7 @@ from services.balancer.router import Router
 from services.balancer.snapshot import ChainState
 from services.worker.sim import SimRequest, get_profile
 from shared.config import DisaggregationSettings
-from shared.kv_links import NAMED_LINKS, advertised_kv_transfer, get_link, hand_off_seconds, kv_bytes_per_token
+from shared.kv.links import NAMED_LINKS, advertised_kv_transfer, get_link, hand_off_seconds, kv_bytes_per_token
 from tests.unit.balancer_fixtures import NOW_WALL, TINY, chain, heartbeat, request, router
 from tests.unit.test_sim_scheduler import make_scheduler, run_all
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from loadtest.eviction_study import main
+from loadtest.routing.eviction_study import main
 
 
 def test_both_evictions_run_the_same_workload_and_report_each_priority_class(tmp_path: Path) -> None:

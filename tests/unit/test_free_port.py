@@ -6,8 +6,8 @@ import socket
 
 import pytest
 
-from kvlane import launcher
-from kvlane.launcher import _lowest_ephemeral_port, free_port
+from launch import launcher
+from launch.launcher import _lowest_ephemeral_port, free_port
 
 
 def test_ports_lie_below_the_ephemeral_range_are_free_and_are_not_handed_out_twice() -> None:

@@ -1,8 +1,8 @@
-"""How `loadtest.hangup` judges one hang-up: aborted, ended first, stalled or leaked."""
+"""How `loadtest.dataplane.hangup` judges one hang-up: aborted, ended first, stalled or leaked."""
 
 from __future__ import annotations
 
-from loadtest.hangup import HangUp
+from loadtest.dataplane.hangup import HangUp
 
 
 def hang_up(reasons: list[str], tokens: int, seconds_to_hang_up: float = 0.02, ended_before: bool = False) -> HangUp:

@@ -1,11 +1,11 @@
-"""The HTTP floor of `loadtest.overhead --http-floor` answers a completion from memory, and bad input with a 400."""
+"""The HTTP floor of `loadtest.dataplane.overhead --http-floor` answers a completion from memory, and bad input with a 400."""
 
 from __future__ import annotations
 
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from loadtest.http_floor import make_app
+from loadtest.dataplane.http_floor import make_app
 
 
 @pytest.fixture

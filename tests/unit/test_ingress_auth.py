@@ -27,7 +27,7 @@ from services.ingress.errors import ApiError
 from services.ingress.metrics import IngressMetrics
 from shared.api_keys import KeyRecord, make_record, write_keys_file
 from shared.config import AuthSettings, IngressSettings
-from shared.key_limits import Verdict
+from services.ingress.key_limits import Verdict
 from tests.unit.test_request_tracing import Recorded, cluster_with
 
 BODY = {"model": "m", "prompt": "hello there", "max_tokens": 5}

@@ -6,7 +6,7 @@ import os
 import sys
 from pathlib import Path
 
-from kvlane.launcher import Launcher
+from launch.launcher import Launcher
 
 
 def test_a_child_has_its_own_process_group_in_the_launchers_session(tmp_path: Path) -> None:

@@ -1,13 +1,13 @@
-"""The bench's load driver (loadtest/driver.py) against a fake client: no fleet, no sockets."""
+"""The bench's load driver (loadtest/bench/driver.py) against a fake client: no fleet, no sockets."""
 
 from __future__ import annotations
 
 import asyncio
 import time
 
-from loadtest.client import RequestRecord
-from loadtest.driver import CANCELLED, DriveLimits, WorkloadDriver
-from loadtest.workloads import Session, Turn
+from loadtest.bench.client import RequestRecord
+from loadtest.bench.driver import CANCELLED, DriveLimits, WorkloadDriver
+from loadtest.bench.workloads import Session, Turn
 
 
 class FakeClient:

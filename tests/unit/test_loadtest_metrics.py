@@ -1,4 +1,4 @@
-"""Bench metrics (loadtest/metrics.py) on hand-made request records."""
+"""Bench metrics (loadtest/bench/metrics.py) on hand-made request records."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from loadtest.client import RequestRecord, check_local
-from loadtest.metrics import (
+from loadtest.bench.client import RequestRecord, check_local
+from loadtest.bench.metrics import (
     Slo,
     WorkerRun,
     coefficient_of_variation,

@@ -1,4 +1,4 @@
-"""Bench workloads (loadtest/workloads.py): deterministic, exact token lengths, real sharing."""
+"""Bench workloads (loadtest/bench/workloads.py): deterministic, exact token lengths, real sharing."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import statistics
 
 import pytest
 
-from loadtest.driver import request_body
-from loadtest.workloads import (
+from loadtest.bench.driver import request_body
+from loadtest.bench.workloads import (
     TRACE_BLOCK_TOKENS,
     ArrivalSpec,
     TextMaker,

@@ -1,4 +1,4 @@
-"""The flags of a local NATS cluster (kvlane/nats_cluster.py) and `kvlane up --nats-cluster`'s checks."""
+"""The flags of a local NATS cluster (launch/nats_cluster.py) and `kvlane up --nats-cluster`'s checks."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from rich.console import Console
 
 from kvlane.cli import _up, build_parser
-from kvlane.nats_cluster import NatsNode, server_args
+from launch.nats_cluster import NatsNode, server_args
 
 
 def nodes_of(count: int) -> list[NatsNode]:

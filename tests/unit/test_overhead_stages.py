@@ -1,11 +1,11 @@
-"""The stage breakdown of loadtest.overhead_stages from synthetic wire sightings."""
+"""The stage breakdown of loadtest.dataplane.overhead_stages from synthetic wire sightings."""
 
 from __future__ import annotations
 
 import pytest
 
 from contracts import subjects
-from loadtest.overhead_stages import STAGES_A, STAGES_B, Window, assign, breakdown
+from loadtest.dataplane.overhead_stages import STAGES_A, STAGES_B, Window, assign, breakdown
 
 INBOX = subjects.worker_inbox("w0")
 STREAM = f"{subjects.PREFIX}.stream.i-1.batch"

@@ -1,4 +1,4 @@
-"""The path floor of `loadtest.overhead --path-floor` refuses bad input before it sends anything.
+"""The path floor of `loadtest.dataplane.overhead --path-floor` refuses bad input before it sends anything.
 
 Its successful path needs NATS, Redis and a worker: `tests/integration/test_overhead_bench.py` runs it.
 """
@@ -11,7 +11,7 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from contracts.messages import ErrorReply, RouteRequest
-from loadtest.path_floor import Front, Relay, make_app
+from loadtest.dataplane.path_floor import Front, Relay, make_app
 
 
 class _Untouchable:

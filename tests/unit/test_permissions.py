@@ -1,4 +1,4 @@
-"""The permission table (shared/permissions.py), the client options built from the settings
+"""The permission table (launch/permissions.py), the client options built from the settings
 (shared/credentials.py), and the docs that must show the table as it is."""
 
 from __future__ import annotations
@@ -11,12 +11,14 @@ from pathlib import Path
 import pytest
 
 from contracts import subjects
-from kvlane.launcher import LaunchError, find_nats_server
+from launch.launcher import LaunchError, find_nats_server
 from services.balancer import slot_store
-from shared import block_ledger, key_limits, permissions
+from launch import permissions
+from services.ingress import key_limits
+from shared.kv import block_ledger
 from shared.config import NatsSettings, RedisSettings, load_config
 from shared.credentials import nats_options, redis_url_and_options
-from shared.permissions import ROLES, grant, may_publish, may_subscribe, subject_matches
+from launch.permissions import ROLES, grant, may_publish, may_subscribe, subject_matches
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "security.md"
 
@@ -171,7 +173,7 @@ def test_the_cache_managers_leadership_lock_uses_only_commands_its_role_may_run(
 
     from redis.asyncio.lock import Lock
 
-    from shared.leadership import leader_key
+    from services.cache_manager.leadership import leader_key
 
     scripts = (Lock.LUA_RELEASE_SCRIPT, Lock.LUA_EXTEND_SCRIPT, Lock.LUA_REACQUIRE_SCRIPT)
     lock_commands = {"set"} | {command for script in scripts for command in lua_commands(script)}  # SET NX PX takes it
@@ -219,7 +221,7 @@ def test_docs_show_the_table_as_the_code_has_it() -> None:
     assert begin in text and end in text
     shown = text.split(begin, 1)[1].split(end, 1)[0]
     assert shown == permissions.markdown_tables(), (
-        "docs/security.md is out of date: paste `python -c 'from shared.permissions import markdown_tables as t; print(t(), end=\"\")'`"
+        "docs/security.md is out of date: paste `python -c 'from launch.permissions import markdown_tables as t; print(t(), end=\"\")'`"
     )
 
 
@@ -232,7 +234,7 @@ def test_unsecured_settings_give_the_options_of_old() -> None:
 
 
 def test_nats_options_carry_credentials_inbox_several_servers_and_tls(tmp_path: Path) -> None:
-    from kvlane.certs import make_certs
+    from launch.certs import make_certs
 
     certs = make_certs(tmp_path)
     options = nats_options(NatsSettings(

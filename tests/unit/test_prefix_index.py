@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from services.worker.engines.base import net_kv_delta
-from shared.prefix_index import PrefixIndex
+from shared.kv.prefix_index import PrefixIndex
 
 NODES = ["a", "b", "c"]
 HASHES = list(range(8))

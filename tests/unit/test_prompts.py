@@ -25,7 +25,7 @@ from contracts.openai_api import (
 )
 from services.ingress.errors import ApiError
 from services.ingress.prompts import api_body, completion_prompts, prepare
-from shared.block_hash import chained_block_hashes
+from shared.kv.block_hash import chained_block_hashes
 from shared.tokenizer import SimTokenizer
 
 TOKENIZER = SimTokenizer()

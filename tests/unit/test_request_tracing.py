@@ -237,6 +237,8 @@ class Choosing:
     """A policy that takes the first free chain, counting a fast-forward when told to."""
 
     name = "stub"
+    cache_hold_share = 0.0
+    bounds_backlog = False
 
     def __init__(self, fast_forward: bool) -> None:
         self._fast_forward = fast_forward
@@ -245,6 +247,10 @@ class Choosing:
     def choose(self, request, snapshot: ClusterSnapshot) -> ChainState | None:
         self.fast_forwards += self._fast_forward
         return snapshot.free()[0]
+
+    def choose_indexed(self, request, chains) -> int | None:
+        self.fast_forwards += self._fast_forward
+        return int(chains.free_rows[0])
 
 
 @pytest.mark.parametrize("fast_forward", [True, False])

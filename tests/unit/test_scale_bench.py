@@ -1,4 +1,4 @@
-"""The pure parts of `loadtest.scale_bench`: histogram quantiles and bus rates."""
+"""The pure parts of `loadtest.dataplane.scale_bench`: histogram quantiles and bus rates."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from collections import Counter
 
 import pytest
 
-from loadtest.scale_bench import ScaleOptions, bus_rates, histogram_quantile, parse_args
+from loadtest.dataplane.scale_bench import ScaleOptions, bus_rates, histogram_quantile, parse_args
 
 INF = float("inf")
 

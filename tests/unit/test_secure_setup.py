@@ -1,4 +1,4 @@
-"""`kvlane up --secure` without servers: accounts, environments, files, refusals (kvlane/secure.py)."""
+"""`kvlane up --secure` without servers: accounts, environments, files, refusals (launch/secure.py)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from kvlane.launcher import Launcher
-from kvlane.secure import SecureError, Security
+from launch.launcher import Launcher
+from launch.secure import SecureError, Security
 from shared.config import KvlaneConfig, NatsSettings, RedisSettings, load_config
 
 

@@ -34,7 +34,7 @@ EXPECTED = "[SYSTEM] Be brief.\n[USER] What is the pa of chan?\n[ASSISTANT]"
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     try:
-        from kvlane.tiny_model import make_tiny_model
+        from launch.tiny_model import make_tiny_model
     except ImportError as exc:  # pragma: no cover - transformers is a dev dependency
         pytest.skip(f"the tiny model needs transformers: {exc}")
     try:

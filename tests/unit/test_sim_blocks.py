@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
 
 from services.worker.sim.blocks import BlockPool, KvCacheEvent
-from shared.block_hash import chained_block_hashes
+from shared.kv.block_hash import chained_block_hashes
 
 
 def computed(pool: BlockPool, seq_id: str, token_ids: list[int]) -> int | None:

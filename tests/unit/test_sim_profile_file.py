@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from shared.step_profile import ProfileFileError, StepTimeProfile, get_profile
+from shared.kv.step_profile import ProfileFileError, StepTimeProfile, get_profile
 
 CALIBRATED = {
     "name": "calibrated-tiny",

@@ -9,16 +9,16 @@ from pathlib import Path
 
 import pytest
 
-from kvlane.fleet import with_overrides
-from kvlane.fleet_mix import NodeKind, fleet_nodes, parse_fleet
-from loadtest.bench_run import policy_sections
-from loadtest.client import RequestRecord
-from loadtest.driver import DriveLimits
-from loadtest.metrics import Slo, summarize
-from loadtest.simulate import build_parser as simulate_parser, main as simulate_main, node_changes, plan as simulate_plan
+from launch.fleet import with_overrides
+from launch.fleet_mix import NodeKind, fleet_nodes, parse_fleet
+from loadtest.bench.run import policy_sections
+from loadtest.bench.client import RequestRecord
+from loadtest.bench.driver import DriveLimits
+from loadtest.bench.metrics import Slo, summarize
+from loadtest.simulation.command import build_parser as simulate_parser, main as simulate_main, node_changes, plan as simulate_plan
 from loadtest.simulation.events import EventQueue
 from loadtest.simulation.world import NodeChange, Simulation, SimulationResult, SimulationSpec
-from loadtest.workloads import ArrivalSpec, WorkloadSpec
+from loadtest.bench.workloads import ArrivalSpec, WorkloadSpec
 from services.worker.main import advertised_kv_transfer_of
 from shared.config import KvlaneConfig, SimSettings, WorkerSettings
 

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from kvlane.fleet import with_overrides
-from kvlane.fleet_mix import fleet_nodes, parse_fleet
-from loadtest.bench_run import policy_sections
-from loadtest.driver import DriveLimits
-from loadtest.simulate import main as simulate_main
+from launch.fleet import with_overrides
+from launch.fleet_mix import fleet_nodes, parse_fleet
+from loadtest.bench.run import policy_sections
+from loadtest.bench.driver import DriveLimits
+from loadtest.simulation.command import main as simulate_main
 from loadtest.simulation.calibration import (
     fit_latencies,
     quantile_table,
@@ -25,7 +25,7 @@ from loadtest.simulation.calibration import (
 )
 from loadtest.simulation.delays import Latencies, Spread
 from loadtest.simulation.world import Simulation, SimulationSpec
-from loadtest.workloads import ArrivalSpec, WorkloadSpec
+from loadtest.bench.workloads import ArrivalSpec, WorkloadSpec
 from shared.config import KvlaneConfig
 
 H100 = "h100-80g-llama3-8b"
@@ -194,7 +194,7 @@ def test_fitted_spreads_are_each_requests_delays_and_kvlane_simulate_reads_them_
 
 
 def test_fidelity_resimulates_against_a_kept_live_run_and_calibration(tmp_path: Path) -> None:
-    from loadtest.fidelity import main as fidelity_main
+    from loadtest.simulation.fidelity import main as fidelity_main
 
     shared = ["--rate", "5", "--requests", "20", "--workers", "2", "--policies", "round_robin,least_loaded", "--seed", "2"]
     # A simulation's results stand in for the live run's: the layout is the same, and so the comparison is exact.

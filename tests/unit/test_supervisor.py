@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from kvlane.launcher import LaunchError, Launcher, Process
+from launch.launcher import LaunchError, Launcher, Process
 from shared.restarts import RestartPolicy
-from kvlane.supervisor import Supervisor, describe_exit, restart_policy_from
+from launch.supervisor import Supervisor, describe_exit, restart_policy_from
 from shared.config import SupervisionSettings
 from shared.runner import READY_EVENT
 

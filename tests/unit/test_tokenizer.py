@@ -14,8 +14,8 @@ from shared.tokenizer import (
     VOCAB_SIZE,
     SimTokenizer,
     UnsupportedContent,
-    load_tokenizer,
 )
+from shared.tokenizer_spec import load_tokenizer
 
 TOKENIZER = SimTokenizer()
 output_ids = st.integers(OUTPUT_FIRST, OUTPUT_FIRST + OUTPUT_WORDS - 1)

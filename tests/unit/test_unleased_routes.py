@@ -12,7 +12,7 @@ from contracts.cache import Allocation
 from contracts.messages import ErrorReply, RouteDecision
 from services.balancer.allocation import KvAllocator, Unleased, Unreachable
 from shared.bus import BusError, NoResponders, RequestTimeout
-from shared.log_throttle import LogThrottle
+from services.balancer.log_throttle import LogThrottle
 from tests.unit.balancer_fixtures import heartbeat, request
 from tests.unit.test_balancer_core import Clock, make_balancer, route_request
 

@@ -17,7 +17,7 @@ from services.worker.amx import request_amx_permission
 from services.worker.engines.base import EngineConfigError, net_kv_delta
 from services.worker.engines.kv_rehash import KvEventRehasher
 from services.worker.engines.vllm_preflight import preflight, read_model_shape
-from shared.block_hash import chained_block_hashes
+from shared.kv.block_hash import chained_block_hashes
 from shared.config import VllmSettings, load_config
 
 BS = 4

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from contracts.messages import SamplingParams
-from loadtest.vllm_vs_direct import PathRun, cpu_ms_per_token, print_summary, report, summarise
+from loadtest.dataplane.vllm_vs_direct import PathRun, cpu_ms_per_token, print_summary, report, summarise
 from services.worker.engines.base import EngineRequest
 from shared.config import VllmSettings
 from tests.waiting import until

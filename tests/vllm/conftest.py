@@ -17,8 +17,8 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from kvlane.fleet import Fleet, start_fleet
-from kvlane.launcher import Launcher, free_port
+from launch.fleet import Fleet, start_fleet
+from launch.launcher import Launcher, free_port
 from shared.config import (
     ClusterSettings,
     IngressSettings,
@@ -79,7 +79,7 @@ def reference_engine_args(model_dir: Path) -> dict:
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from kvlane.tiny_model import make_tiny_model
+    from launch.tiny_model import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("models") / "tiny-llama")
 

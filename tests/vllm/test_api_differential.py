@@ -35,7 +35,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from kvlane.launcher import free_port
+from launch.launcher import free_port
 from tests.vllm.api_shapes import CHAT, COMPLETIONS, DETOKENIZE, MESSAGES, MODELS, RESPONSES, TOKENIZE, Shape, build_shapes
 from tests.vllm.conftest import (
     BLOCK_SIZE,

@@ -44,7 +44,7 @@ from pathlib import Path
 
 import pytest
 
-from loadtest.calibrate import (
+from loadtest.simulation.calibrate import (
     COEFFICIENTS,
     EngineLimits,
     engine_limits,

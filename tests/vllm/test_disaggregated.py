@@ -21,7 +21,7 @@ import pytest
 
 from contracts import subjects
 from contracts.messages import Handoff, StreamMessage
-from kvlane.fleet import Fleet, with_overrides
+from launch.fleet import Fleet, with_overrides
 from shared.bus import addressed_frames
 from tests.heartbeats import fresh_stats, stats_of
 from tests.vllm.conftest import BLOCK_SIZE, MODEL, reference_engine_args, run_json_module, running_fleet, vllm_fleet_config

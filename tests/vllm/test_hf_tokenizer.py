@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from contracts.openai_api import ChatMessage
 from shared.hf_tokenizer import HfTokenizer
-from shared.tokenizer import load_tokenizer
+from shared.tokenizer_spec import load_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -72,7 +72,7 @@ def test_loading_and_encoding_import_neither_transformers_nor_torch(tiny_model: 
     probe = (
         "import sys\n"
         "from contracts.openai_api import ChatMessage\n"
-        "from shared.tokenizer import load_tokenizer\n"
+        "from shared.tokenizer_spec import load_tokenizer\n"
         f"t = load_tokenizer('hf:{tiny_model}')\n"
         "t.encode(t.apply_chat_template([ChatMessage(role='user', content='hi')]))\n"
         "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n"

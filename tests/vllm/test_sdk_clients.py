@@ -36,7 +36,7 @@ import jsonschema
 import openai
 import pytest
 
-from kvlane.fleet import Fleet
+from launch.fleet import Fleet
 from tests.vllm.api_shapes import HERMES_TIME, HERMES_WEATHER, LOOSE_TOOLS, TIME_SCHEMA, TOOLS, WEATHER_SCHEMA, whitespace_token_ids
 from tests.vllm.conftest import MODEL
 

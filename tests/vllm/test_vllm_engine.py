@@ -23,9 +23,9 @@ import pytest
 from contracts import subjects
 from contracts.messages import HeartbeatMessage, KvEvents
 from contracts.openai_api import ChatMessage
-from kvlane.fleet import Fleet
-from loadtest.hangup import Options, Report, soak
-from shared.block_hash import chained_block_hashes
+from launch.fleet import Fleet
+from loadtest.dataplane.hangup import Options, Report, soak
+from shared.kv.block_hash import chained_block_hashes
 from shared.hf_tokenizer import HfTokenizer
 from tests.vllm.conftest import BLOCK_SIZE, MAX_MODEL_LEN, MODEL, reference_engine_args
 
@@ -209,7 +209,7 @@ def test_shared_prefix_is_cached_and_its_blocks_announced(vllm_fleet: Fleet) -> 
 
 def test_clients_that_hang_up_get_their_engine_requests_aborted(vllm_fleet: Fleet) -> None:
     """Each client leaves a long stream after a few chunks, with another stream running beside it:
-    vLLM must stop generating for it (`python -m loadtest.hangup --engine vllm` runs this many times)."""
+    vLLM must stop generating for it (`python -m loadtest.dataplane.hangup --engine vllm` runs this many times)."""
     runs = 5
     # stall_s: on two cores, two vLLM engines can starve the ingress for seconds; a hang-up
     # whose first chunks took that long says nothing about hang-up handling and is tried again.

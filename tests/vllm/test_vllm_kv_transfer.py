@@ -16,7 +16,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from kvlane.launcher import free_port
+from launch.launcher import free_port
 from tests.vllm.conftest import BLOCK_SIZE, ENGINE_ENV, run_json_module, vllm_settings
 
 pytestmark = pytest.mark.vllm

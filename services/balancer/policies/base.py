@@ -11,7 +11,23 @@ from services.balancer.snapshot import ChainState, ClusterSnapshot
 
 
 class RoutingPolicy(Protocol):
+    """A routing rule, decided on the chain index's columns or on a snapshot, the same chain either way.
+
+    The router decides on the index (`choose_indexed`) whenever the fleet's
+    heartbeat list can be indexed, and on a snapshot (`choose`) otherwise:
+    a list with decode nodes (a two-node chain is costed per request, with
+    its prefill node), or a decision whose figures hold a NaN. The other
+    attributes tell the router what else it does for the policy.
+    """
+
     name: str
+    # Share of the prompt by which a busy chain must cache more than any free one for a request to wait for it
+    # (`Router.holds_for_cache`); 0.0: never.
+    cache_hold_share: float
+    # Whether the router offers only free chains whose prefill backlog is within `Router.backlog_bound_s`.
+    bounds_backlog: bool
+    # Requests sent so far to the node caching their prefix rather than to the best-scored one.
+    fast_forwards: int
 
     def choose(self, request: RouteRequest, snapshot: ClusterSnapshot) -> ChainState | None:
         """The chain that should run `request`, or None when no chain suits it now.
@@ -23,12 +39,13 @@ class RoutingPolicy(Protocol):
         """
         ...
 
-
-class IndexedPolicy(RoutingPolicy, Protocol):
-    """A policy that can also choose from the chain index's columns, without a snapshot."""
-
     def choose_indexed(self, request: RouteRequest, chains: Decision) -> int | None:
-        """The row of the chain `choose` would return on the same state (same choice, same tie turns), or None."""
+        """The row of the chain `choose` would return on the same state (same choice, same tie turns), or None.
+
+        When a figure it asks `chains` for is NaN (`chains.settled` turns
+        False), it returns None having changed nothing, not even a tie turn:
+        the router then asks `choose`.
+        """
         ...
 
 

@@ -7,6 +7,7 @@ import math
 import structlog
 
 from contracts.messages import RouteRequest
+from services.balancer.chain_index import Decision
 from services.balancer.policies.base import Rotation, match_ratio
 from services.balancer.snapshot import ChainState, ClusterSnapshot
 from shared.config import KvCostSettings, PrefixAffinitySettings, ScoreSettings
@@ -24,6 +25,9 @@ class PrefixAffinity:
     """
 
     name = "prefix_affinity"
+    cache_hold_share = 0.0
+    bounds_backlog = False
+    fast_forwards = 0
 
     def __init__(self, settings: PrefixAffinitySettings) -> None:
         self._settings = settings
@@ -42,11 +46,41 @@ class PrefixAffinity:
             return best_match
         return self._rotation.best(free, lambda c: (c.kv_usage, c.load))
 
+    def choose_indexed(self, request: RouteRequest, chains: Decision) -> int | None:
+        if not chains.free.any():
+            return None
+        extent = chains.load_extent()
+        if extent is None:
+            return None
+        idlest, busiest = extent
+        if busiest - idlest > self._settings.balance_abs_threshold and busiest > idlest * self._settings.balance_rel_threshold:
+            return self._rotation.among(chains.least("load"))
+        best_match = self._rotation.among(self._most_cached(chains))
+        blocks = len(request.block_hashes)
+        if (chains.cached.get(best_match, 0) / blocks if blocks else 0.0) > self._settings.match_threshold:
+            return best_match
+        return self._rotation.among(chains.least("kv_usage", "load"))
+
+    @staticmethod
+    def _most_cached(chains: Decision) -> list[int]:
+        """The free rows of least (-cached blocks, load), in row order: `choose`'s best match."""
+        free = chains.free
+        most = max((blocks for row, blocks in chains.cached.items() if free[row]), default=0)
+        if most == 0:  # every free row caches nothing: load alone decides
+            return chains.least("load")
+        rows = sorted(row for row, blocks in chains.cached.items() if blocks == most and free[row])
+        load = chains.index.load
+        lowest = min(load.item(row) for row in rows)
+        return [row for row in rows if load.item(row) == lowest]
+
 
 class KvCost:
     """Least `overlap_weight * prefill blocks after overlap + decode blocks` (Dynamo's KV router)."""
 
     name = "kv_cost"
+    cache_hold_share = 0.0
+    bounds_backlog = False
+    fast_forwards = 0
 
     def __init__(self, settings: KvCostSettings) -> None:
         self._overlap_weight = settings.overlap_weight
@@ -57,6 +91,10 @@ class KvCost:
         if not free:
             return None
         return self._rotation.best(free, lambda c: self.cost(request, c))
+
+    def choose_indexed(self, request: RouteRequest, chains: Decision) -> int | None:
+        tied = chains.least_kv_cost(request.prompt_tokens, request.max_tokens, self._overlap_weight)
+        return self._rotation.among(tied) if tied else None
 
     def cost(self, request: RouteRequest, chain: ChainState) -> float:
         block_size = chain.node.block_size
@@ -77,6 +115,8 @@ class ScoreBased:
     """
 
     name = "score"
+    cache_hold_share = 0.0
+    bounds_backlog = False
 
     def __init__(self, settings: ScoreSettings) -> None:
         self._settings = settings
@@ -95,6 +135,30 @@ class ScoreBased:
                 log.debug(
                     "fast_forward", request_id=request.request_id, to=cache_node.worker_id, instead_of=best.worker_id,
                     utilisation=round(cache_node.utilisation, 3), cached_blocks=cache_node.cached_blocks,
+                )
+                return cache_node
+        return best
+
+    def choose_indexed(self, request: RouteRequest, chains: Decision) -> int | None:
+        s = self._settings
+        tied = chains.best_scored(request.prompt_tokens, request.max_tokens, len(request.block_hashes),
+                                  s.load_weight, s.cache_weight, s.fit_weight)
+        if not tied:
+            return None
+        best = self._rotation.among(tied)
+        free = chains.free
+        # `max` over the free chains by cached blocks: the first of the most cached, in row order.
+        cache_node, most = best, 0
+        for row, blocks in chains.cached.items():
+            if free[row] and (blocks > most or (blocks == most and row < cache_node)):
+                cache_node, most = row, blocks
+        if most > 0 and cache_node != best and most > chains.cached.get(best, 0):
+            utilisation = chains.index.utilisation.item(cache_node)
+            if utilisation < s.fast_forward_utilisation:
+                self.fast_forwards += 1
+                log.debug(
+                    "fast_forward", request_id=request.request_id, to=chains.state(cache_node).worker_id,
+                    instead_of=chains.state(best).worker_id, utilisation=round(utilisation, 3), cached_blocks=most,
                 )
                 return cache_node
         return best

@@ -33,6 +33,9 @@ class Jffc:
     """
 
     name = "jffc"
+    cache_hold_share = 0.0
+    bounds_backlog = False
+    fast_forwards = 0
 
     def __init__(self) -> None:
         self._rotation = Rotation()
@@ -76,12 +79,13 @@ class JffcPerRequest:
     # prefill (a node busy with long prompts, or a slow one with its whole prompt
     # to prefill) over waiting briefly for another.
     bounds_backlog = True
+    fast_forwards = 0
 
     def __init__(self, imposed_delay_weight: float = JffcPerRequestSettings().imposed_delay_weight,
                  cache_hold_share: float = JffcPerRequestSettings().cache_hold_share) -> None:
         self._imposed_weight = imposed_delay_weight
         # The router leaves a request queued for a busy node caching this much more of its prompt (`Router.holds_for_cache`).
-        self.cache_hold_share = cache_hold_share
+        self.cache_hold_share: float = cache_hold_share
         self._rotation = Rotation()
 
     def choose(self, request: RouteRequest, snapshot: ClusterSnapshot) -> ChainState | None:

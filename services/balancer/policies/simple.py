@@ -12,6 +12,9 @@ from services.balancer.snapshot import ChainState, ClusterSnapshot
 
 class RoundRobin:
     name = "round_robin"
+    cache_hold_share = 0.0
+    bounds_backlog = False
+    fast_forwards = 0
 
     def __init__(self) -> None:
         self._turn = 0
@@ -34,6 +37,9 @@ class RoundRobin:
 
 class RandomChoice:
     name = "random"
+    cache_hold_share = 0.0
+    bounds_backlog = False
+    fast_forwards = 0
 
     def __init__(self, seed: int) -> None:
         self._rng = random.Random(seed)
@@ -51,6 +57,9 @@ class LeastLoaded:
     """Fewest requests (heartbeat or reservations, whichever is fresher); then least KV used; then in turn."""
 
     name = "least_loaded"
+    cache_hold_share = 0.0
+    bounds_backlog = False
+    fast_forwards = 0
 
     def __init__(self) -> None:
         self._rotation = Rotation()
@@ -70,6 +79,9 @@ class PowerOfTwo:
     """Two chains drawn at random, the less loaded one wins (Mitzenmacher)."""
 
     name = "power_of_two"
+    cache_hold_share = 0.0
+    bounds_backlog = False
+    fast_forwards = 0
 
     def __init__(self, seed: int) -> None:
         self._rng = random.Random(seed)

@@ -2,7 +2,7 @@
 
 vLLM names a cached block by its own hash (sha256-derived, salted per
 process), which no other kvlane service can compute. kvlane names it by the
-chained hash of `shared/block_hash.py`, which ingress computes from the
+chained hash of `shared/kv/block_hash.py`, which ingress computes from the
 prompt. An event only carries the tokens of the blocks it stores and the
 vLLM hash of their parent, so the chain is continued through a map from
 vLLM hash to kvlane hash, kept for every block the engine holds:
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 
-from shared.block_hash import chained_block_hashes
+from shared.kv.block_hash import chained_block_hashes
 
 
 class KvEventRehasher:

@@ -41,7 +41,7 @@ from services.worker.engines.base import (
 )
 from services.worker.engines.sim_api import SIM_TOOL_CALL_PARSERS, SimApiRun, plan_sim_request
 from services.worker.sim import SimRequest, SimScheduler, StepOutcome, StepTimeProfile, get_profile
-from shared.kv_links import get_link
+from shared.kv.links import get_link
 from shared.config import SimSettings
 from shared.tokenizer import SimTokenizer
 

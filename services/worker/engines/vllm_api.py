@@ -23,6 +23,7 @@ import pydantic
 from vllm.entrypoints.generate.base.protocol import DeltaMessage, FunctionCall
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionNamedToolChoiceParam, ChatCompletionRequest
 from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+# `_format_error` is private to vLLM: tests/vllm/test_vllm_internals.py pins it.
 from vllm.entrypoints.serve.exception_handling.handlers.validation import _format_error, clean_loc_for_param
 from vllm.entrypoints.serve.exception_handling.utils import sanitize_message
 from vllm.exceptions import VLLMValidationError
@@ -368,6 +369,7 @@ class ApiSurface:
         try:
             # As the engine's input processor checks the request and picks its backend (rewriting, as it does,
             # a choice into a grammar).
+            # Private to vLLM, as is `_backend` below: tests/vllm/test_vllm_internals.py pins them.
             sampling._validate_structured_outputs(self.model_config, config, self.tokenizer)
         except (VLLMValidationError, ValueError, TypeError) as exc:
             raise vllm_rejection(exc) from None

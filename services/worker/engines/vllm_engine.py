@@ -143,6 +143,7 @@ def _stat_logger_factory(counters: StepCounters):
     `PrometheusStatLogger` (without its metrics) keeps that cost out.
     """
 
+    # Relies on how vLLM's StatLoggerManager treats its loggers: tests/vllm/test_vllm_internals.py pins it.
     class CountersLogger(PrometheusStatLogger):
         def __init__(self, vllm_config, engine_indexes: list[int] | None = None) -> None:
             pass  # no metrics of vLLM's are registered
@@ -592,6 +593,7 @@ class VllmEngine:
             if finished:
                 ended.set_result(None)
 
+        # vLLM internal (its output handler calls the collector's `put` at each step): tests/vllm/test_vllm_internals.py.
         collector.put = deliver  # type: ignore[method-assign]
         # Anything the output handler put before the collector was rewired.
         try:

@@ -26,6 +26,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlPull
 def _agents_without_progress_thread() -> Iterator[None]:
     # vLLM's worker reads nixl_agent_config from its module when it builds
     # its agent, in __init__ and nowhere else: swap it for that call only.
+    # A vLLM internal: tests/vllm/test_vllm_internals.py pins it.
     original = base_worker.nixl_agent_config
     if original is None:  # NIXL missing: let vLLM report that its own way
         yield

@@ -124,6 +124,7 @@ class ResumedGrammarLogitsProcessor(LogitsProcessor):
     def _xgrammar(self) -> Any:
         """vLLM's xgrammar backend, built as its StructuredOutputManager builds it (once, on first use)."""
         if self._backend is None:
+            # vLLM internals (the backend, its grammars, how vLLM compiles one): tests/vllm/test_vllm_internals.py.
             from vllm.tokenizers import cached_tokenizer_from_config
             from vllm.v1.structured_output.backend_xgrammar import XgrammarBackend
 

@@ -5,7 +5,7 @@ and sleeps for the simulated step time it returns.
 """
 
 from services.worker.sim.blocks import BlockPool, KvCacheEvent
-from shared.step_profile import NAMED_PROFILES, StepTimeProfile, get_profile
+from shared.kv.step_profile import NAMED_PROFILES, StepTimeProfile, get_profile
 from services.worker.sim.scheduler import (
     FinishedInfo,
     SchedulerStats,

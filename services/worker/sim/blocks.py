@@ -4,7 +4,7 @@ The pool holds ``num_blocks`` blocks of ``block_size`` token slots. A
 sequence owns a block table: enough blocks for its tokens, not contiguous.
 
 Prefix caching: once a FULL block's KV has been computed it is registered
-under its chained hash (``shared.block_hash``), and a later sequence whose
+under its chained hash (``shared.kv.block_hash``), and a later sequence whose
 leading block hashes match shares it instead of recomputing it (reference
 counts). When its last user frees it, a hashed block stays cached: free, but
 reusable until it is evicted to make room. Blocks are reclaimed in this
@@ -28,7 +28,7 @@ from typing import Literal
 
 import msgspec
 
-from shared.block_hash import chained_block_hashes, next_block_hash
+from shared.kv.block_hash import chained_block_hashes, next_block_hash
 
 
 class KvCacheEvent(msgspec.Struct, frozen=True, array_like=True):

@@ -36,9 +36,9 @@ from collections import deque
 
 import msgspec
 
-from shared.block_hash import chained_block_hashes
+from shared.kv.block_hash import chained_block_hashes
 from services.worker.sim.blocks import BlockPool, KvCacheEvent
-from shared.step_profile import StepTimeProfile
+from shared.kv.step_profile import StepTimeProfile
 from services.worker.sim.tokens import prompt_digest, stream_key, token_at
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from hashlib import blake2b
 
-from shared.block_hash import pack_token_ids
+from shared.kv.block_hash import pack_token_ids
 
 MASK64 = (1 << 64) - 1
 _GOLDEN_GAMMA = 0x9E3779B97F4A7C15
