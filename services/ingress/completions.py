@@ -9,6 +9,8 @@ caller has gone.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import asyncio
 import contextlib
 import os
@@ -551,7 +553,7 @@ class Answer:
         await self.aclose(exc)
 
 
-class TranslatedAnswer:
+class TranslatedAnswer(ABC):
     """A chat's answer told in another API's shape (Anthropic's Messages, OpenAI's Responses): a body, or a stream
     of events. A subclass says how (`body`, `events`, `sse`); closing it (`async with`) ends or aborts the chat."""
 
@@ -563,8 +565,9 @@ class TranslatedAnswer:
     def degraded_header(self) -> dict[str, str]:
         return self._answer.degraded_header()
 
+    @abstractmethod
     def events(self) -> AsyncIterator[Any]:
-        raise NotImplementedError
+        """The answer as the other API's events, in order."""
 
     async def chunks(self) -> AsyncIterator[bytes]:
         """Each event's JSON (the NATS API's stream messages: the event's `type` is in its body)."""
