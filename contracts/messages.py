@@ -16,6 +16,8 @@ from typing import Annotated, Literal
 
 from msgspec import Meta, Struct
 
+from contracts.model_files import AdapterRef
+
 RequestId = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
 WorkerId = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
 NonNegativeInt = Annotated[int, Meta(ge=0)]
@@ -80,6 +82,8 @@ class RouteRequest(Compact, tag="route", tag_field="type"):
     # once the decision is back): the balancer sends it where the chain is one node and the request is not
     # degraded, and the worker answers to its `accept_to`. None: the ingress hands the request over itself.
     hand_over: GenerateRequest | None = None
+    # The LoRA adapter the request runs with ("": the base model, `model`): balancers cost its load on each node.
+    adapter: str = ""
 
 
 class RouteWithdrawn(Compact, tag="route_withdrawn", tag_field="type"):
@@ -190,6 +194,8 @@ class RequestToRun(Compact):
     resume_token_ids: list[int] = []
     # The API request, for an engine to sample and shape output as the API asks (None: plain text, as sampled).
     api: ApiRequest | None = None
+    # The LoRA adapter to run with, fetched from the bus on its first use here (None: the base model).
+    adapter: AdapterRef | None = None
 
 
 class GenerateRequest(RequestToRun, tag="generate", tag_field="type"):
@@ -465,6 +471,10 @@ class WorkerRegistration(Struct, frozen=True, omit_defaults=True):
     # ("": none): a request for tools with tool_choice "auto" needs a tool-call parser.
     tool_call_parser: str = ""
     reasoning_parser: str = ""
+    # LoRA adapters the engine runs at once (as vLLM's --max-loras) and keeps loaded in host memory
+    # (--max-cpu-loras); 0: it serves no adapter.
+    max_loras: NonNegativeInt = 0
+    max_cpu_loras: NonNegativeInt = 0
 
 
 class EngineStats(Struct, omit_defaults=True):
@@ -491,6 +501,14 @@ class EngineStats(Struct, omit_defaults=True):
     # the node had taken in by then is prefilled, which `waiting` alone cannot (a running request may
     # still be prefilling a long prompt in chunks). None: not reported (a worker from before this field).
     prefilling: NonNegativeInt | None = None
+    # LoRA adapters: those in the engine's batch slots now (at most `max_loras`), those of them that requests are
+    # running or waiting with (a slot a request could not take over), those loaded in host memory besides; the
+    # loads into a slot done since the worker started and the mean seconds one took.
+    adapters_active: list[str] = []
+    adapters_running: list[str] = []
+    adapters_cached: list[str] = []
+    adapter_loads: NonNegativeInt = 0
+    adapter_load_s: Annotated[float, Meta(ge=0.0)] = 0.0
 
 
 class Heartbeat(Compact, tag="heartbeat", tag_field="type"):

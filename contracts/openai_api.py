@@ -343,6 +343,10 @@ class Model(Struct):
     owned_by: str = "kvlane"
     max_model_len: int | None = None
     object: Literal["model"] = "model"
+    # As vLLM lists them: a LoRA adapter's `root` is its name and `parent` the base model it adapts; a base
+    # model's own `parent` is null.
+    root: str | None = None
+    parent: str | None = None
 
 
 class ModelList(Struct):

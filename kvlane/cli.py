@@ -43,6 +43,7 @@ def up_config(args: argparse.Namespace) -> KvlaneConfig:
         ingress=ingress,
         worker={**({"engine": args.engine} if args.engine else {}),
                 **({"nodes": args.nodes_per_worker} if getattr(args, "nodes_per_worker", None) else {})},
+        **({"worker.lora": {"max_loras": args.max_loras}} if getattr(args, "max_loras", None) is not None else {}),
         logging={"format": "console"} if args.console_logs else {},
         # Every service gets it (the config reaches each as KVLANE__* variables): spans and GenAI metrics over OTLP/HTTP.
         tracing={"exporter": "otlp", "otlp_endpoint": args.otlp_endpoint} if getattr(args, "otlp_endpoint", None) else {},
@@ -258,6 +259,12 @@ def _keys(args: argparse.Namespace, console: Console) -> int:
     return run(args, console)
 
 
+def _adapters(args: argparse.Namespace, console: Console) -> int:
+    from kvlane.adapters import run
+
+    return run(args, console)
+
+
 def _at_least_one(text: str) -> int:
     try:
         value = int(text)
@@ -281,6 +288,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="simulated nodes each sim worker process hosts (default: worker.nodes, 1)")
     up.add_argument("--prefill-workers", type=int, help="prefill workers (disaggregated mode; default 1)")
     up.add_argument("--decode-workers", type=int, help="decode workers (disaggregated mode; default 1)")
+    up.add_argument("--max-loras", type=int, metavar="N",
+                    help="LoRA adapters each worker runs at once; 0 serves none (default: worker.lora.max_loras, 0)")
     up.add_argument("--fleet", help="sim workers of several kinds, PROFILE[@SPEED]:COUNT,... (aggregated mode; replaces --workers)")
     up.add_argument("--cache-managers", type=_at_least_one, default=1,
                     help="cache-manager replicas; they share the work, and the fleet keeps its leases while one is left (default 1)")
@@ -328,6 +337,11 @@ def build_parser() -> argparse.ArgumentParser:
     keys = commands.add_parser("keys", help="create, list and revoke API keys (ingress.auth.required turns them on)")
     add_keys_arguments(keys)
     keys.set_defaults(handler=_keys)
+    from kvlane.adapters import add_arguments as add_adapters_arguments
+
+    adapters = commands.add_parser("adapters", help="publish, list and remove LoRA adapters (served by their base model's workers)")
+    add_adapters_arguments(adapters)
+    adapters.set_defaults(handler=_adapters)
     # `kvlane bench` has its own parser (loadtest/bench/command.py); everything after the word goes to it.
     commands.add_parser("bench", help="run a workload against fresh sim fleets, one per routing policy", add_help=False)
     commands.add_parser("simulate", help="the same comparison in virtual time, in one process (no servers)", add_help=False)

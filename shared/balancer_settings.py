@@ -15,7 +15,7 @@ from shared.settings_base import PositiveFloat, PositiveInt, Section
 
 BalancerPolicyName = Literal[
     "round_robin", "random", "least_loaded", "power_of_two", "prefix_affinity", "kv_cost", "score", "jffc",
-    "jffc_per_request",
+    "jffc_per_request", "lora_affinity",
 ]
 
 
@@ -121,6 +121,18 @@ class JffcPerRequestSettings(Section):
     cache_hold_share: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.25
 
 
+class AdapterRoutingSettings(Section):
+    """How routing weighs LoRA adapters (services/balancer/adapters.py)."""
+
+    # Cost each node's adapter load (none in a batch slot, a copy from host memory, or a fetch and load) and offer
+    # a request only nodes with a batch slot its adapter can take now. Off: any node of the base model that serves
+    # adapters, each costed as if the adapter were there (for comparisons).
+    aware: bool = True
+    # Seconds a load takes where the node has not measured one yet: into host memory and a slot, and into a slot.
+    load_s: Annotated[float, Meta(ge=0.0)] = 0.1
+    activate_s: Annotated[float, Meta(ge=0.0)] = 0.005
+
+
 class DisaggregationSettings(Section):
     # Conditional disaggregation: a request whose uncached prompt part on
     # the chosen decode node is shorter than this is prefilled there, not
@@ -186,4 +198,5 @@ class BalancerSettings(Section):
     score: ScoreSettings = msgspec.field(default_factory=ScoreSettings)
     jffc_per_request: JffcPerRequestSettings = msgspec.field(default_factory=JffcPerRequestSettings)
     disaggregation: DisaggregationSettings = msgspec.field(default_factory=DisaggregationSettings)
+    adapters: AdapterRoutingSettings = msgspec.field(default_factory=AdapterRoutingSettings)
     degradation: DegradationSettings = msgspec.field(default_factory=DegradationSettings)

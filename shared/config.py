@@ -278,10 +278,27 @@ class SimSettings(Section):
     tokenizer: str = ""
     # Fault injection for tests: the engine dies once it has generated this many tokens (0: never).
     fail_after_tokens: Annotated[int, Meta(ge=0)] = 0
+    # What loading a LoRA adapter costs the sim: into a batch slot from host memory, and into host memory
+    # (from the fetched files) before that, in the modelled GPU's seconds.
+    adapter_activate_s: Annotated[float, Meta(ge=0.0)] = 0.002
+    adapter_load_s: Annotated[float, Meta(ge=0.0)] = 0.05
     # How chat answers are parsed into tool calls, as `vllm serve --tool-call-parser` (and
     # --enable-auto-tool-choice): "kvlane_sim" reads the sim's own `<tool_call>` format; empty turns tool
     # calls off (tool_choice "auto", "required" and named are then refused, as vLLM refuses them).
     tool_call_parser: str = "kvlane_sim"
+
+
+class LoraSettings(Section):
+    """LoRA adapters a worker serves on its base model (published with `kvlane adapters add`)."""
+
+    # Adapters a batch runs with at once, as vLLM's --max-loras; 0: the worker serves no adapter.
+    max_loras: Annotated[int, Meta(ge=0)] = 0
+    # Adapters kept loaded in host memory, as vLLM's --max-cpu-loras (0: as many as max_loras).
+    max_cpu_loras: Annotated[int, Meta(ge=0)] = 0
+    # The largest adapter rank the engine takes, as vLLM's --max-lora-rank.
+    max_lora_rank: PositiveInt = 16
+    # Where fetched adapters are written. Empty: $XDG_CACHE_HOME/kvlane/adapters (~/.cache/...).
+    cache_dir: str = ""
 
 
 class VllmSettings(Section):
@@ -350,6 +367,7 @@ class WorkerSettings(Section):
     nodes: PositiveInt = 1
     sim: SimSettings = msgspec.field(default_factory=SimSettings)
     vllm: VllmSettings = msgspec.field(default_factory=VllmSettings)
+    lora: LoraSettings = msgspec.field(default_factory=LoraSettings)
 
 
 class PoolBounds(Section):

@@ -228,15 +228,16 @@ class ModelFileCache:
             raise ModelFilesError(f"cannot fetch {name} from the bus: {type(exc).__name__}: {exc}") from exc
         files = unpack(name, result.data)
         try:
-            await asyncio.to_thread(_write_entry, target, files)
+            await asyncio.to_thread(write_file_set, target, files, REQUIRED_FILE)
         except OSError as exc:
             raise ModelFilesError(f"cannot write {name}'s files under {self.directory}: {exc}") from exc
         log.info("tokenizer_fetched", object=name, directory=str(target), bytes=len(result.data))
         return target
 
 
-def _write_entry(target: Path, files: Mapping[str, bytes]) -> None:
-    # Written beside and renamed: a reader (or a second ingress sharing the
+def write_file_set(target: Path, files: Mapping[str, bytes], marker: str) -> None:
+    """Write `files` as directory `target`, whose file `marker` says a set is there (one that is, stays)."""
+    # Written beside and renamed: a reader (or a second process sharing the
     # cache) sees the whole set or nothing.
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
@@ -246,7 +247,7 @@ def _write_entry(target: Path, files: Mapping[str, bytes]) -> None:
         try:
             staging.rename(target)
         except OSError:
-            if not (target / REQUIRED_FILE).is_file():
+            if not (target / marker).is_file():
                 raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)

@@ -25,10 +25,17 @@ Kinds (`WorkloadSpec.kind`):
 * `trace`: JSONL lines `{"timestamp", "input_length", "output_length",
   "hash_ids"}` (Mooncake format, timestamps in ms); equal hash ids become
   identical 512-token text blocks.
+
+With `WorkloadSpec.adapters` = N > 0, every session of any kind runs with a
+LoRA adapter, `adapter-<k>` for k in 0..N-1, drawn from a Zipf law of
+exponent `adapter_zipf` (rank k+1 has weight 1 / (k+1)^s) by its own seeded
+generator, independently of its group: the same session gets the same
+adapter in any run, and a conversation keeps its adapter for every turn.
 """
 
 from __future__ import annotations
 
+import bisect
 import functools
 import itertools
 import json
@@ -70,6 +77,7 @@ class Session:
     system: str | None = None  # chat only
     think_time_s: float = 0.0  # pause between a turn's answer and the next turn
     priority: int = 0  # the requests' `priority` (higher is served first)
+    adapter: str = ""  # the LoRA adapter its requests name as their model ("": the base model)
 
     @property
     def requests(self) -> int:
@@ -148,6 +156,9 @@ class WorkloadSpec:
     trace_use_timestamps: bool = True  # False: the arrival spec replaces the trace's timestamps
     # Share of sessions whose requests carry priority 1 (the rest 0), drawn per session.
     high_priority_share: float = 0.0
+    # LoRA adapters the sessions run with (0: the base model), and the exponent of their Zipf popularity.
+    adapters: int = 0
+    adapter_zipf: float = 1.0
 
     def check(self) -> None:
         if self.max_requests < 1:
@@ -158,6 +169,8 @@ class WorkloadSpec:
             raise ValueError("long_share must be in [0, 1]")
         if not 0.0 <= self.high_priority_share <= 1.0:
             raise ValueError("high_priority_share must be in [0, 1]")
+        if self.adapters < 0 or not math.isfinite(self.adapter_zipf) or self.adapter_zipf < 0:
+            raise ValueError("adapters must be 0 or more, and their Zipf exponent a number 0 or more")
         if self.kind == "trace" and self.trace_path is None:
             raise ValueError("the trace workload needs a trace file")
         if self.kind in ("shared-prefix", "multi-turn"):
@@ -214,6 +227,8 @@ def sessions(spec: WorkloadSpec) -> Iterator[Session]:
     for index, session in enumerate(generated):
         if spec.high_priority_share and random.Random(f"{spec.seed}:priority:{index}").random() < spec.high_priority_share:
             session = replace(session, priority=1)
+        if spec.adapters:
+            session = replace(session, adapter=adapter_name(spec, index))
         if spec.duration_s is not None and spec.timed and session.arrival_s > spec.duration_s:
             return
         if session.requests > budget:
@@ -222,6 +237,18 @@ def sessions(spec: WorkloadSpec) -> Iterator[Session]:
         yield session
         if budget <= 0:
             return
+
+
+def adapter_name(spec: WorkloadSpec, index: int) -> str:
+    """Session `index`'s LoRA adapter: rank k (from 0) drawn with weight 1 / (k + 1)^adapter_zipf."""
+    cumulative = _zipf_cumulative(spec.adapters, spec.adapter_zipf)
+    draw = random.Random(f"{spec.seed}:adapter:{index}").random() * cumulative[-1]
+    return f"adapter-{min(bisect.bisect_right(cumulative, draw), spec.adapters - 1)}"
+
+
+@functools.lru_cache(maxsize=16)
+def _zipf_cumulative(count: int, exponent: float) -> tuple[float, ...]:
+    return tuple(itertools.accumulate(1.0 / (rank ** exponent) for rank in range(1, count + 1)))
 
 
 def _session_rng(spec: WorkloadSpec, index: int) -> random.Random:

@@ -18,6 +18,15 @@ router, so that no policy on the simulated fleet can pass it:
   number at least the sum of (output tokens - 1) over `max_num_seqs`.
   Queueing, preemption, chunked prefill and the TTFT and TPOT targets only
   add to it.
+* A LoRA adapter's loads (`PrefixOracle`, `NodeCost.adapter_load_s`): every
+  adapter is fetched into some node's host memory and copied into a batch
+  slot at least once, since every node starts without any, and the batch
+  waits for it; so the first request of each adapter in the run carries
+  one full load (`Served.adapter_loads`). Later loads depend on how
+  requests interleave on the slots; a perfect router is granted none.
+  Adapter KV is the adapter's own: prompts chain from its root
+  (`shared.kv.block_hash.adapter_root`), so no prefix is shared across
+  adapters.
 
 The fleet's ceiling is the rate at which its node-seconds cover those floors
 when each request runs on whichever kind of node suits it: the linear
@@ -34,7 +43,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from shared.kv.block_hash import chained_block_hashes
+from shared.kv.block_hash import adapter_root, chained_block_hashes
 from shared.kv.step_profile import StepTimeProfile
 
 
@@ -47,6 +56,7 @@ class Served:
     prompt_tokens: int
     uncached_tokens: int  # the oracle's floor, 1 to prompt_tokens
     output_tokens: int
+    adapter_loads: int = 0  # 1 for the first request of its LoRA adapter in the run: its load is this request's
 
 
 @dataclass(frozen=True)
@@ -58,10 +68,13 @@ class NodeCost:
     max_num_seqs: int
     count: int
     step_overhead_s: float = 0.0  # wall time each step takes beyond the profile's (`Latencies.step_overhead_s`)
+    # Profile seconds one LoRA adapter's load takes from storage into a batch slot (the step waits for it).
+    adapter_load_s: float = 0.0
 
 
 class PrefixOracle:
-    """The fewest uncached tokens each prompt could have, whatever node it ran on."""
+    """The fewest uncached tokens each prompt could have, whatever node it ran on, and the LoRA adapter loads
+    no routing avoids (each adapter's first)."""
 
     def __init__(self, block_size: int) -> None:
         if block_size < 1:
@@ -69,8 +82,14 @@ class PrefixOracle:
         self._block_size = block_size
         self._seen: set[int] = set()
         self._uncached: dict[str, int] = {}
+        self._adapters_seen: set[str] = set()
+        self._first_of_adapter: set[str] = set()
 
-    def started(self, request_id: str, block_hashes: Sequence[int], prompt_tokens: int) -> None:
+    def started(self, request_id: str, block_hashes: Sequence[int], prompt_tokens: int, adapter: str = "") -> None:
+        """`block_hashes` chain from `adapter`'s root when it has one (as ingress computes them)."""
+        if adapter and adapter not in self._adapters_seen:
+            self._adapters_seen.add(adapter)
+            self._first_of_adapter.add(request_id)
         seen = self._seen
         hits = 0
         for value in block_hashes:
@@ -81,13 +100,17 @@ class PrefixOracle:
         seen.update(block_hashes)
 
     def ended(self, request_id: str, scheduled_s: float, prompt_token_ids: Sequence[int],
-              block_hashes: Sequence[int], output: Sequence[int]) -> Served:
+              block_hashes: Sequence[int], output: Sequence[int], adapter: str = "") -> Served:
         """The request ran to its end: its output's blocks may serve later prompts."""
         size = self._block_size
-        parent = block_hashes[-1] if block_hashes else None
+        parent = block_hashes[-1] if block_hashes else adapter_root(adapter) if adapter else None
         tail = list(prompt_token_ids[len(block_hashes) * size:]) + list(output)
         self._seen.update(chained_block_hashes(tail, size, parent))
-        return Served(request_id, scheduled_s, len(prompt_token_ids), self._uncached.pop(request_id), len(output))
+        # A first request that failed leaves its load uncounted: the bound only loosens.
+        first = request_id in self._first_of_adapter
+        self._first_of_adapter.discard(request_id)
+        return Served(request_id, scheduled_s, len(prompt_token_ids), self._uncached.pop(request_id), len(output),
+                      int(first))
 
 
 def request_seconds(kind: NodeCost, request: Served) -> float:
@@ -96,7 +119,7 @@ def request_seconds(kind: NodeCost, request: Served) -> float:
     # Its last prefill chunk attends the whole prompt and emits the first token; decode step j attends length + j.
     attended = out * length + out * (out - 1) // 2
     own = (p.b * request.uncached_tokens + p.c * (out - 1) + p.d * attended + p.per_request
-           + p.per_output_token * out) / kind.speed
+           + p.per_output_token * out + kind.adapter_load_s * request.adapter_loads) / kind.speed
     fixed = (p.a / kind.speed + kind.step_overhead_s) * (out - 1) / kind.max_num_seqs
     return own + fixed
 

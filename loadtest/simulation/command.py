@@ -13,13 +13,22 @@ caches and queues are past their start when measuring begins (a fleet
 starts with every cache empty; in a short run the first prefill of each
 prefix decides much of the result).
 
+With `--adapters N`, every session runs with one of N LoRA adapters (drawn
+by `--adapter-popularity`), every node serves adapters with `--max-loras`
+batch slots (`worker.lora`), and each run reports its nodes' adapter loads
+per 1,000 requests (from the warm-up's end on). Loading costs the sim's
+`worker.sim.adapter_activate_s` / `adapter_load_s` (set them with `--config`).
+
     kvlane simulate --fleet h100-80g-llama3-8b:8,a100-80g-llama3-8b:8 --rates 40,80 --duration 60
+    kvlane simulate --workers 4 --rate 20 --adapters 64 --adapter-popularity zipf:1.1 --policies jffc_per_request
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as dt
+import math
 import sys
 from collections import Counter
 from collections.abc import Callable
@@ -102,7 +111,50 @@ def build_parser() -> argparse.ArgumentParser:
                      help="node WORKER fails at simulated second T, counted from the warm-up's start (repeatable)")
     sim.add_argument("--join", action="append", default=[], metavar="T=PROFILE[@SPEED]",
                      help="a new node of PROFILE joins at simulated second T, as --fail (repeatable)")
+    lora = parser.add_argument_group("LoRA adapters")
+    lora.add_argument("--adapters", type=int, default=0, metavar="N",
+                      help="every session runs with one of N LoRA adapters, adapter-0 ... (0: the base model)")
+    lora.add_argument("--adapter-popularity", default="zipf:1.0", metavar="zipf:S",
+                      help="how sessions pick their adapter: adapter-k with weight 1 / (k + 1)^S")
+    lora.add_argument("--max-loras", type=int, metavar="K",
+                      help="adapters a node's batches run with at once, as vLLM's --max-loras "
+                           f"(default {DEFAULT_MAX_LORAS} with --adapters, else worker.lora.max_loras)")
+    lora.add_argument("--max-cpu-loras", type=int, metavar="C",
+                      help="adapters a node keeps in host memory, as vLLM's --max-cpu-loras "
+                           "(default: worker.lora.max_cpu_loras; 0 there: as many as --max-loras, as vLLM)")
     return parser
+
+
+DEFAULT_MAX_LORAS = 4
+
+
+def adapter_popularity(value: str) -> float:
+    """The Zipf exponent of `--adapter-popularity zipf:S`."""
+    kind, _, exponent = value.partition(":")
+    try:
+        parsed = float(exponent)
+    except ValueError:
+        parsed = -1.0
+    if kind != "zipf" or not math.isfinite(parsed) or parsed < 0:
+        raise ValueError(f"--adapter-popularity {value!r}: expected zipf:S with S >= 0")
+    return parsed
+
+
+def lora_sections(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """The `worker.lora` fields the LoRA options set (none without them)."""
+    if args.adapters < 0:
+        raise ValueError("--adapters must be 0 or more")
+    lora: dict[str, Any] = {}
+    max_loras = args.max_loras if args.max_loras is not None else DEFAULT_MAX_LORAS if args.adapters else None
+    if max_loras is not None:
+        lora["max_loras"] = max_loras
+    if args.max_cpu_loras is not None:
+        lora["max_cpu_loras"] = args.max_cpu_loras
+    if any(value < 0 for value in lora.values()):
+        raise ValueError("--max-loras and --max-cpu-loras must be 0 or more")
+    if args.adapters and not lora["max_loras"]:
+        raise ValueError("--adapters needs nodes with adapter slots (--max-loras of 1 or more)")
+    return {"worker.lora": lora} if lora else {}
 
 
 def latency_options_ms(args: argparse.Namespace) -> dict[str, float]:
@@ -155,6 +207,9 @@ def plan(args: argparse.Namespace) -> tuple[list[SimRun], dict[str, Any]]:
     changes = node_changes(args.fail, args.join, len(nodes))
     if args.ceiling and (args.prefill or changes):
         raise ValueError("--ceiling bounds a fleet of aggregated nodes that stays as it is: not with --prefill, --fail or --join")
+    if args.adapters and args.prefill and not args.fleet:
+        raise ValueError("LoRA adapters run on aggregated nodes only: --adapters needs --fleet beside --prefill/--decode")
+    zipf = adapter_popularity(args.adapter_popularity)
     unknown = [c.worker_id for c in changes if not c.profile and c.worker_id not in {n.worker_id for n in nodes}]
     if unknown:
         raise ValueError(f"--fail names nodes the fleet does not have: {', '.join(unknown)}")
@@ -165,6 +220,8 @@ def plan(args: argparse.Namespace) -> tuple[list[SimRun], dict[str, Any]]:
         except KeyError as exc:
             raise ValueError(f"--kv-link: {exc.args[0]}") from None
         base = with_overrides(base, **{"worker.sim": {"kv_link": args.kv_link}})
+    if lora := lora_sections(args):
+        base = with_overrides(base, **lora)
     args = with_warmup(args)
     slo = Slo(ttft_s=args.ttft_slo_ms / 1000.0, tpot_s=args.tpot_slo_ms / 1000.0)
     issue_for = min(args.duration or args.max_run_time, args.max_run_time)
@@ -176,7 +233,8 @@ def plan(args: argparse.Namespace) -> tuple[list[SimRun], dict[str, Any]]:
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     runs = []
     for rate in loads(args):
-        workload = workload_for(args, rate, max_requests_for(args, rate))
+        workload = dataclasses.replace(workload_for(args, rate, max_requests_for(args, rate)), adapters=args.adapters,
+                                       adapter_zipf=zipf)
         workload.check()
         for policy in policies:
             try:
@@ -187,6 +245,9 @@ def plan(args: argparse.Namespace) -> tuple[list[SimRun], dict[str, Any]]:
                                args.warmup, args.ceiling))
     fleet_info = jsonable(fleet.sim_settings()) | {"workers": len(nodes), "nodes": _describe(args, kinds),
                                                     "mix": [msgspec.to_builtins(n) for n in nodes]}
+    if args.adapters:
+        fleet_info["lora"] = msgspec.to_builtins(base.worker.lora) | {
+            "adapter_activate_s": base.worker.sim.adapter_activate_s, "adapter_load_s": base.worker.sim.adapter_load_s}
     return runs, fleet_info
 
 
@@ -198,7 +259,8 @@ def _describe(args: argparse.Namespace, kinds: list[NodeKind]) -> str:
 
 
 def run_one(run: SimRun, on_record: Callable[[RequestRecord], None]) -> dict[str, Any]:
-    spec = SimulationSpec(run.config, run.nodes, run.workload, run.limits, run.request_timeout_s, run.latencies, run.changes)
+    spec = SimulationSpec(run.config, run.nodes, run.workload, run.limits, run.request_timeout_s, run.latencies, run.changes,
+                          warmup_s=run.warmup_s)
     oracle = PrefixOracle(run.config.worker.sim.block_size) if run.ceiling else None
     result = Simulation(spec, on_record, oracle).run()
     worker_ids = [n.worker_id for n in run.nodes] + [c.worker_id for c in run.changes if c.profile]
@@ -209,6 +271,8 @@ def run_one(run: SimRun, on_record: Callable[[RequestRecord], None]) -> dict[str
         "simulation": result_summary(result) | {"warmup_requests": len(result.records) - len(measured)},
         "records": [r.to_json() for r in measured],
     }
+    if run.workload.adapters:
+        outcome["adapters"] = adapter_summary(result.counters, len(measured), len(result.records))
     if oracle is not None:
         turns = len(result.records) / max(1, len({r.session_id for r in result.records}))
         # In the workload's order, not the order they ended: the same requests give the same figure.
@@ -217,18 +281,32 @@ def run_one(run: SimRun, on_record: Callable[[RequestRecord], None]) -> dict[str
     return outcome
 
 
+def adapter_summary(counters: dict[str, int], measured_requests: int, all_requests: int) -> dict[str, Any]:
+    """The nodes' LoRA adapter loads into batch slots: from the warm-up's end on per 1,000 requests scheduled from
+    then on (in a steady state the loads of those requests), and over the whole run."""
+    measured, loads = counters["adapter_loads_measured"], counters["adapter_loads"]
+    return {"loads": measured, "loads_per_1k": 1000.0 * measured / measured_requests if measured_requests else None,
+            "loads_whole_run": loads, "loads_per_1k_whole_run": 1000.0 * loads / all_requests if all_requests else None}
+
+
 def ceiling_summary(run: SimRun, served: list[Served], requests_per_session: float) -> dict[str, Any]:
     """The run's throughput ceiling, in requests and in the workload's own arrivals (sessions) per second."""
     if not served:
         return {"requests": 0}
     sim = run.config.worker.sim
+    # A load from storage into a slot, as the sim's scheduler charges it (`SimScheduler._take_adapter`).
+    adapter_load_s = sim.adapter_activate_s + sim.adapter_load_s if run.workload.adapters else 0.0
     counts = Counter((node.profile, node.speed) for node in run.nodes)
-    kinds = [NodeCost(get_profile(profile), speed, sim.max_num_seqs, count, run.latencies.step_overhead_s)
+    kinds = [NodeCost(get_profile(profile), speed, sim.max_num_seqs, count, run.latencies.step_overhead_s, adapter_load_s)
              for (profile, speed), count in counts.items()]
     requests_per_s = throughput_ceiling(kinds, served)
-    return {"requests": len(served), "requests_per_s": requests_per_s, "requests_per_session": requests_per_session,
-            "sessions_per_s": requests_per_s / requests_per_session,
-            "uncached_share": sum(s.uncached_tokens for s in served) / sum(s.prompt_tokens for s in served)}
+    bound = {"requests": len(served), "requests_per_s": requests_per_s, "requests_per_session": requests_per_session,
+             "sessions_per_s": requests_per_s / requests_per_session,
+             "uncached_share": sum(s.uncached_tokens for s in served) / sum(s.prompt_tokens for s in served)}
+    if run.workload.adapters:
+        loads = sum(s.adapter_loads for s in served)
+        bound |= {"adapter_loads": loads, "adapter_loads_per_1k": 1000.0 * loads / len(served)}
+    return bound
 
 
 def _rate_of(run: SimRun) -> float | None:
@@ -284,11 +362,18 @@ def main(argv: list[str] | None = None) -> int:
     if not args.quiet:
         print_report(results, console)
         for run in results["runs"]:
+            if adapters := run.get("adapters"):
+                per_1k = adapters["loads_per_1k"]
+                console.print(f"{run['policy']} at {rate_label(run.get('rate'), run.get('concurrency'))}: "
+                              f"{adapters['loads']} adapter loads, "
+                              f"{'-' if per_1k is None else f'{per_1k:.1f}'} per 1,000 requests")
             bound = run.get("ceiling", {})
             if bound.get("requests"):
+                loads = (f"; adapter loads at least {bound['adapter_loads_per_1k']:.1f} per 1,000 requests"
+                         if "adapter_loads" in bound else "")
                 console.print(f"{run['policy']} at {rate_label(run.get('rate'), run.get('concurrency'))}: throughput "
                               f"ceiling {bound['requests_per_s']:.1f} req/s, {bound['sessions_per_s']:.1f} sessions/s "
-                              f"(uncached share of prompt tokens at best {bound['uncached_share']:.2f})")
+                              f"(uncached share of prompt tokens at best {bound['uncached_share']:.2f}{loads})")
         events = sum(r["simulation"]["events"] for r in results["runs"] if "simulation" in r)
         wall = sum(r["simulation"]["wall_s"] for r in results["runs"] if "simulation" in r)
         console.print(f"{events} simulated events in {wall:.1f} s ({events / wall if wall else 0:.0f} events/s); "

@@ -5,7 +5,9 @@ is what was admitted by then), lasts the profile's step time divided by the
 node's speed, and its tokens are delivered when it ends; a request that
 arrives meanwhile joins the next step. The node also keeps what its worker
 would report: heartbeat statistics (rates since the previous heartbeat)
-and prefix-cache changes since the previous KV-event batch.
+and prefix-cache changes since the previous KV-event batch. With LoRA
+settings that give it slots, its scheduler holds adapters as vLLM does
+(`services.worker.sim.adapter_slots`) and its heartbeats say where they are.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from services.worker.engines.base import net_kv_delta
 from services.worker.engines.sim import StepStats, build_scheduler
 from services.worker.sim import SimRequest, StepOutcome
 from shared.kv.step_profile import StepTimeProfile
-from shared.config import SimSettings
+from shared.config import LoraSettings, SimSettings
 
 StepListener = Callable[["SimNode", StepOutcome], None]
 
@@ -34,12 +36,13 @@ class SimNode:
         events: EventQueue,
         on_step: StepListener,
         step_overhead_s: float = 0.0,
+        lora: LoraSettings | None = None,
     ) -> None:
         self.registration = registration
         self.worker_id = registration.worker_id
         self.profile = profile
         self.speed = speed
-        self.scheduler = build_scheduler(settings, profile, output_token_range)
+        self.scheduler = build_scheduler(settings, profile, output_token_range, lora)
         self.alive = True
         # Draining: it finishes what it runs and takes nothing new (its heartbeats say so).
         self.draining = False

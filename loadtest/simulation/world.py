@@ -19,6 +19,12 @@ Clients follow `loadtest.bench.driver`: open loop (sessions at their arrival
 times) or closed loop, turns of a session one after another, a
 conversation's next prompt holding the answers it received. Each request
 ends exactly once, as a `RequestRecord` whose times are simulated seconds.
+
+A session with a LoRA adapter (`Session.adapter`) names it as ingress
+resolves one: its prompt's block hashes chain from the adapter's root, the
+balancer is told the adapter, and the node runs the request with it; nodes
+get `worker.lora`'s slots, and the adapter loads their schedulers do are
+counted (`counters["adapter_loads"]`, and from the warm-up's end on).
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ import msgspec
 
 from contracts import subjects
 from contracts.messages import ErrorReply, RouteRequest, StepTime, WorkerRegistration, WorkerRole
+from contracts.model_files import ADAPTER_PREFIX, AdapterRef
 from contracts.openai_api import ChatCompletionRequest, CompletionRequest
 from launch.fleet_mix import FleetNode
 from loadtest.bench.client import RequestRecord
@@ -83,6 +90,9 @@ class SimulationSpec:
     # joining node serves `node_start_s` after the decision, as an engine takes to start.
     autoscaling: AutoscalerSettings | None = None
     node_start_s: float = 5.0
+    # Client seconds of warm-up (requests scheduled before are served, not measured): counters named
+    # `*_measured` count from then on.
+    warmup_s: float = 0.0
 
 
 @dataclass
@@ -175,7 +185,7 @@ class Simulation:
         self._origin = 0.0
         self.scaler: SimScaler | None = None
         self.counters = {"migrations": 0, "dispatch_retries": 0, "node_failures": 0, "node_joins": 0,
-                         "kv_hand_offs": 0}
+                         "kv_hand_offs": 0, "adapter_loads": 0, "adapter_loads_measured": 0}
 
     # --- the run --------------------------------------------------------------------
 
@@ -232,7 +242,7 @@ class Simulation:
     # --- nodes ----------------------------------------------------------------------
 
     def _add_node(self, worker_id: str, profile_name: str, speed: float, role: WorkerRole = "aggregated") -> None:
-        sim = self._config.worker.sim
+        sim, lora = self._config.worker.sim, self._config.worker.lora
         profile = get_profile(profile_name)
         registration = WorkerRegistration(
             worker_id=worker_id, role=role, model=self._config.worker.model, engine="sim",
@@ -242,9 +252,12 @@ class Simulation:
             step_time=StepTime(a=profile.a, b=profile.b, c=profile.c, d=profile.d, per_request=profile.per_request),
             # Its KV moves over the fleet's link at the link's own speed (`_hand_off`), whatever the node's.
             kv_transfer=advertised_kv_transfer(profile.kv_bytes_per_token, self._link),
+            # As a live worker registers them (`services.worker.main`); only aggregated workers run adapters.
+            max_loras=lora.max_loras if role == "aggregated" else 0,
+            max_cpu_loras=max(lora.max_cpu_loras, lora.max_loras) if role == "aggregated" else 0,
         )
         node = SimNode(registration, profile, speed, sim, self._tokenizer.output_token_range, self._events, self._on_step,
-                       self._lat.step_overhead_s)
+                       self._lat.step_overhead_s, lora if role == "aggregated" else None)
         self.nodes[worker_id] = node
         self._health[worker_id] = NodeHealth(worker_id, self._config.health, self._events.now)
         self._events.after(0.0, self._beat, node)
@@ -306,6 +319,11 @@ class Simulation:
 
     def _on_step(self, node: SimNode, outcome: StepOutcome) -> None:
         now = self._events.now
+        if outcome.adapter_loads:
+            self.counters["adapter_loads"] += outcome.adapter_loads
+            # Counted when the step that did them ends, as its tokens are.
+            if now - self._origin >= self._spec.warmup_s:
+                self.counters["adapter_loads_measured"] += outcome.adapter_loads
         if not node.kv_batch_due:
             # Workers batch their cache changes every kv_events_interval_s; a node that did not step has none.
             node.kv_batch_due = True
@@ -392,9 +410,12 @@ class Simulation:
             "model": self._config.worker.model, "max_tokens": spec.max_tokens, "stream": True,
             "stream_options": {"include_usage": True},
         }
+        # As ingress resolves a `model` that names an adapter: the base model's workers run it with the adapter.
+        adapter = AdapterRef(session.adapter, f"{ADAPTER_PREFIX}{session.adapter}/sim") if session.adapter else None
         try:
             request = msgspec.convert(body, ChatCompletionRequest if session.api == "chat" else CompletionRequest)
-            prepared = prepare(request, self._registration(), self._tokenizer, self._config.ingress.max_tokens_default)
+            prepared = prepare(request, self._registration(), self._tokenizer, self._config.ingress.max_tokens_default,
+                               adapter=adapter)
         except ApiError as exc:
             record.status = exc.status
             record.error = f"http_{exc.status}: {exc.message}"[:200]
@@ -404,7 +425,7 @@ class Simulation:
         flight = _Flight(record, session, turn, history, prepared, self._config.ingress)
         record.prompt_tokens = len(prepared.prompt_token_ids)
         if self._oracle is not None:
-            self._oracle.started(record.request_id, prepared.block_hashes, record.prompt_tokens)
+            self._oracle.started(record.request_id, prepared.block_hashes, record.prompt_tokens, session.adapter)
         self._flights[record.request_id] = flight
         self._events.after(self._spec.request_timeout_s, self._time_out, flight)
         flight.delays = self._delay.for_request()
@@ -425,6 +446,7 @@ class Simulation:
             block_hashes=prepared.block_hashes,
             exclude_workers=list(attempt.exclude),
             priority=prepared.priority,
+            adapter=flight.session.adapter,
         )
         flight.worker_id = None
         self._events.after(self._delay("hop", flight.delays) + self._delay("decision", flight.delays), self.balancer.route,
@@ -498,7 +520,8 @@ class Simulation:
         seed = self._config.worker.sim.seed if prepared.sampling.seed is None else prepared.sampling.seed
         try:
             node.add(SimRequest(flight.record.request_id or "", prepared.prompt_token_ids,
-                                max_tokens or prepared.sampling.max_tokens, seed, list(flight.output), hold_kv))
+                                max_tokens or prepared.sampling.max_tokens, seed, list(flight.output), hold_kv,
+                                adapter=flight.session.adapter))
         except ValueError as exc:
             self._fail(flight, f"http_400: {exc}"[:200], 400)
             return
@@ -575,7 +598,7 @@ class Simulation:
         if self._oracle is not None:
             prepared = flight.prepared
             served = self._oracle.ended(record.request_id or "", record.scheduled_s, prepared.prompt_token_ids,
-                                        prepared.block_hashes, flight.output)
+                                        prepared.block_hashes, flight.output, flight.session.adapter)
             if record.ok:
                 self._served.append(served)
         self._on_record(record)

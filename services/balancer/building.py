@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from services.balancer.adapters import AdapterPlacement
 from services.balancer.central_queue import CentralQueue
 from services.balancer.policies import make_policy
 from services.balancer.router import Router
@@ -37,4 +38,5 @@ def build_router(settings: BalancerSettings, model: StepModel, use_index: bool =
         settings.disaggregation,
         settings.degradation,
         use_index=use_index,
+        adapters=AdapterPlacement(settings.adapters),
     )

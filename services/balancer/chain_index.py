@@ -45,6 +45,7 @@ import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
 
+import msgspec
 import numba
 import numpy as np
 
@@ -55,14 +56,14 @@ from services.balancer.snapshot import ChainState, NodeFacts, SnapshotBuilder, c
 
 # The columns of each block, in block row order; the kernels below read them by position.
 FLOAT_COLUMNS = ("a", "b", "c", "d", "per_request", "step_at_batch", "present", "health", "drain_per_s", "backlog_left",
-                 "backlog_since", "load", "speed", "kv_usage", "growth_penalty", "utilisation")
+                 "backlog_since", "load", "speed", "kv_usage", "growth_penalty", "utilisation", "adapter_s")
 INT_COLUMNS = ("block_size", "kv_tokens", "request_blocks", "slots_total", "slots_used", "finished", "in_flight", "heard",
                "waiting", "kv_blocks_used", "kv_blocks_total")
 BOOL_COLUMNS = ("busy", "eligible", "free")
 _A, _B, _C, _D, _PER_REQUEST, _STEP_AT_BATCH, _PRESENT, _HEALTH, _DRAIN_PER_S, _BACKLOG_LEFT, _BACKLOG_SINCE = map(
     FLOAT_COLUMNS.index, ("a", "b", "c", "d", "per_request", "step_at_batch", "present", "health", "drain_per_s", "backlog_left",
                           "backlog_since"))
-_GROWTH_PENALTY, _UTILISATION = map(FLOAT_COLUMNS.index, ("growth_penalty", "utilisation"))
+_GROWTH_PENALTY, _UTILISATION, _ADAPTER_S = map(FLOAT_COLUMNS.index, ("growth_penalty", "utilisation", "adapter_s"))
 _BLOCK_SIZE, _KV_TOKENS, _REQUEST_BLOCKS, _SLOTS_TOTAL, _SLOTS_USED = map(
     INT_COLUMNS.index, ("block_size", "kv_tokens", "request_blocks", "slots_total", "slots_used"))
 _IN_FLIGHT, _HEARD, _WAITING, _KV_BLOCKS_USED, _KV_BLOCKS_TOTAL = map(
@@ -88,6 +89,8 @@ class ChainIndex:
     kv_usage: np.ndarray
     growth_penalty: np.ndarray
     utilisation: np.ndarray  # `ChainState.utilisation`
+    # Seconds the last decision's request would spend loading its LoRA adapter on each row (`ChainState.adapter_load_s`).
+    adapter_s: np.ndarray
     block_size: np.ndarray
     kv_tokens: np.ndarray
     # The leading blocks of the last decision's request cached on each row (a column, not a
@@ -144,6 +147,7 @@ class ChainIndex:
         self._tied = np.zeros(rows, dtype=np.int64)
         self._extent = np.zeros(2, dtype=np.float64)
         self._request_rows: list[int] = []  # rows of `request_blocks` that are not 0
+        self._adapter_rows: list[int] = []  # rows of `adapter_s` that are not 0
 
     def sync(self, heartbeats: Sequence[Heartbeat]) -> bool:
         """Note what changed since the last call; False when this list cannot be indexed."""
@@ -200,8 +204,10 @@ class ChainIndex:
         ids = [chain_id_of(hb) for hb in self._heartbeats]
         self.chain_order = np.array(sorted(range(len(ids)), key=ids.__getitem__), dtype=np.int64)
 
-    def decision(self, request: RouteRequest, cached_blocks: Mapping[str, int]) -> Decision:
-        """The columns as `request` sees them now (call `sync` first)."""
+    def decision(self, request: RouteRequest, cached_blocks: Mapping[str, int],
+                 adapter_s: Mapping[str, float | None] | None = None) -> Decision:
+        """The columns as `request` sees them now (call `sync` first). `adapter_s`: for a request with a LoRA
+        adapter, the seconds its load takes on each node, None where the node cannot run it now."""
         excluded = [self._row_of_worker[w] for w in request.exclude_workers if w in self._row_of_worker]
         counted: set[int] = set()
         if self._touched:
@@ -224,9 +230,12 @@ class ChainIndex:
                 self._count(row)
             self._recount.clear()
         free, eligible = self.free, self.eligible
-        if excluded:
+        # Rows the request's adapter cannot run on now are read as any other (as the snapshot path reads them), not offered.
+        unfit = [] if adapter_s is None else [row for worker_id, row in self._row_of_worker.items() if adapter_s.get(worker_id) is None]
+        if excluded or unfit:
             free, eligible = free.copy(), eligible.copy()
             free[excluded] = eligible[excluded] = False
+            free[unfit] = eligible[unfit] = False
         request_blocks = self.request_blocks
         for row in self._request_rows:
             request_blocks[row] = 0
@@ -236,6 +245,16 @@ class ChainIndex:
             if row is not None:
                 cached[row] = request_blocks[row] = blocks
         self._request_rows = list(cached)
+        loading = self.adapter_s
+        for row in self._adapter_rows:
+            loading[row] = 0.0
+        self._adapter_rows = []
+        if adapter_s is not None:
+            for worker_id, seconds in adapter_s.items():
+                row = self._row_of_worker.get(worker_id)
+                if row is not None and seconds:
+                    loading[row] = seconds
+                    self._adapter_rows.append(row)
         self._decisions += 1
         return Decision(self, free, eligible, cached, self._builder.clock())
 
@@ -302,7 +321,9 @@ class ChainIndex:
     def state(self, row: int, cached_blocks: int, now: float) -> ChainState:
         facts = self._facts[row]
         assert facts is not None
-        return self._builder.state(facts, int(self.slots_used[row]), cached_blocks, now)
+        state = self._builder.state(facts, int(self.slots_used[row]), cached_blocks, now)
+        seconds = self.adapter_s[row]
+        return msgspec.structs.replace(state, adapter_load_s=float(seconds)) if seconds else state
 
 
 class Decision:
@@ -434,6 +455,7 @@ def _request_seconds(floats: np.ndarray, ints: np.ndarray, bools: np.ndarray, fr
     a, b, c, d = floats[_A], floats[_B], floats[_C], floats[_D]
     per_request, step_at_batch, present, health = floats[_PER_REQUEST], floats[_STEP_AT_BATCH], floats[_PRESENT], floats[_HEALTH]
     drain_per_s, backlog_left, backlog_since = floats[_DRAIN_PER_S], floats[_BACKLOG_LEFT], floats[_BACKLOG_SINCE]
+    adapter_s = floats[_ADAPTER_S]
     block_size, kv_tokens, request_blocks, busy = ints[_BLOCK_SIZE], ints[_KV_TOKENS], ints[_REQUEST_BLOCKS], bools[_BUSY]
     context = prompt + output / 2  # the request's own, on average
     lowest = np.inf
@@ -452,7 +474,7 @@ def _request_seconds(floats: np.ndarray, ints: np.ndarray, bools: np.ndarray, fr
         if imposed_weight != 0.0 and busy[row]:
             per_decode_step = c[row] + d[row] * context
             cost = cost + imposed_weight * (present[row] * (prefill_cost + per_decode_step * output / 2))
-        cost = cost / health[row]
+        cost = (cost + adapter_s[row]) / health[row]
         seconds[row] = cost
         if not free[row]:
             continue

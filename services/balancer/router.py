@@ -21,6 +21,7 @@ import msgspec
 from msgspec import Struct
 
 from contracts.messages import ErrorReply, Heartbeat, RouteRequest
+from services.balancer.adapters import AdapterPlacement
 from services.balancer.central_queue import CentralQueue, QueuedRequest
 from services.balancer.chain_index import ChainIndex
 from services.balancer.degradation import Degradation
@@ -28,6 +29,7 @@ from services.balancer.policies import RoutingPolicy
 from services.balancer.slot_table import SlotTable
 from services.balancer.disaggregation import choose_prefill, prefill_saturated, remote_prompt_ready_s
 from services.balancer.snapshot import GENERATING_ROLES, ChainState, ClusterSnapshot, NodeFacts, SnapshotBuilder
+from shared.balancer_settings import AdapterRoutingSettings
 from shared.config import DegradationSettings, DisaggregationSettings, QueueSettings
 from shared.kv.prefix_index import PrefixIndex
 
@@ -68,6 +70,7 @@ class Router:
         disaggregation: DisaggregationSettings | None = None,
         degradation: DegradationSettings | None = None,
         use_index: bool = True,
+        adapters: AdapterPlacement | None = None,
     ) -> None:
         """`use_index=False` decides every request on a fresh snapshot (the reference the index is checked against)."""
         self.policy = policy
@@ -87,6 +90,8 @@ class Router:
         self._known_workers: set[str] = set()
         # Decisions are made on the chain index whenever it can index the fleet (`RoutingPolicy`).
         self.chains = ChainIndex(builder, table) if use_index else None
+        # Where LoRA adapters are loaded, and what loading one costs on each node.
+        self.adapters = adapters or AdapterPlacement(AdapterRoutingSettings())
 
     def place(self, request: RouteRequest, heartbeats: Sequence[Heartbeat], expires_at: float,
               backlog_bound: float = math.inf, may_hold: bool = False) -> Placement | None:
@@ -97,9 +102,10 @@ class Router:
         With `may_hold`, None also when the request is to wait for a busy node caching its prompt (`holds_for_cache`).
         """
         cached = self.index.match(request.block_hashes) if request.block_hashes else {}
+        loading = self.adapters.load_seconds(request.adapter, heartbeats) if request.adapter else None
         # Synced whatever the fleet, so that the index stays current when it becomes indexable again.
         if self.chains is not None and self.chains.sync(heartbeats):
-            decision = self.chains.decision(request, cached)
+            decision = self.chains.decision(request, cached, loading)
             if backlog_bound < math.inf:
                 decision.limit_backlog(backlog_bound, request.prompt_tokens)
             if may_hold and self.holds_for_cache(request, decision.cached, decision.eligible.item, decision.free.item):
@@ -110,12 +116,17 @@ class Router:
                 if row is None:
                     return None
                 return self._reserve(request, decision.state(row), None, expires_at, fast_forwards, heartbeats, cached)
-        return self._place_on_snapshot(request, heartbeats, expires_at, backlog_bound, may_hold, cached)
+        return self._place_on_snapshot(request, heartbeats, expires_at, backlog_bound, may_hold, cached, loading)
 
     def _place_on_snapshot(self, request: RouteRequest, heartbeats: Sequence[Heartbeat], expires_at: float,
-                           backlog_bound: float, may_hold: bool, cached: Mapping[str, int]) -> Placement | None:
+                           backlog_bound: float, may_hold: bool, cached: Mapping[str, int],
+                           loading: Mapping[str, float | None] | None) -> Placement | None:
         """`place` on a fresh snapshot: for a fleet with decode nodes, each paired with its prefill node."""
         snapshot = self.builder.snapshot(request, heartbeats, self.table.used, cached)
+        if loading is not None:
+            snapshot = msgspec.structs.replace(snapshot, chains=tuple(
+                msgspec.structs.replace(c, adapter_load_s=seconds) if seconds else c
+                for c in snapshot.chains if (seconds := loading.get(c.worker_id)) is not None))
         prefill_for: dict[str, ChainState] = {}
         if any(c.node.role == "decode" for c in snapshot.chains):
             snapshot, prefill_for = self._with_prefill_nodes(request, snapshot, heartbeats, cached)
@@ -148,6 +159,7 @@ class Router:
         if prefill is None and chain.node.role == "decode" and self._prefill_saturated(chain, request, heartbeats, cached):
             self.degradation.counts["local_prefill"] += 1
         self.builder.note_sent(prefill or chain, request)
+        self.adapters.note_sent(chain.worker_id, request.adapter)
         return Placement(request, chain, expires_at, prefill, fast_forward=self.policy.fast_forwards > fast_forwards)
 
     def holds_for_cache(self, request: RouteRequest, cached: Mapping[K, int], eligible: Callable[[K], bool] | None,
@@ -373,6 +385,8 @@ class Router:
             if not any(hb.registration.model == request.model for hb in live()):
                 return ErrorReply(code="model_not_found", message=f"no live worker serves model {request.model!r}", status=404)
             return self.refusal("no_capacity", "every worker for this model is draining")
+        if request.adapter and not self.adapters.serves_adapters(routable):
+            return self.refusal("adapter_unavailable", f"no worker of model {request.model!r} serves LoRA adapters now")
         if request.exclude_workers:
             excluded = set(request.exclude_workers)
             if all(hb.registration.worker_id in excluded for hb in routable):
@@ -389,11 +403,13 @@ class Router:
     def observe(self, heartbeat: Heartbeat) -> None:
         """A heartbeat arrived: feed the trackers; the node is known until it leaves."""
         self.builder.observe(heartbeat)
+        self.adapters.observe(heartbeat)
         self._known_workers.add(heartbeat.registration.worker_id)
 
     def forget(self, worker_ids: Sequence[str]) -> None:
         """Nodes that left: drop what the trackers and the prefix index hold of them."""
         self.builder.forget(worker_ids)
+        self.adapters.forget(worker_ids)
         for worker_id in worker_ids:
             self.index.remove_node(worker_id)
             self._known_workers.discard(worker_id)

@@ -176,6 +176,8 @@ class BalancerService:
                           "kvlane.route.prompt_tokens": request.prompt_tokens, "kvlane.priority": request.priority}
             if request.tenant:
                 attributes["kvlane.tenant"] = request.tenant
+            if request.adapter:
+                attributes["kvlane.adapter"] = request.adapter
             if request.exclude_workers:
                 attributes["kvlane.route.excluded"] = request.exclude_workers
             with self._tracer.start_as_current_span("route", attributes=attributes) as span:

@@ -78,6 +78,8 @@ class ChainState(Struct, frozen=True):
     # node holds it (that node's backlog, the prompt, then the KV transfer).
     # None: this node prefills the prompt itself.
     remote_prefill_s: float | None = None
+    # Seconds the request's LoRA adapter takes to load here before its prefill (0: none, or in a batch slot).
+    adapter_load_s: float = 0.0
 
     @property
     def worker_id(self) -> str:

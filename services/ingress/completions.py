@@ -26,6 +26,7 @@ from opentelemetry.context import Context
 
 from contracts.autoscaler import RequestServed
 from contracts.messages import StreamEnd, TokenChunk, WorkerRegistration
+from contracts.model_files import AdapterRef
 from contracts.openai_api import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -35,19 +36,20 @@ from contracts.openai_api import (
     ModelList,
     NamedToolChoice,
 )
+from services.ingress.adapters import AdapterCatalog
 from services.ingress.auth import Admission, Authenticator
-from shared.api_keys import KeyRecord
 from services.ingress.dispatch import Dispatcher
 from services.ingress.errors import ApiError, from_decode_error
 from services.ingress.metrics import IngressMetrics
 from services.ingress.prompts import PreparedRequest, api_body, completion_prompts, prepare
 from services.ingress.render import DONE, AnswerShape, ChatRenderer, CompletionRenderer, Renderer, sse
 from services.ingress.request_trace import RequestTrace
+from shared import genai
+from shared.api_keys import KeyRecord
 from shared.cluster import ClusterView
 from shared.config import IngressSettings, TracingSettings
-from shared import genai
-from shared.telemetry import Telemetry
 from shared.model_store import ModelFileCache, load_served_tokenizer
+from shared.telemetry import Telemetry
 from shared.tokenizer import Tokenizer
 
 log = structlog.get_logger("kvlane.ingress")
@@ -89,8 +91,11 @@ class Completions:
         on_served: Callable[[RequestServed], None] = lambda served: None,
         auth: Authenticator | None = None,
         model_files: ModelFileCache | None = None,
+        adapters: AdapterCatalog | None = None,
     ) -> None:
         self._settings = settings
+        # The LoRA adapters on the bus, which a request may name as its model.
+        self._adapters = adapters or AdapterCatalog(None)
         # Tokenizer files fetched from the bus, for models whose directory this host lacks.
         self._model_files = model_files
         # API keys, their policy and limits (None, or not required: anyone may ask, as before).
@@ -140,15 +145,15 @@ class Completions:
                 raise from_decode_error(exc) from exc
             span.model(body.model)
             Authenticator.check_model(key, body.model)
-            registration = self._model(body.model)
+            registration, adapter = await self._served(body.model)
             tokenizer = await self._tokenizer(registration)
             engine_body = api_body(payload, always=registration.engine == "vllm")
             if isinstance(body, CompletionRequest):
                 prompts = completion_prompts(body)
-                asked = [prepare(body, registration, tokenizer, self._settings.max_tokens_default, engine_body, prompt)
+                asked = [prepare(body, registration, tokenizer, self._settings.max_tokens_default, engine_body, prompt, adapter)
                          for prompt in prompts]
             else:
-                asked = [prepare(body, registration, tokenizer, self._settings.max_tokens_default, engine_body)]
+                asked = [prepare(body, registration, tokenizer, self._settings.max_tokens_default, engine_body, adapter=adapter)]
         except BaseException as exc:
             span.end(self._clock(), None, exc)
             self._metrics.tenant_request(key.tenant if key is not None else "", status_of(exc))
@@ -216,7 +221,7 @@ class Completions:
                 raise ApiError(400, "`model` is required when the fleet serves several models (or none)",
                                code="invalid_value", param="model")
             name = next(iter(models))
-        registration = self._model(name)
+        registration, _ = await self._served(name)
         return registration, await self._tokenizer(registration)
 
     async def _key(self, headers: Mapping[str, str] | None) -> KeyRecord | None:
@@ -229,23 +234,39 @@ class Completions:
         if model is not None:
             Authenticator.check_model(key, model)
 
-    def _model(self, name: str) -> WorkerRegistration:
-        registration = self._view.models(self._clock()).get(name)
-        if registration is None:
-            raise ApiError(404, f"The model `{name}` does not exist or no live worker serves it.", code="model_not_found", param="model")
-        return registration
-
-    def models_body(self, visible: Callable[[str], bool] = lambda model: True) -> bytes:
-        """The `/v1/models` body: every model a live worker serves (that `visible` lets through)."""
+    async def _served(self, name: str) -> tuple[WorkerRegistration, AdapterRef | None]:
+        """The registration of the workers that serve model `name`, and the LoRA adapter it names, if it names one."""
         models = self._view.models(self._clock())
-        data = [Model(id=name, created=int(reg.started_at), max_model_len=reg.max_model_len)
+        registration = models.get(name)
+        if registration is not None:
+            return registration, None
+        adapter = await self._adapters.get(name)
+        if adapter is None:
+            raise ApiError(404, f"The model `{name}` does not exist or no live worker serves it.", code="model_not_found", param="model")
+        base = models.get(adapter.base)
+        if base is None:
+            raise ApiError(503, f"The adapter `{name}` adapts model `{adapter.base}`, which no live worker serves now.",
+                           code="model_unavailable", param="model", retry_after_s=1.0)
+        if not base.max_loras:
+            raise ApiError(503, f"The adapter `{name}` adapts model `{adapter.base}`, whose workers serve no adapters "
+                                "(worker.lora.max_loras = 0).", code="model_unavailable", param="model")
+        return base, adapter.ref
+
+    async def models_body(self, visible: Callable[[str], bool] = lambda model: True) -> bytes:
+        """The `/v1/models` body: every model a live worker serves and every adapter of one (that `visible` lets through)."""
+        models = self._view.models(self._clock())
+        data = [Model(id=name, created=int(reg.started_at), max_model_len=reg.max_model_len, root=name)
                 for name, reg in sorted(models.items()) if visible(name)]
+        data += [Model(id=adapter.name, created=adapter.created, max_model_len=models[adapter.base].max_model_len,
+                       root=adapter.name, parent=adapter.base)
+                 for adapter in await self._adapters.all()
+                 if adapter.base in models and models[adapter.base].max_loras and visible(adapter.name)]
         return _ENCODER.encode(ModelList(data))
 
     async def models(self, headers: Mapping[str, str] | None = None) -> bytes:
         """`/v1/models` for this caller: with auth required, it needs a key and lists what the key may use (else `ApiError`)."""
         key = await self._key(headers)
-        return self.models_body() if key is None else self.models_body(key.allows_model)
+        return await (self.models_body() if key is None else self.models_body(key.allows_model))
 
     # --- tokenizers ---------------------------------------------------------------
 

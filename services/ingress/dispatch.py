@@ -313,6 +313,7 @@ class Dispatcher:
             tenant=prepared.tenant,
             prefix_token_ids=prepared.prompt_token_ids[: self._settings.forward_prefix_tokens],
             hand_over=hand_over.request if hand_over else None,
+            adapter="" if prepared.adapter is None else prepared.adapter.name,
         )
         # The balancer may hold the request in its central queue, at most
         # `max_queue_wait_s` (then it answers 503 itself). No answer by then, or
@@ -345,6 +346,7 @@ class Dispatcher:
             timeout_s=max(0.0, deadline - time.monotonic()),
             resume_token_ids=list(produced),
             api=prepared.api,
+            adapter=prepared.adapter,
         )
         if decision is not None and decision.prefill_inbox:
             return PrefillRequest(**common, decode_worker_id=decision.worker_id, decode_inbox=decision.inbox)

@@ -14,12 +14,14 @@ from aiohttp import web
 from contracts import subjects
 from contracts.balancer import BalancerStatusReply, BalancerStatusRequest
 from contracts.cache import CacheReply, LookupRequest
+from services.ingress.adapters import AdapterCatalog
 from services.ingress.app import COMPLETION_PATHS, IngressApp
 from services.ingress.auth import Authenticator
 from services.ingress.balancers import RouteAsker
 from services.ingress.completions import Completions
 from services.ingress.dispatch import Dispatcher
 from services.ingress.http_guard import HttpGuard
+from services.ingress.key_limits import KeyLimiter
 from services.ingress.metrics import IngressMetrics
 from services.ingress.nats_api import NatsApi
 from services.ingress.processes import METRICS_DIR_ENV, SHARES_PORT_ENV, SiblingProcesses, platform_refusal, process_ids
@@ -27,10 +29,10 @@ from services.ingress.readiness import Dependency, Readiness
 from services.ingress.response_store import ResponseStore
 from services.ingress.responses import Responses
 from services.ingress.served_events import ServedEvents
+from shared.adapter_store import AdapterStore
 from shared.api_keys import ApiKeyStore
 from shared.bus import StreamReceiver
 from shared.config import KvlaneConfig
-from services.ingress.key_limits import KeyLimiter
 from shared.model_store import ModelFileCache, default_cache_dir
 from shared.periodic import Periodic
 from shared.runner import announce_ready
@@ -74,6 +76,7 @@ async def main(config: KvlaneConfig, stop: asyncio.Event) -> None:
             settings, view, dispatcher, metrics, telemetry=ctx.telemetry,
             on_served=served_events.add, auth=auth,
             model_files=ModelFileCache(bus.client, settings.model_cache_dir or default_cache_dir()),
+            adapters=AdapterCatalog(AdapterStore(bus.client)),
         )
         # Stored responses live in Redis: any replica continues any conversation.
         responses = Responses(completions, ResponseStore(ctx.redis, settings.responses_ttl_s), settings.max_tokens_default)

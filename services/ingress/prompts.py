@@ -15,9 +15,10 @@ import msgspec
 from msgspec import Struct
 
 from contracts.messages import ApiRequest, SamplingParams, WorkerRegistration
+from contracts.model_files import AdapterRef
 from contracts.openai_api import ChatCompletionRequest, CompletionRequest, NamedToolChoice
 from services.ingress.errors import ApiError
-from shared.kv.block_hash import chained_block_hashes
+from shared.kv.block_hash import adapter_root, chained_block_hashes
 from shared.tokenizer import Tokenizer, UnsupportedContent
 
 # The request body's prompt fields: they ride as token ids, not in the body the engine reads.
@@ -51,6 +52,8 @@ class PreparedRequest(Struct, frozen=True):
     echo_text: str = ""
     # The role of the answer's message (chat).
     role: str = "assistant"
+    # The LoRA adapter the request asked for as its `model` (`model` is then its base); None: the base model.
+    adapter: AdapterRef | None = None
 
 
 def api_body(payload: bytes, always: bool = True) -> bytes | None:
@@ -151,9 +154,11 @@ def prepare(
     max_tokens_default: int,
     body: bytes | None = None,
     prompt: str | list[int] | None = None,
+    adapter: AdapterRef | None = None,
 ) -> PreparedRequest:
-    """The request as the cluster runs it. `body`: the request's JSON without its prompt (`api_body`), which
-    the engine reads; `prompt`: the one prompt of a completion request this runs (a batch runs each)."""
+    """The request as the cluster runs it on `model`'s workers. `body`: the request's JSON without its prompt
+    (`api_body`), which the engine reads; `prompt`: the one prompt of a completion request this runs (a batch
+    runs each); `adapter`: the LoRA adapter the request names as its model."""
     if request.stream_options is not None and not request.stream:
         raise ApiError(400, "stream_options is only allowed when stream is true", code="invalid_value", param="stream_options")
 
@@ -229,9 +234,9 @@ def prepare(
         n=request.n,
     )
     return PreparedRequest(
-        model=request.model,
+        model=model.model,
         prompt_token_ids=prompt_ids,
-        block_hashes=chained_block_hashes(prompt_ids, model.block_size),
+        block_hashes=chained_block_hashes(prompt_ids, model.block_size, None if adapter is None else adapter_root(adapter.name)),
         sampling=sampling,
         stream=request.stream,
         include_usage=bool(request.stream_options and request.stream_options.include_usage),
@@ -239,4 +244,5 @@ def prepare(
         api=None if body is None else ApiRequest(kind, body, request.stream),  # type: ignore[arg-type]
         echo_text=echo_text,
         role=role,
+        adapter=adapter,
     )

@@ -92,6 +92,8 @@ class RequestTrace:
         }
         if requested_priority is not None and requested_priority != prepared.priority:
             attributes["kvlane.priority.requested"] = requested_priority
+        if prepared.adapter is not None:
+            attributes["kvlane.adapter"] = prepared.adapter.name
         if sampling.top_k > 0:
             attributes[genai.REQUEST_TOP_K] = sampling.top_k
         if sampling.seed is not None:

@@ -28,8 +28,9 @@ from shared.kv.step_profile import get_profile
 from services.worker.batched_state import BatchedClusterState
 from services.worker.metrics import WorkerMetrics
 from services.worker.service import WorkerService
+from shared.adapter_store import AdapterCache, AdapterStore, BaseShape, default_adapter_dir
 from shared.bus import Bus
-from shared.config import KvlaneConfig, WorkerSettings
+from shared.config import KvlaneConfig, LoraSettings, WorkerSettings
 from shared.metrics_http import serve_metrics
 from shared.model_store import with_published_tokenizer
 from shared.runner import ServiceMain, announce_ready
@@ -92,7 +93,7 @@ def build_engine(settings: WorkerSettings) -> tuple[Engine, EngineFacts]:
     advertised = sim_prompt_tokenizer(settings.sim.tokenizer) if settings.sim.tokenizer else tokenizer.name
     facts = EngineFacts(settings.model, settings.sim.block_size, settings.sim.max_model_len, advertised)
     try:
-        return SimEngine(settings.sim, tokenizer), facts
+        return SimEngine(settings.sim, tokenizer, lora=settings.lora), facts
     except KeyError as exc:  # an unknown profile or link names the known ones
         raise EngineConfigError(str(exc.args[0])) from None
 
@@ -143,6 +144,20 @@ def advertised_tool_call_parser(settings: WorkerSettings) -> str:
         return settings.sim.tool_call_parser
     vllm = settings.vllm
     return vllm.tool_call_parser if vllm.enable_auto_tool_choice else ""
+
+
+def adapter_cache(bus: Bus, lora: LoraSettings, model_directory: str) -> AdapterCache | None:
+    """Where the worker keeps the adapters it fetched, checked against its model's shapes; None: it serves no adapter."""
+    if not lora.max_loras:
+        return None
+    base = None
+    if model_directory:
+        try:
+            base = BaseShape.of_config(json.loads((Path(model_directory) / "config.json").read_text()))
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            _fail(f"worker.lora: cannot read the model's shapes from {model_directory}/config.json: {exc}")
+    directory = Path(lora.cache_dir).expanduser() if lora.cache_dir else default_adapter_dir()
+    return AdapterCache(AdapterStore(bus.client), directory, base)
 
 
 # The exit status of a worker whose engine died: not a configuration error (2), a failure to restart from.
@@ -196,6 +211,8 @@ async def main(config: KvlaneConfig, stop: asyncio.Event) -> None:
             step_time=step_time,
             tool_call_parser=advertised_tool_call_parser(settings),
             reasoning_parser=settings.vllm.reasoning_parser if settings.engine == "vllm" else "",
+            max_loras=settings.lora.max_loras,
+            max_cpu_loras=max(settings.lora.max_cpu_loras, settings.lora.max_loras),
         )
         for node_id, (_, facts) in zip(ids, engines, strict=True)
     ]
@@ -213,8 +230,9 @@ async def main(config: KvlaneConfig, stop: asyncio.Event) -> None:
     # The nodes of one process share its connections and its metrics (one /metrics per process).
     metrics = WorkerMetrics()
     services = [
-        WorkerService(registration, engine, bus, state, config.cluster, settings, metrics=metrics, tracer=telemetry.tracer)
-        for registration, (engine, _) in zip(registrations, engines, strict=True)
+        WorkerService(registration, engine, bus, state, config.cluster, settings, metrics=metrics, tracer=telemetry.tracer,
+                      adapters=adapter_cache(bus, settings.lora, facts.model_directory))
+        for registration, (engine, facts) in zip(registrations, engines, strict=True)
     ]
     metrics.count_in_flight(lambda: sum(service.in_flight for service in services))
     metrics_runner = None

@@ -34,7 +34,23 @@ class WorkerMetrics:
             buckets=_KV_WAIT_BUCKETS, registry=r,
         )
         self.in_flight = Gauge("kvlane_worker_requests_in_flight", "Requests this node is running or prefilling.", registry=r)
+        # vLLM's LoRA gauge, under its name and labels, which the Gateway API Inference Extension's adapter
+        # scorer reads: the series of the node's current adapters, valued at the time it was set (worker_id added).
+        self.lora_info = Gauge(
+            "vllm:lora_requests_info", "Running stats on lora requests.",
+            ["max_lora", "running_lora_adapters", "waiting_lora_adapters", "worker_id"], registry=r,
+        )
+        self._lora_labels: dict[str, tuple[str, ...]] = {}
 
     def count_in_flight(self, count: Callable[[], int]) -> None:
         """Read the in-flight count from `count` at each scrape."""
         self.in_flight.set_function(count)
+
+    def adapters(self, worker_id: str, max_loras: int, running: list[str], waiting: list[str]) -> None:
+        """The node's adapters now: its series replaces the one it had (label sets would otherwise pile up)."""
+        labels = (str(max_loras), ",".join(running), ",".join(waiting), worker_id)
+        earlier = self._lora_labels.get(worker_id)
+        if earlier is not None and earlier != labels:
+            self.lora_info.remove(*earlier)
+        self._lora_labels[worker_id] = labels
+        self.lora_info.labels(*labels).set_to_current_time()

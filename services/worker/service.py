@@ -56,10 +56,20 @@ from contracts.messages import (
     WorkerRequest,
 )
 from contracts.cache import LeaseProgress, RenewLeases
-from services.worker.engines.base import Engine, EngineOutput, EngineRequest, KvPullFailed, PushesOutputs, RequestRejected
+from contracts.model_files import AdapterRef
+from services.worker.engines.base import (
+    Engine,
+    EngineOutput,
+    EngineRequest,
+    KvPullFailed,
+    LocalAdapter,
+    PushesOutputs,
+    RequestRejected,
+)
 from services.worker.handoff import KvHolds, KvPuller
 from services.worker.metrics import WorkerMetrics
 from services.worker.tracing import FIRST_OUTPUT_EVENT, KvTransferSpan, end_request_span, kv_attributes, request_span
+from shared.adapter_store import AdapterCache, AdapterError
 from shared.bus import Bus, BusError
 from shared.config import ClusterSettings, WorkerSettings
 from shared.heartbeats import HeartbeatSender
@@ -97,8 +107,11 @@ class WorkerService:
         settings: WorkerSettings,
         metrics: WorkerMetrics | None = None,
         tracer: Tracer | None = None,
+        adapters: AdapterCache | None = None,
     ) -> None:
         self.registration = registration
+        # LoRA adapters fetched from the bus (None: the worker serves none).
+        self._adapters = adapters
         self._tracer = tracer or trace.NoOpTracer()
         # What KV crosses from a prefill node to a decode node (span attribute).
         self._kv_link = settings.sim.kv_link if settings.engine == "sim" else "nixl"
@@ -269,6 +282,9 @@ class WorkerService:
             return ErrorReply(code="draining", message="worker is draining", status=503, retry_after_s=0)
         if request.model != self.registration.model:
             return ErrorReply(code="model_not_found", message=f"this worker serves {self.registration.model!r}", status=404)
+        if request.adapter is not None and self.registration.role != "aggregated":
+            return ErrorReply(code="invalid_request", message="LoRA adapters run on aggregated workers only", status=400,
+                              param="model")
         earlier = self._running.get(request.request_id)
         if earlier is not None and self._streams.get(request.request_id) == request.stream_to:
             return ErrorReply(code="duplicate_request", message=f"request {request.request_id} is already running", status=409)
@@ -348,6 +364,8 @@ class WorkerService:
             async with asyncio.timeout(deadline - time.monotonic()):
                 if after:
                     await asyncio.wait(after)
+                if request.adapter is not None:
+                    engine_request = await self._with_adapter(engine_request, request.adapter)
                 await self._stream(engine_request, on_output)
             usage = Usage(len(request.prompt_token_ids), completion_tokens, cached_tokens)
             timings = Timings(first_token_s=None if first_token_at is None else first_token_at - started, finished_s=time.monotonic() - started)
@@ -358,6 +376,10 @@ class WorkerService:
         except RequestRejected as exc:
             outcome, failure = "error", "invalid_request"
             send(request.stream_to, _rejected(exc))
+        except AdapterError as exc:
+            outcome, failure = "error", "adapter_unavailable"
+            self._log.warning("adapter_unavailable", request_id=request.request_id, error=str(exc))
+            send(request.stream_to, ErrorReply(code="adapter_unavailable", message=str(exc), status=exc.status, param="model"))
         except asyncio.CancelledError:
             outcome = "abort"
             reason = self._abort_reasons.get(asyncio.current_task(), "aborted")
@@ -378,6 +400,13 @@ class WorkerService:
             self._generated.pop(request.request_id, None)
             if self._abort_reasons.pop(asyncio.current_task(), None) != "superseded":  # type: ignore[arg-type]
                 await self._publish_finished(request, outcome, completion_tokens, cached_tokens, time.monotonic() - started)
+
+    async def _with_adapter(self, request: EngineRequest, adapter: AdapterRef) -> EngineRequest:
+        """`request` with its LoRA adapter's files here, fetched from the bus on the adapter's first use."""
+        if self._adapters is None:
+            raise RequestRejected(f"this worker serves no LoRA adapter, and {adapter.name} is one", param="model")
+        directory = await self._adapters.local(adapter)
+        return msgspec.structs.replace(request, adapter=LocalAdapter(adapter.name, str(directory)))
 
     async def _stream(self, request: EngineRequest, on_output: Callable[[EngineOutput], None]) -> None:
         """Hand every output of `request` to `on_output`; return once the engine ended it."""
@@ -565,6 +594,8 @@ class WorkerService:
             return  # a dead engine's node leaves instead
         self._heartbeat_seq += 1
         stats = self._engine.stats()
+        if self.registration.max_loras:
+            self.metrics.adapters(self.registration.worker_id, self.registration.max_loras, stats.adapters_active, [])
         if self._kv_pull_failures:
             stats = msgspec.structs.replace(stats, kv_pull_failures=stats.kv_pull_failures + self._kv_pull_failures)
         # Redis keeps the full heartbeat; the bus gets the load alone unless the registration is due.

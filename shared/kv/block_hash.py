@@ -22,8 +22,11 @@ Scheme (version 1), for token ids split into blocks of ``block_size``:
   ``tokens[n*block_size:]`` with ``parent=hash_{n-1}`` are the tail of the
   hashes of ``tokens``.
 
-The hash does not cover the model, the block size as such, or LoRA
-adapters: keep indexes per (model, block size). vLLM's own block hashes
+The hash does not cover the model or the block size as such: keep indexes
+per (model, block size). A LoRA adapter's KV differs from its base model's
+for the same tokens, so a prompt run with an adapter chains from the
+adapter's root (``adapter_root``) instead of ``None``: the adapter is in
+every hash, as vLLM puts the LoRA name in its own. vLLM's own block hashes
 (in its KV events) are sha256-derived and differ; re-hash the events'
 ``token_ids`` with this module instead of trusting them.
 """
@@ -55,6 +58,11 @@ def pack_token_ids(token_ids: Sequence[int]) -> bytes:
 
 def _parent_bytes(parent: int | None) -> bytes:
     return ROOT_MARKER if parent is None else parent.to_bytes(8, "big")
+
+
+def adapter_root(adapter: str) -> int:
+    """The parent of the first block of a prompt run with LoRA adapter `adapter` (by the name clients use)."""
+    return int.from_bytes(blake2b(b"kvlane/lora/v1/" + adapter.encode(), digest_size=8).digest(), "big")
 
 
 def next_block_hash(parent: int | None, block_token_ids: Sequence[int]) -> int:

@@ -60,15 +60,17 @@ def launch(
     decode_workers: int = 0,
     cache_managers: int = 1,
     redis: RedisSettings | None = None,
+    jetstream: bool = False,
     **sim: object,
 ) -> Fleet:
     """A fleet on its own NATS and Redis; `tune` may adjust the config first.
 
-    `redis`: a Redis (or Redis Cluster) started already, instead of a Redis of the fleet's own."""
+    `redis`: a Redis (or Redis Cluster) started already, instead of a Redis of the fleet's own.
+    `jetstream`: NATS with JetStream (its object store carries tokenizers and LoRA adapters)."""
     launcher = Launcher(log_dir)
     nats_port, redis_port = free_port(), free_port()
     try:
-        launcher.start_nats(nats_port)
+        launcher.start_nats(nats_port, extra_args=["-js", "-sd", str(log_dir / "jetstream")] if jetstream else None)
         if redis is None:
             launcher.start_redis(redis_port)
         config = fleet_config(nats_port, redis_port, redis, **sim)

@@ -75,10 +75,12 @@ def test_the_step_counters_take_the_place_of_vllms_prometheus_logger() -> None:
     # One logger, ours: vLLM added none of its own (whose histograms nobody here reads).
     assert len(manager.stat_loggers) == 1 and len(prometheus) == 1
     scheduler = SimpleNamespace(num_running_reqs=2, num_waiting_reqs=1, kv_cache_usage=0.5, prefix_cache_stats=None,
-                                kv_connector_stats=None)
+                                kv_connector_stats=None, running_lora_adapters={"a": 1}, waiting_lora_adapters={"a": 1, "b": 1})
     iteration = SimpleNamespace(prompt_token_stats=SimpleNamespace(computed=128), num_generation_tokens=2, num_preempted_reqs=0)
     manager.record(scheduler, iteration)
     assert (counters.running, counters.waiting, counters.kv_usage) == (2, 1, 0.5)
+    # The adapters that requests run or wait with, each once.
+    assert counters.adapters_running == ["a", "b"]
 
 
 class _StepwiseEngine:
@@ -93,7 +95,7 @@ class _StepwiseEngine:
     def get_num_unfinished_requests(self) -> int:
         return len(self.outputs)
 
-    async def generate(self, prompt, sampling, request_id):
+    async def generate(self, prompt, sampling, request_id, lora_request=None):
         queue = self.outputs[request_id] = asyncio.Queue()
         try:
             while True:
@@ -104,7 +106,7 @@ class _StepwiseEngine:
         finally:
             del self.outputs[request_id]
 
-    async def add_request(self, request_id, prompt, sampling):
+    async def add_request(self, request_id, prompt, sampling, lora_request=None):
         collector = SimpleNamespace(request_id=request_id, put=None, get_nowait=lambda: None, close=lambda: None)
         self.outputs[request_id] = collector  # type: ignore[assignment]
         self.collectors[request_id] = collector

@@ -116,12 +116,14 @@ def run_json_module(module: str, spec: dict, directory: Path, marker: str, timeo
 
 
 @contextmanager
-def running_fleet(log_dir: Path, config_for: Callable[[int, int], KvlaneConfig], **workers: int) -> Iterator[Fleet]:
-    """A vllm fleet on its own NATS and Redis (`config_for(nats_port, redis_port)`); fails if a service crashed."""
+def running_fleet(log_dir: Path, config_for: Callable[[int, int], KvlaneConfig], jetstream: bool = False,
+                  **workers: int) -> Iterator[Fleet]:
+    """A vllm fleet on its own NATS and Redis (`config_for(nats_port, redis_port)`); fails if a service crashed.
+    `jetstream`: NATS with JetStream, whose object store carries LoRA adapters."""
     launcher = Launcher(log_dir, base_env={**os.environ, **ENGINE_ENV})
     nats_port, redis_port = free_port(), free_port()
     try:
-        launcher.start_nats(nats_port)
+        launcher.start_nats(nats_port, extra_args=["-js", "-sd", str(log_dir / "jetstream")] if jetstream else None)
         launcher.start_redis(redis_port)
         fleet = start_fleet(launcher, config_for(nats_port, redis_port), ready_timeout=300, **workers)
     except BaseException:

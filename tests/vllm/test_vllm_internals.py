@@ -144,6 +144,8 @@ def test_a_counters_logger_replaces_vllms_prometheus_logger_and_gets_every_step(
         "`StatLoggerManager.record` no longer passes the scheduler's stats to the custom logger", STAT_LOGGER)
     iteration = IterationStats()
     missing_stats = [name for name, owner in (("prefix_cache_stats", SchedulerStats()), ("kv_connector_stats", SchedulerStats()),
+                                              ("running_lora_adapters", SchedulerStats()),
+                                              ("waiting_lora_adapters", SchedulerStats()),
                                               ("num_generation_tokens", iteration), ("num_preempted_reqs", iteration),
                                               ("prompt_token_stats", iteration)) if not hasattr(owner, name)]
     assert not missing_stats and hasattr(iteration.prompt_token_stats, "computed"), changed(

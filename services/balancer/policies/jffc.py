@@ -67,8 +67,10 @@ class JffcPerRequest:
     Imposed delay: what its prefill and decode steps add to the requests
     already running there (`StepModel.imposed_seconds`), times
     `imposed_delay_weight`; without it a request takes the node where it
-    alone finishes first even when that slows a full batch. The sum is
-    divided by the node's health weight.
+    alone finishes first even when that slows a full batch. A request with
+    a LoRA adapter adds the adapter's load there (`ChainState.adapter_load_s`:
+    none in a batch slot, a copy from host memory, or a fetch and load).
+    The sum is divided by the node's health weight.
     """
 
     name = "jffc_per_request"
@@ -123,4 +125,4 @@ class JffcPerRequest:
                 uncached_tokens=uncached, prompt_tokens=request.prompt_tokens, output_tokens=request.max_tokens,
                 running=present,
             )
-        return seconds / node.health_weight
+        return (seconds + chain.adapter_load_s) / node.health_weight

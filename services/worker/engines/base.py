@@ -11,6 +11,13 @@ from msgspec import Struct
 from contracts.messages import ApiRequest, EngineStats, FinishReason, KvRef, OutputDelta, ParsedOutput, SamplingParams, TokenLogprob
 
 
+class LocalAdapter(Struct, frozen=True):
+    """A LoRA adapter as an engine loads it: the name clients use, and the directory its fetched files are in."""
+
+    name: str
+    path: str
+
+
 class EngineRequest(Struct, frozen=True):
     request_id: str
     prompt_token_ids: list[int]
@@ -23,6 +30,8 @@ class EngineRequest(Struct, frozen=True):
     kv_held_until: float | None = None
     # The API request (tool calls, structured outputs, logprobs, `n`...): None for plain sampled text.
     api: ApiRequest | None = None
+    # The LoRA adapter to run with (None: the base model).
+    adapter: LocalAdapter | None = None
 
 
 class EngineOutput(Struct):
@@ -99,6 +108,8 @@ class EngineFacts(Struct, frozen=True):
     block_size: int
     max_model_len: int
     tokenizer: str  # a spec that shared.tokenizer.load_tokenizer understands
+    # The model's directory (its config.json gives the shapes an adapter must fit); "": no real model (sim).
+    model_directory: str = ""
 
 
 def check_fits(request: EngineRequest, max_model_len: int, vocab_size: int | None) -> None:

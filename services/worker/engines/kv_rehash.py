@@ -9,7 +9,8 @@ vLLM hash to kvlane hash, kept for every block the engine holds:
 
 * `BlockStored(block_hashes, parent_block_hash, token_ids)`: the first
   block's kvlane parent is the map's entry for `parent_block_hash` (the
-  root when that is None); each block then chains on the previous one.
+  root when that is None: the LoRA adapter's for an adapter's block);
+  each block then chains on the previous one.
   A parent the map does not know (stored before this subscriber connected,
   or already evicted) cannot be continued: those blocks are skipped, since
   a guessed hash would advertise a prefix the node does not hold.
@@ -25,7 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 
-from shared.kv.block_hash import chained_block_hashes
+from shared.kv.block_hash import adapter_root, chained_block_hashes
 
 
 class KvEventRehasher:
@@ -45,6 +46,7 @@ class KvEventRehasher:
         parent_block_hash: Hashable | None,
         token_ids: Sequence[int],
         block_size: int,
+        adapter: str | None = None,
     ) -> None:
         if block_size != self.block_size or len(token_ids) != len(block_hashes) * block_size:
             # A different block geometry (another KV-cache group) is not a
@@ -52,7 +54,7 @@ class KvEventRehasher:
             self.skipped_blocks += len(block_hashes)
             return
         if parent_block_hash is None:
-            parent = None
+            parent = None if adapter is None else adapter_root(adapter)
         else:
             parent = self._kvlane_hash.get(parent_block_hash)
             if parent is None:

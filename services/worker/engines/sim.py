@@ -39,10 +39,11 @@ from services.worker.engines.base import (
     check_fits,
     net_kv_delta,
 )
+from services.worker.sim.adapter_slots import AdapterSlots
 from services.worker.engines.sim_api import SIM_TOOL_CALL_PARSERS, SimApiRun, plan_sim_request
 from services.worker.sim import SimRequest, SimScheduler, StepOutcome, StepTimeProfile, get_profile
+from shared.config import LoraSettings, SimSettings
 from shared.kv.links import get_link
-from shared.config import SimSettings
 from shared.tokenizer import SimTokenizer
 
 log = structlog.get_logger("kvlane.worker.sim")
@@ -53,8 +54,10 @@ _DEAD = object()
 _CHOICE_SEPARATOR = "\x1fchoice-"
 
 
-def build_scheduler(settings: SimSettings, profile: StepTimeProfile, output_token_range: tuple[int, int]) -> SimScheduler:
+def build_scheduler(settings: SimSettings, profile: StepTimeProfile, output_token_range: tuple[int, int],
+                    lora: LoraSettings | None = None) -> SimScheduler:
     """The scheduler a sim worker runs for these settings (and the simulator runs per node)."""
+    serves_adapters = lora is not None and lora.max_loras > 0
     return SimScheduler(
         num_blocks=settings.num_blocks,
         block_size=settings.block_size,
@@ -63,6 +66,9 @@ def build_scheduler(settings: SimSettings, profile: StepTimeProfile, output_toke
         profile=profile,
         output_token_range=output_token_range,
         record_kv_events=True,
+        adapters=AdapterSlots(lora.max_loras, lora.max_cpu_loras) if serves_adapters else None,  # type: ignore[union-attr]
+        adapter_activate_s=settings.adapter_activate_s,
+        adapter_load_s=settings.adapter_load_s,
     )
 
 
@@ -98,6 +104,11 @@ class StepStats:
             kv_pull_bytes=kv_pull_bytes,
             kv_held_blocks=s.blocks_held,
             kv_pull_seconds=kv_pull_seconds,
+            adapters_active=s.adapters_active,
+            adapters_running=s.adapters_running,
+            adapters_cached=s.adapters_cached,
+            adapter_loads=s.adapter_loads,
+            adapter_load_s=s.adapter_load_seconds / s.adapter_loads if s.adapter_loads else 0.0,
         )
         self._prefill_tokens = self._decode_tokens = 0
         self._since = now
@@ -105,13 +116,14 @@ class StepStats:
 
 
 class SimEngine:
-    def __init__(self, settings: SimSettings, tokenizer: SimTokenizer, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, settings: SimSettings, tokenizer: SimTokenizer, clock: Callable[[], float] = time.monotonic,
+                 lora: LoraSettings | None = None) -> None:
         self._settings = settings
         self._tokenizer = tokenizer
         self._clock = clock
         self._profile = get_profile(settings.profile)
         self._link = get_link(settings.kv_link)
-        self._scheduler = build_scheduler(settings, self._profile, tokenizer.output_token_range)
+        self._scheduler = build_scheduler(settings, self._profile, tokenizer.output_token_range, lora)
         if settings.tool_call_parser and settings.tool_call_parser not in SIM_TOOL_CALL_PARSERS:
             raise EngineConfigError(f"worker.sim.tool_call_parser {settings.tool_call_parser!r} is unknown "
                                     f"(known: {', '.join(SIM_TOOL_CALL_PARSERS)}; empty: none)")
@@ -197,7 +209,8 @@ class SimEngine:
         seed = self._seed(request) if seed is None else seed
         try:
             self._scheduler.add(SimRequest(request_id, request.prompt_token_ids, max_tokens, seed,
-                                           request.resume_token_ids, hold_kv, script or []))
+                                           request.resume_token_ids, hold_kv, script or [],
+                                           "" if request.adapter is None else request.adapter.name))
         except ValueError as exc:
             raise RequestRejected(str(exc)) from exc
         queue = asyncio.Queue() if queue is None else queue

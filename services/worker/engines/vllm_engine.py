@@ -34,10 +34,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import os
 import shutil
 import tempfile
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Mapping
 
 import msgspec
@@ -50,6 +52,7 @@ from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStor
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.exceptions import VLLMClientError
 from vllm.inputs import TokensInput, tokens_input
+from vllm.lora.request import LoRARequest
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine.async_llm import AsyncLLM
@@ -62,6 +65,7 @@ from services.worker.engines.base import (
     EngineRequest,
     KvCacheDelta,
     KvPullFailed,
+    LocalAdapter,
     RequestRejected,
     check_fits,
     net_kv_delta,
@@ -76,7 +80,8 @@ from services.worker.engines.vllm_kv_ref import (
 )
 from services.worker.engines.vllm_preflight import ResolvedEngine
 from services.worker.engines.vllm_resumed_grammar import RESUMED_GRAMMAR_PROCESSOR
-from shared.config import VllmSettings
+from shared.adapter_store import AdapterError
+from shared.config import LoraSettings, VllmSettings
 
 log = structlog.get_logger("kvlane.worker.vllm")
 
@@ -97,6 +102,7 @@ class StepCounters:
         self.prefix_queries = self.prefix_hits = self.preemptions = 0
         self.kv_pulls = self.kv_pull_bytes = 0
         self.kv_pull_seconds = 0.0
+        self.adapters_running: list[str] = []
         self._prefill_tokens = self._decode_tokens = 0
         self._rate_since = clock()
 
@@ -111,6 +117,10 @@ class StepCounters:
                 self.prefix_hits += prefix.hits
             if scheduler_stats.kv_connector_stats:
                 self.on_kv_transfers(scheduler_stats.kv_connector_stats)
+            # The adapters of the requests scheduled or waiting now: those holding (or about to take) batch slots.
+            self.adapters_running = [*scheduler_stats.running_lora_adapters,
+                                    *(name for name in scheduler_stats.waiting_lora_adapters
+                                      if name not in scheduler_stats.running_lora_adapters)]
         if iteration_stats is not None:
             self._prefill_tokens += iteration_stats.prompt_token_stats.computed
             self._decode_tokens += iteration_stats.num_generation_tokens
@@ -249,6 +259,11 @@ class GpuProbe:
             return None
 
 
+def _adapter_keys_only(extra_keys: list | None, lora_name: str | None) -> bool:
+    """Whether each block's extra keys name nothing but its LoRA adapter (no image, salt or prompt embedding)."""
+    return all(not keys or (lora_name is not None and tuple(keys) == (lora_name,)) for keys in extra_keys or ())
+
+
 class KvEventSubscriber:
     """Receives vLLM's KV event batches on a ZMQ SUB socket, without blocking.
 
@@ -294,9 +309,11 @@ class KvEventSubscriber:
             for event in batch.events:
                 match event:
                     case BlockStored():
-                        # LoRA, multimodal or salted blocks hash differently from plain tokens.
-                        if event.lora_name is None and not any(event.extra_keys or ()):
-                            self._rehasher.stored(event.block_hashes, event.parent_block_hash, event.token_ids, event.block_size)
+                        # Multimodal or salted blocks hash differently from plain tokens (a LoRA adapter's
+                        # chain from its root); the LoRA name is among vLLM's extra keys too.
+                        if _adapter_keys_only(event.extra_keys, event.lora_name):
+                            self._rehasher.stored(event.block_hashes, event.parent_block_hash, event.token_ids,
+                                                  event.block_size, event.lora_name)
                     case BlockRemoved():
                         self._rehasher.removed(event.block_hashes)
                     case AllBlocksCleared():
@@ -317,8 +334,17 @@ class VllmEngine:
         kv_hold_s: float = 30.0,
         kv_transfer: Mapping | None = None,
         env: Mapping[str, str] | None = None,
+        lora: LoraSettings | None = None,
     ) -> None:
         self._settings = settings
+        # LoRA adapters: off unless max_loras is set (vLLM's enable_lora costs memory and a little time per step).
+        self._lora = lora if lora is not None and lora.max_loras else None
+        # The adapters given to the engine, least recently used first: what vLLM's host cache holds, as it evicts.
+        self._loras: OrderedDict[str, LoRARequest] = OrderedDict()
+        self._lora_loading: dict[str, asyncio.Future[LoRARequest]] = {}
+        self._lora_ids = itertools.count(1)
+        self._adapter_loads = 0
+        self._adapter_load_seconds = 0.0
         self._resolved = resolved
         self._served_model_name = served_model_name
         self._role = role
@@ -361,6 +387,9 @@ class VllmEngine:
         )
         if self._resolved.kv_cache_bytes is not None:
             args["kv_cache_memory_bytes"] = self._resolved.kv_cache_bytes
+        if self._lora is not None:
+            args.update(enable_lora=True, max_loras=self._lora.max_loras, max_lora_rank=self._lora.max_lora_rank,
+                        max_cpu_loras=max(self._lora.max_cpu_loras, self._lora.max_loras))
         if settings.reasoning_parser:
             # The engine core's too, as `vllm serve --reasoning-parser` sets it: structured outputs start
             # constraining only once the reasoning ended.
@@ -527,7 +556,8 @@ class VllmEngine:
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
         submission = self._submission(request)
         engine = self._running()
-        outputs = engine.generate(submission.prompt, submission.sampling, request.request_id,
+        lora_request = await self._lora_request(request)
+        outputs = engine.generate(submission.prompt, submission.sampling, request.request_id, lora_request=lora_request,
                                   **submission.engine_kwargs())
         produced = False
         awaiting = self._awaiting_first_output
@@ -562,9 +592,10 @@ class VllmEngine:
         """
         submission = self._submission(request)
         engine = self._running()
+        lora_request = await self._lora_request(request)
         try:
             collector = await engine.add_request(request.request_id, submission.prompt, submission.sampling,
-                                                 **submission.engine_kwargs())
+                                                 lora_request=lora_request, **submission.engine_kwargs())
         except (VLLMClientError, ValueError) as exc:
             raise vllm_rejection(exc) from exc
         ended: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -612,6 +643,49 @@ class VllmEngine:
                 # the engine, which frees its KV blocks, as `generate`'s generator does.
                 await engine.abort(collector.request_id, internal=True)
 
+    async def _lora_request(self, request: EngineRequest) -> LoRARequest | None:
+        """The request's adapter as vLLM names it, given to the engine first (once per adapter's files), so that an
+        adapter vLLM cannot load fails this request alone with `AdapterError`, never the engine's step."""
+        adapter = request.adapter
+        if adapter is None:
+            return None
+        if self._lora is None:
+            raise RequestRejected("this worker serves no LoRA adapter (worker.lora.max_loras = 0)", param="model")
+        known = self._loras.get(adapter.name)
+        if known is not None and known.lora_path == adapter.path:
+            self._loras.move_to_end(adapter.name)
+            return known
+        loading = self._lora_loading.get(adapter.path)
+        if loading is None:
+            loading = self._lora_loading[adapter.path] = asyncio.ensure_future(self._load_lora(adapter))
+            loading.add_done_callback(lambda done: self._lora_loading.pop(adapter.path, None))
+        return await asyncio.shield(loading)
+
+    async def _load_lora(self, adapter: LocalAdapter) -> LoRARequest:
+        lora_request = LoRARequest(adapter.name, next(self._lora_ids), adapter.path)
+        started = time.monotonic()
+        try:
+            await self._running().add_lora(lora_request)
+        except Exception as exc:
+            if self.errored:
+                raise
+            # vLLM keeps the id of an adapter it failed to load, and would run it as the base model: never use it again.
+            with contextlib.suppress(Exception):
+                await self._running().remove_lora(lora_request.lora_int_id)
+            raise AdapterError(f"the engine cannot load adapter {adapter.name}: {_root_cause(exc)}") from exc
+        self._adapter_loads += 1
+        self._adapter_load_seconds += time.monotonic() - started
+        earlier = self._loras.pop(adapter.name, None)
+        self._loras[adapter.name] = lora_request
+        if earlier is not None:  # another revision of the adapter: its files went, so must its weights
+            with contextlib.suppress(Exception):
+                await self._running().remove_lora(earlier.lora_int_id)
+        assert self._lora is not None
+        while len(self._loras) > max(self._lora.max_cpu_loras, self._lora.max_loras):
+            self._loras.popitem(last=False)  # vLLM's host cache dropped its least recently used one too
+        log.info("adapter_loaded", adapter=adapter.name, seconds=round(time.monotonic() - started, 3))
+        return lora_request
+
     def drain_kv_events(self) -> KvCacheDelta:
         if self._kv_events is None:
             return KvCacheDelta()
@@ -647,4 +721,16 @@ class VllmEngine:
             # vLLM reports no count of the blocks a producer holds for
             # consumers (they are freed inside its connector): not known.
             kv_held_blocks=0,
+            **self._adapter_stats([] if idle else counters.adapters_running),
         )
+
+    def _adapter_stats(self, running: list[str]) -> dict:
+        """Where the adapters are, as far as vLLM shows it: the running ones are in batch slots, and so (vLLM's
+        slots drop the least recently used) are the most recently used of the others, up to `max_loras`."""
+        if self._lora is None:
+            return {}
+        recent = [name for name in reversed(self._loras) if name not in running]
+        in_slots = running + recent[: max(0, self._lora.max_loras - len(running))]
+        return dict(adapters_active=in_slots, adapters_running=running,
+                    adapters_cached=[name for name in self._loras if name not in in_slots], adapter_loads=self._adapter_loads,
+                    adapter_load_s=self._adapter_load_seconds / self._adapter_loads if self._adapter_loads else 0.0)

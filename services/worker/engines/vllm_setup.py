@@ -43,7 +43,8 @@ def build_vllm_engine(settings: WorkerSettings):
         block_size=resolved.block_size,
         max_model_len=resolved.max_model_len,
         tokenizer=HF_PREFIX + str(resolved.shape.directory),
+        model_directory=str(resolved.shape.directory),
     )
-    engine = VllmEngine(settings.vllm, resolved, served, role=settings.role, kv_hold_s=settings.kv_hold_timeout_s,
+    engine = VllmEngine(settings.vllm, resolved, served, role=settings.role, kv_hold_s=settings.kv_hold_timeout_s, lora=settings.lora,
                         kv_transfer=kv_transfer_config(settings.role, settings.kv_hold_timeout_s, on_cpu), env=env)
     return engine, facts

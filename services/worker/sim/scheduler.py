@@ -36,7 +36,8 @@ from collections import deque
 
 import msgspec
 
-from shared.kv.block_hash import chained_block_hashes
+from services.worker.sim.adapter_slots import AdapterSlots
+from shared.kv.block_hash import adapter_root, chained_block_hashes
 from services.worker.sim.blocks import BlockPool, KvCacheEvent
 from shared.kv.step_profile import StepTimeProfile
 from services.worker.sim.tokens import prompt_digest, stream_key, token_at
@@ -59,6 +60,9 @@ class SimRequest(msgspec.Struct, frozen=True):
     # request finishes after the last of them (or at max_tokens, if sooner).
     # Empty: free tokens from the stream key.
     script: list[int] = []
+    # The LoRA adapter it runs with ("": the base model). An adapter's blocks are its own (they chain from
+    # `shared.kv.block_hash.adapter_root`), and so are its tokens (the root goes into the stream key).
+    adapter: str = ""
 
 
 class FinishedInfo(msgspec.Struct, frozen=True):
@@ -91,6 +95,10 @@ class StepOutcome(msgspec.Struct):
     new_requests: int = 0
     # The first step after requests reached an idle scheduler (charged the profile's wake_latency).
     wakes: bool = False
+    # Seconds this step spent loading LoRA adapters for the requests it admitted (vLLM loads them before the
+    # forward pass, so the whole batch waits), and how many it loaded.
+    adapter_load_s: float = 0.0
+    adapter_loads: int = 0
 
 
 class SchedulerStats(msgspec.Struct):
@@ -107,6 +115,12 @@ class SchedulerStats(msgspec.Struct):
     blocks_evicted: int = 0
     # Requests whose prompt is not fully computed: the waiting ones, and running ones still prefilling in chunks.
     prefilling: int = 0
+    # LoRA adapters in batch slots, and those only in host memory (`AdapterSlots`); loads done, and their seconds.
+    adapters_active: list[str] = []
+    adapters_running: list[str] = []
+    adapters_cached: list[str] = []
+    adapter_loads: int = 0
+    adapter_load_seconds: float = 0.0
 
 
 class _Sequence:
@@ -124,6 +138,7 @@ class _Sequence:
         "is_running",
         "cached_prompt_tokens",
         "num_preemptions",
+        "holds_adapter",
     )
 
     def __init__(self, request: SimRequest, prompt_block_hashes: list[int], key: int) -> None:
@@ -142,6 +157,8 @@ class _Sequence:
         self.is_running = False
         self.cached_prompt_tokens: int | None = None
         self.num_preemptions = 0
+        # Whether it holds a batch slot of its LoRA adapter (from admission to its end or preemption).
+        self.holds_adapter = False
 
     def known_tokens(self) -> list[int]:
         prompt = self.request.prompt_token_ids
@@ -161,7 +178,12 @@ class SimScheduler:
         profile: StepTimeProfile,
         output_token_range: tuple[int, int],
         record_kv_events: bool = False,
+        adapters: AdapterSlots | None = None,
+        adapter_activate_s: float = 0.0,
+        adapter_load_s: float = 0.0,
     ) -> None:
+        """`adapters`: the LoRA adapter slots (None: no adapter runs here); loading one into a slot costs its step
+        `adapter_activate_s`, plus `adapter_load_s` when it is not in host memory either."""
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         if max_batched_tokens < 1:
@@ -192,6 +214,11 @@ class SimScheduler:
         self._imports = 0
         # Requests reached an idle scheduler since the last step (see `lone_first_step`).
         self._woken_by_arrival = False
+        self._adapters = adapters
+        self._adapter_activate_s = adapter_activate_s
+        self._adapter_load_s = adapter_load_s
+        self._adapter_loads = 0
+        self._adapter_load_seconds = 0.0
 
     # --- requests ----------------------------------------------------------------
 
@@ -220,9 +247,12 @@ class SimScheduler:
                 f"request {request.request_id!r}: resumes after {len(request.resume_output)} tokens, "
                 f"past the end of its scripted answer ({len(request.script)} tokens)"
             )
+        if request.adapter and self._adapters is None:
+            raise ValueError(f"request {request.request_id!r}: this node serves no LoRA adapter, and {request.adapter!r} is one")
         try:
-            hashes = chained_block_hashes(prompt, self._block_size)
-            digest = prompt_digest(prompt)
+            root = adapter_root(request.adapter) if request.adapter else None
+            hashes = chained_block_hashes(prompt, self._block_size, root)
+            digest = prompt_digest(prompt) ^ (root or 0)
         except (OverflowError, TypeError) as exc:
             raise ValueError(f"request {request.request_id!r}: token ids must be ints in [0, 2**32)") from exc
         seq = _Sequence(request, hashes, stream_key(request.seed, digest))
@@ -242,6 +272,7 @@ class SimScheduler:
             self._running.remove(seq)
         else:
             self._waiting.remove(seq)
+        self._release_adapter(seq)
         return True
 
     def release_held(self, request_id: str) -> bool:
@@ -309,6 +340,11 @@ class SimScheduler:
             prefix_hit_tokens=self._prefix_hit_tokens,
             preemptions=self._preemptions,
             steps=self._steps,
+            adapters_active=[] if self._adapters is None else self._adapters.in_slots(),
+            adapters_running=[] if self._adapters is None else list(self._adapters.running()),
+            adapters_cached=[] if self._adapters is None else self._adapters.in_host_only(),
+            adapter_loads=self._adapter_loads,
+            adapter_load_seconds=self._adapter_load_seconds,
         )
 
     def drain_kv_events(self) -> list[KvCacheEvent]:
@@ -375,19 +411,26 @@ class SimScheduler:
             outcome.new_requests,
             len(outcome.emitted),
             outcome.wakes,
-        )
+        ) + outcome.adapter_load_s
         return outcome
 
     def _admit_waiting(self, running: list[_Sequence], budget: int, outcome: StepOutcome, max_new: int) -> None:
         waiting = self._waiting
+        # Requests whose adapter finds no batch slot (every slot runs another adapter's requests) stay waiting,
+        # in their order, while later ones go ahead: as vLLM's scheduler skips them.
+        skipped: list[_Sequence] = []
         while waiting and budget > 0 and len(running) < self._max_num_seqs:
             seq = waiting[0]
+            if not self._adapter_fits(seq):
+                skipped.append(waiting.popleft())
+                continue
             is_new = seq.cached_prompt_tokens is None
             if is_new and outcome.new_requests == max_new:
                 break
             if not self._allocate(seq):
                 break  # head-of-line: later requests wait behind it
             waiting.popleft()
+            self._take_adapter(seq, outcome)
             if is_new:
                 outcome.new_requests += 1
             # The hit is capped below the token count, so the chunk is >= 1.
@@ -397,6 +440,34 @@ class SimScheduler:
                 self._finish(seq, outcome)
             else:
                 running.append(seq)
+        waiting.extendleft(reversed(skipped))
+
+    def _adapter_fits(self, seq: _Sequence) -> bool:
+        adapter = seq.request.adapter
+        if not adapter or seq.holds_adapter:
+            return True
+        if self._adapters is None:
+            raise ValueError(f"request {seq.request_id!r} asks for adapter {adapter!r}, and this node serves none")
+        return self._adapters.can_start(adapter)
+
+    def _take_adapter(self, seq: _Sequence, outcome: StepOutcome) -> None:
+        """`seq`'s adapter takes its batch slot; loading it (when not in a slot already) lengthens this step."""
+        adapter = seq.request.adapter
+        if not adapter or seq.holds_adapter or self._adapters is None:
+            return
+        residence, _ = self._adapters.start(adapter)
+        seq.holds_adapter = True
+        if residence != "slot":
+            seconds = self._adapter_activate_s + (self._adapter_load_s if residence == "none" else 0.0)
+            outcome.adapter_load_s += seconds
+            outcome.adapter_loads += 1
+            self._adapter_loads += 1
+            self._adapter_load_seconds += seconds
+
+    def _release_adapter(self, seq: _Sequence) -> None:
+        if seq.holds_adapter and self._adapters is not None:
+            self._adapters.finish(seq.request.adapter)
+            seq.holds_adapter = False
 
     def _allocate(self, seq: _Sequence) -> bool:
         """KV slots for everything ``seq`` knows; False if the pool is too full."""
@@ -406,7 +477,7 @@ class SimScheduler:
             if seq.resume_block_hashes is None:
                 # Continue the prompt's chain over the generated tokens (the
                 # prompt's partial block merges with them).
-                parent = hashes[-1] if hashes else None
+                parent = hashes[-1] if hashes else (adapter_root(seq.request.adapter) if seq.request.adapter else None)
                 rest = tokens[len(hashes) * self._block_size :]
                 seq.resume_block_hashes = hashes + chained_block_hashes(rest, self._block_size, parent)
             hashes = seq.resume_block_hashes
@@ -450,6 +521,7 @@ class SimScheduler:
 
     def _preempt(self, seq: _Sequence, outcome: StepOutcome) -> None:
         self._pool.free(seq.request_id)
+        self._release_adapter(seq)
         seq.is_running = False
         seq.num_computed = 0
         seq.prefill_end = 0
@@ -478,6 +550,7 @@ class SimScheduler:
         else:
             self._pool.free(seq.request_id)
         seq.is_running = False
+        self._release_adapter(seq)
         del self._live[seq.request_id]
         outcome.finished.append(seq.request_id)
         outcome.finished_info.append(

@@ -1,0 +1,123 @@
+"""Routing that knows LoRA adapters (services/balancer/adapters.py and the router around it).
+
+A request for an adapter costs, per node, the adapter's load there: nothing in a batch slot, a copy from host
+memory, a fetch and load otherwise; a node whose every slot runs other adapters' requests is not offered, nor is
+one that serves no adapter. The indexed and the snapshot paths decide alike, and a fleet with no adapter-serving
+node refuses the request at once.
+"""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from contracts.messages import ErrorReply, Heartbeat
+from services.balancer.adapters import AdapterPlacement
+from services.balancer.router import Placement
+from shared.balancer_settings import AdapterRoutingSettings
+from tests.unit.balancer_fixtures import NOW_WALL, heartbeat, request, router
+
+SETTINGS = AdapterRoutingSettings(load_s=0.5, activate_s=0.01)
+
+
+def lora_node(worker_id: str, *, active: tuple[str, ...] = (), adapters_running: tuple[str, ...] = (),
+              cached: tuple[str, ...] = (), max_loras: int = 2, load_s: float = 0.0, **load: object) -> Heartbeat:
+    """A node serving adapters; `load`: `heartbeat`'s fields (running requests, KV...)."""
+    beat = heartbeat(worker_id, **load)  # type: ignore[arg-type]
+    return msgspec.structs.replace(
+        beat, registration=msgspec.structs.replace(beat.registration, max_loras=max_loras, max_cpu_loras=4),
+        stats=msgspec.structs.replace(beat.stats, adapters_active=list(active), adapters_running=list(adapters_running),
+                                      adapters_cached=list(cached), adapter_load_s=load_s))
+
+
+def adapter_request(request_id: str = "r1", adapter: str = "x", **fields: object):
+    return msgspec.structs.replace(request(request_id, **fields), adapter=adapter)  # type: ignore[arg-type]
+
+
+def placement_costs(beats: list[Heartbeat], adapter: str = "x", settings: AdapterRoutingSettings = SETTINGS) -> dict:
+    placement = AdapterPlacement(settings)
+    for beat in beats:
+        placement.observe(beat)
+    return dict(placement.load_seconds(adapter, beats))
+
+
+def test_a_load_costs_nothing_in_a_slot_a_copy_from_host_memory_and_a_load_from_the_bus() -> None:
+    beats = [lora_node("slot", active=("x",)), lora_node("host", cached=("x",)), lora_node("none"),
+             lora_node("measured", load_s=0.2), heartbeat("no-lora")]
+    assert placement_costs(beats) == {"slot": 0.0, "host": 0.01, "none": 0.5, "measured": 0.2, "no-lora": None}
+
+
+def test_a_node_whose_slots_all_run_other_adapters_is_not_offered() -> None:
+    beats = [lora_node("full", active=("a", "b"), adapters_running=("a", "b")), lora_node("idle-slots", active=("a", "b"), adapters_running=("a",))]
+    # Taking idle b's slot sends b back to host memory: its next request there copies it again.
+    assert placement_costs(beats) == {"full": None, "idle-slots": 0.5 + 0.01}
+    # Its own adapter still runs there: it takes no other slot.
+    assert placement_costs(beats, "a") == {"full": 0.0, "idle-slots": 0.0}
+
+
+def test_unaware_costs_every_adapter_node_alike() -> None:
+    beats = [lora_node("full", active=("a", "b"), adapters_running=("a", "b")), lora_node("none"), heartbeat("no-lora")]
+    unaware = AdapterRoutingSettings(aware=False)
+    assert placement_costs(beats, settings=unaware) == {"full": 0.0, "none": 0.0, "no-lora": None}
+
+
+def test_adapters_sent_since_the_heartbeat_count_as_loaded() -> None:
+    placement = AdapterPlacement(SETTINGS)
+    beats = [lora_node("w0", active=("a",), adapters_running=("a",))]
+    placement.observe(beats[0])
+    placement.note_sent("w0", "x")
+    assert placement.load_seconds("x", beats) == {"w0": 0.0}
+    # Two adapters now hold its two slots.
+    assert placement.load_seconds("y", beats) == {"w0": None}
+    placement.observe(beats[0])  # the next heartbeat says what is there
+    assert placement.load_seconds("y", beats) == {"w0": 0.5}
+    placement.note_sent("w0", "x")
+    assert placement.load_seconds("y", beats) == {"w0": None}
+
+
+@pytest.mark.parametrize("use_index", [True, False])
+def test_jffc_per_request_takes_the_node_with_the_adapter_loaded(use_index: bool) -> None:
+    route = router(use_index=use_index, clock=lambda: NOW_WALL)
+    # The node without the adapter is otherwise the better one: idle, where the other runs a request.
+    beats = [lora_node("cold"), lora_node("warm", active=("x",), running=1)]
+    for beat in beats:
+        route.observe(beat)
+    placed = route.place(adapter_request(), beats, NOW_WALL + 60)
+    assert isinstance(placed, Placement) and placed.chain.worker_id == "warm"
+    # Without the adapter the idle node wins: the load is what tipped it.
+    placed = route.place(request("r2"), beats, NOW_WALL + 60)
+    assert isinstance(placed, Placement) and placed.chain.worker_id == "cold"
+
+
+@pytest.mark.parametrize("use_index", [True, False])
+def test_no_node_with_a_slot_for_the_adapter_leaves_the_request_waiting(use_index: bool) -> None:
+    route = router(use_index=use_index, clock=lambda: NOW_WALL)
+    beats = [lora_node("full", active=("a", "b"), adapters_running=("a", "b")), heartbeat("no-lora")]
+    for beat in beats:
+        route.observe(beat)
+    assert route.place(adapter_request(), beats, NOW_WALL + 60) is None
+    assert isinstance(route.place(request("plain"), beats, NOW_WALL + 60), Placement)
+
+
+def test_the_indexed_and_snapshot_paths_cost_the_adapter_alike() -> None:
+    beats = [lora_node("w0", cached=("x",), running=2), lora_node("w1", running=1), lora_node("w2", active=("x",), running=3),
+             lora_node("w3", active=("a", "b"), adapters_running=("a", "b"))]
+    choices = []
+    for use_index in (True, False):
+        route = router(use_index=use_index, clock=lambda: NOW_WALL)
+        for beat in beats:
+            route.observe(beat)
+        picks = []
+        for i in range(6):
+            placed = route.place(adapter_request(f"r{i}", adapter="xyz"[i % 3]), beats, NOW_WALL + 60)
+            picks.append(placed.chain.worker_id if placed else None)
+        choices.append(picks)
+    assert choices[0] == choices[1]
+
+
+def test_a_fleet_without_adapters_refuses_an_adapter_request_at_once() -> None:
+    route = router()
+    beats = [heartbeat("w0"), heartbeat("w1")]
+    refusal = route.unroutable(adapter_request(), beats, lambda: beats)
+    assert isinstance(refusal, ErrorReply) and refusal.code == "adapter_unavailable" and refusal.status == 503
+    assert route.unroutable(adapter_request(), [*beats, lora_node("w2")], lambda: beats) is None
