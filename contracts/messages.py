@@ -501,9 +501,9 @@ class EngineStats(Struct, omit_defaults=True):
     # the node had taken in by then is prefilled, which `waiting` alone cannot (a running request may
     # still be prefilling a long prompt in chunks). None: not reported (a worker from before this field).
     prefilling: NonNegativeInt | None = None
-    # LoRA adapters: those in the engine's batch slots now (at most `max_loras`), those of them that requests are
-    # running or waiting with (a slot a request could not take over), those loaded in host memory besides; the
-    # loads into a slot done since the worker started and the mean seconds one took.
+    # LoRA adapters: those in the engine's batch slots now (at most `max_loras`), those of them that running
+    # requests hold (slots the engine cannot give up), those loaded in host memory besides; the loads into a slot
+    # since the worker started, and the mean seconds a load of one not in host memory took (0: none yet).
     adapters_active: list[str] = []
     adapters_running: list[str] = []
     adapters_cached: list[str] = []

@@ -69,6 +69,10 @@ class AdapterError(ModelFilesError):
     status = 422  # what a request for it is answered with: the adapter exists, but cannot be served
 
 
+class NoObjectStore(AdapterError):
+    """The bus runs no JetStream, so no adapter can be published or served."""
+
+
 class AdapterGone(AdapterError):
     """An adapter removed from the bus after a request for it was routed."""
 
@@ -299,7 +303,7 @@ class AdapterStore:
 
     async def _bucket(self, create: bool):
         if not (getattr(self._nc, "_server_info", None) or {}).get("jetstream"):
-            raise AdapterError("adapters live in the bus's object store, and JetStream is not enabled on the NATS server")
+            raise NoObjectStore("adapters live in the bus's object store, and JetStream is not enabled on the NATS server")
         try:
             return await open_bucket(self._nc, create=create)
         except nats.js.errors.BucketNotFoundError as exc:

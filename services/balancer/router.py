@@ -90,8 +90,10 @@ class Router:
         self._known_workers: set[str] = set()
         # Decisions are made on the chain index whenever it can index the fleet (`RoutingPolicy`).
         self.chains = ChainIndex(builder, table) if use_index else None
-        # Where LoRA adapters are loaded, and what loading one costs on each node.
+        # Where LoRA adapters are loaded, and what loading one costs on each node; it counts a placed request's
+        # adapter on its node until the request's slot is freed, however that happens.
         self.adapters = adapters or AdapterPlacement(AdapterRoutingSettings())
+        table.on_release = self.adapters.released
 
     def place(self, request: RouteRequest, heartbeats: Sequence[Heartbeat], expires_at: float,
               backlog_bound: float = math.inf, may_hold: bool = False) -> Placement | None:
@@ -159,7 +161,7 @@ class Router:
         if prefill is None and chain.node.role == "decode" and self._prefill_saturated(chain, request, heartbeats, cached):
             self.degradation.counts["local_prefill"] += 1
         self.builder.note_sent(prefill or chain, request)
-        self.adapters.note_sent(chain.worker_id, request.adapter)
+        self.adapters.note_placed(request.request_id, chain.worker_id, request.adapter)
         return Placement(request, chain, expires_at, prefill, fast_forward=self.policy.fast_forwards > fast_forwards)
 
     def holds_for_cache(self, request: RouteRequest, cached: Mapping[K, int], eligible: Callable[[K], bool] | None,

@@ -12,7 +12,7 @@ policies see usage without a Redis round trip per chain.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 
 class SlotTable:
@@ -24,6 +24,8 @@ class SlotTable:
         self._expiry: list[tuple[float, str]] = []
         # Chains whose count changed since the last `take_changed`: the chain index refreshes only those.
         self._changed: set[str] = set()
+        # Told of every request whose slot is freed, however it was (its end, a re-route, its deadline, its node leaving).
+        self.on_release: Callable[[str], None] | None = None
 
     def take_changed(self) -> set[str]:
         """Chains whose used count may have changed since the last call."""
@@ -69,6 +71,8 @@ class SlotTable:
             self._own[chain_id] = own
         else:
             del self._own[chain_id]
+        if self.on_release is not None:
+            self.on_release(request_id)
         return chain_id
 
     def expire(self, now: float) -> list[str]:

@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import structlog
 
-from shared.adapter_store import AdapterError, AdapterInfo, AdapterStore
+from shared.adapter_store import AdapterError, AdapterInfo, AdapterStore, NoObjectStore
 
 log = structlog.get_logger("kvlane.ingress.adapters")
 
@@ -49,6 +49,8 @@ class AdapterCatalog:
     async def _read(self, store: AdapterStore) -> None:
         try:
             self._adapters = {info.name: info for info in await store.list()}
+        except NoObjectStore:
+            self._adapters = {}  # a bus without JetStream: no adapter can exist, nothing to warn about
         except AdapterError as exc:
             # Keep the last listing: a bus hiccup should not make every adapter a 404.
             log.warning("adapter_listing_failed", error=str(exc))

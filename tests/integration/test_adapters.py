@@ -107,6 +107,8 @@ def lora_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AdapterFlee
         for name, base_model in (("a0", MODEL), ("a1", MODEL), ("b0", OTHER_MODEL)):
             published = served.cli("add", name, str(adapters[name]), "--base", base_model)
             assert published.returncode == 0, published.stdout + published.stderr
+        # The ingress reads the listing again at most once a second.
+        wait_for(lambda: {"a0", "a1", "b0"} <= {m["id"] for m in served.http("/v1/models")[1]["data"]}, 10, "adapters listed")
         yield served
     finally:
         stop_and_check(fleet)
@@ -189,7 +191,10 @@ def test_unknown_and_unservable_adapters_are_refused_clearly(lora_fleet: Adapter
     assert status == 404 and body["error"]["code"] == "model_not_found"
     published = lora_fleet.cli("add", "orphan", str(lora_fleet.adapters["a0"]), "--base", "no-such-model")
     assert published.returncode == 0
-    status, body, headers = lora_fleet.http("/v1/completions", {"model": "orphan", "prompt": "hi", "max_tokens": 4})
+    # The ingress reads the listing again at most once a second.
+    status, body, headers = wait_for(
+        lambda: (r := lora_fleet.http("/v1/completions", {"model": "orphan", "prompt": "hi", "max_tokens": 4}))[0] != 404 and r,
+        10, "orphan listed")
     assert status == 503 and body["error"]["code"] == "model_unavailable" and "no-such-model" in body["error"]["message"]
     assert "Retry-After" in headers
 

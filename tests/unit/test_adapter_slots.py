@@ -75,7 +75,8 @@ def test_a_load_lengthens_the_step_that_admits_the_request() -> None:
     scheduler.add(SimRequest("r2", [9, 9, 9, 9, 9], 2, adapter="a"))
     assert scheduler.step().adapter_loads == 0  # still in its slot
     stats = scheduler.stats()
-    assert (stats.adapters_active, stats.adapter_loads, stats.adapter_load_seconds) == (["a"], 1, ACTIVATE_S + LOAD_S)
+    assert (stats.adapters_active, stats.adapter_loads, stats.adapter_fetches, stats.adapter_fetch_seconds) == (
+        ["a"], 1, 1, ACTIVATE_S + LOAD_S)
 
 
 def test_a_request_whose_adapter_finds_no_slot_waits_while_others_go_ahead() -> None:
@@ -89,7 +90,10 @@ def test_a_request_whose_adapter_finds_no_slot_waits_while_others_go_ahead() -> 
     assert stats.adapters_running == ["a"]
     emitted, _ = run_all(scheduler)
     assert set(emitted) == {"a1", "b1", "base"}
-    assert scheduler.stats().adapters_active == ["b"] and scheduler.stats().adapters_cached == ["a"]
+    stats = scheduler.stats()
+    assert (stats.adapters_active, stats.adapters_cached, stats.adapters_running) == (["b"], ["a"], [])
+    # b came from storage, as a did: two loads, both fetches.
+    assert (stats.adapter_loads, stats.adapter_fetches) == (2, 2)
 
 
 def test_an_adapter_has_its_own_blocks_and_its_own_tokens() -> None:

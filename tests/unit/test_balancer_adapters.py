@@ -61,18 +61,47 @@ def test_unaware_costs_every_adapter_node_alike() -> None:
     assert placement_costs(beats, settings=unaware) == {"full": 0.0, "none": 0.0, "no-lora": None}
 
 
-def test_adapters_sent_since_the_heartbeat_count_as_loaded() -> None:
+def test_adapters_of_requests_placed_here_count_as_running_until_their_slot_is_freed() -> None:
     placement = AdapterPlacement(SETTINGS)
     beats = [lora_node("w0", active=("a",), adapters_running=("a",))]
     placement.observe(beats[0])
-    placement.note_sent("w0", "x")
+    placement.note_placed("r1", "w0", "x")
+    placement.note_placed("r2", "w0", "x")
     assert placement.load_seconds("x", beats) == {"w0": 0.0}
-    # Two adapters now hold its two slots.
+    # Two adapters now hold its two slots, whatever a heartbeat that does not know it yet says.
     assert placement.load_seconds("y", beats) == {"w0": None}
-    placement.observe(beats[0])  # the next heartbeat says what is there
+    placement.observe(beats[0])
+    assert placement.load_seconds("y", beats) == {"w0": None}
+    placement.released("r1")
+    assert placement.load_seconds("y", beats) == {"w0": None}  # r2 still runs x
+    placement.released("r2")
+    placement.released("r2")  # releases are idempotent
     assert placement.load_seconds("y", beats) == {"w0": 0.5}
-    placement.note_sent("w0", "x")
+
+
+def test_an_adapter_whose_requests_here_ended_frees_its_slot_before_the_next_heartbeat() -> None:
+    placement = AdapterPlacement(SETTINGS)
+    placement.note_placed("r1", "w0", "a")
+    beats = [lora_node("w0", max_loras=1, active=("a",), adapters_running=("a",))]
+    placement.observe(beats[0])
     assert placement.load_seconds("y", beats) == {"w0": None}
+    placement.released("r1")  # a's last request here ended: the heartbeat still says a runs
+    assert placement.load_seconds("y", beats) == {"w0": 0.5 + 0.01}
+    placement.observe(beats[0])  # a heartbeat after it (another balancer's request for a, say) is believed again
+    assert placement.load_seconds("y", beats) == {"w0": None}
+
+
+def test_every_way_a_slot_is_freed_frees_its_adapter() -> None:
+    route = router(clock=lambda: NOW_WALL)
+    beats = [lora_node("w0", max_loras=1)]
+    route.observe(beats[0])
+    placed = route.place(adapter_request("r1", adapter="x"), beats, NOW_WALL + 60)
+    assert isinstance(placed, Placement)
+    assert route.place(adapter_request("r2", adapter="y"), beats, NOW_WALL + 60) is None  # x holds the one slot
+    route.finished("r1", "w0")
+    assert isinstance(route.place(adapter_request("r2", adapter="y"), beats, NOW_WALL + 60), Placement)
+    route.table.expire(NOW_WALL + 61)  # r2's deadline passed
+    assert isinstance(route.place(adapter_request("r3", adapter="z"), beats, NOW_WALL + 120), Placement)
 
 
 @pytest.mark.parametrize("use_index", [True, False])
@@ -99,12 +128,13 @@ def test_no_node_with_a_slot_for_the_adapter_leaves_the_request_waiting(use_inde
     assert isinstance(route.place(request("plain"), beats, NOW_WALL + 60), Placement)
 
 
-def test_the_indexed_and_snapshot_paths_cost_the_adapter_alike() -> None:
+@pytest.mark.parametrize("policy", ["jffc_per_request", "lora_affinity", "round_robin", "least_loaded"])
+def test_the_indexed_and_snapshot_paths_cost_the_adapter_alike(policy: str) -> None:
     beats = [lora_node("w0", cached=("x",), running=2), lora_node("w1", running=1), lora_node("w2", active=("x",), running=3),
              lora_node("w3", active=("a", "b"), adapters_running=("a", "b"))]
     choices = []
     for use_index in (True, False):
-        route = router(use_index=use_index, clock=lambda: NOW_WALL)
+        route = router(policy, use_index=use_index, clock=lambda: NOW_WALL)
         for beat in beats:
             route.observe(beat)
         picks = []

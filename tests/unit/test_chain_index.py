@@ -233,6 +233,7 @@ TestPowerOfTwoIndex = machine_for("power_of_two", 25)
 TestPrefixAffinityIndex = machine_for("prefix_affinity", 100)
 TestKvCostIndex = machine_for("kv_cost", 40)
 TestScoreIndex = machine_for("score", 150)
+TestLoraAffinityIndex = machine_for("lora_affinity", 25)
 
 
 @pytest.mark.parametrize("policy", POLICY_NAMES)

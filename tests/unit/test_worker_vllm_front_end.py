@@ -79,8 +79,8 @@ def test_the_step_counters_take_the_place_of_vllms_prometheus_logger() -> None:
     iteration = SimpleNamespace(prompt_token_stats=SimpleNamespace(computed=128), num_generation_tokens=2, num_preempted_reqs=0)
     manager.record(scheduler, iteration)
     assert (counters.running, counters.waiting, counters.kv_usage) == (2, 1, 0.5)
-    # The adapters that requests run or wait with, each once.
-    assert counters.adapters_running == ["a", "b"]
+    # The adapters of running requests (b's only wait: they hold no slot).
+    assert counters.adapters_running == ["a"]
 
 
 class _StepwiseEngine:

@@ -24,6 +24,7 @@ from contracts.messages import Handoff, StreamMessage
 from launch.fleet import Fleet, with_overrides
 from shared.bus import addressed_frames
 from tests.heartbeats import fresh_stats, stats_of
+from tests.waiting import until
 from tests.vllm.conftest import BLOCK_SIZE, MODEL, reference_engine_args, run_json_module, running_fleet, vllm_fleet_config
 
 pytestmark = [pytest.mark.vllm, pytest.mark.integration]
@@ -59,7 +60,8 @@ def pd_fleet(reference: list[dict], tmp_path_factory: pytest.TempPathFactory, ti
         yield fleet
 
 
-async def complete_watching_handoffs(fleet: Fleet, prompts: list[list[int]]) -> tuple[list, list[Handoff]]:
+async def complete_watching_handoffs(fleet: Fleet, prompts: list[list[int]], handoffs_expected: int) -> tuple[list, list[Handoff]]:
+    """The replies to `prompts` asked one at a time, and the hand-offs announced, once `handoffs_expected` were."""
     handoffs: list[Handoff] = []
     frames = msgspec.msgpack.Decoder(StreamMessage)
     nc = await nats.connect(fleet.config.nats.url)
@@ -74,7 +76,9 @@ async def complete_watching_handoffs(fleet: Fleet, prompts: list[list[int]]) -> 
         # One at a time, as the reference ran them: the same batch shapes.
         replies = [await client.completions.create(model=MODEL, prompt=ids, max_tokens=MAX_TOKENS, temperature=0)
                    for ids in prompts]
-        await asyncio.sleep(0.2)
+        # The prefill node announces a hand-off once the decode node accepted it, on its own path: it may come
+        # after the decode node's last token.
+        await until(lambda: len(handoffs) >= handoffs_expected, 10, f"{handoffs_expected} hand-offs announced")
     finally:
         await client.close()
         await nc.close()
@@ -83,7 +87,7 @@ async def complete_watching_handoffs(fleet: Fleet, prompts: list[list[int]]) -> 
 
 def test_long_prompts_are_pulled_by_the_decode_node_and_match_vllm_offline(pd_fleet: Fleet, reference: list[dict]) -> None:
     before = asyncio.run(stats_of(pd_fleet, "d0"))
-    replies, handoffs = asyncio.run(complete_watching_handoffs(pd_fleet, LONG_PROMPTS))
+    replies, handoffs = asyncio.run(complete_watching_handoffs(pd_fleet, LONG_PROMPTS, len(LONG_PROMPTS)))
     after = asyncio.run(fresh_stats(pd_fleet, "d0"))
     # First how each prompt got to the decode node: a failed pull ends in a local prefill, whose
     # numbers may differ in the last bits and so change this random model's greedy tokens.
@@ -102,6 +106,6 @@ def test_long_prompts_are_pulled_by_the_decode_node_and_match_vllm_offline(pd_fl
 
 def test_a_short_prompt_is_prefilled_on_the_decode_node(pd_fleet: Fleet, reference: list[dict]) -> None:
     before = asyncio.run(stats_of(pd_fleet, "d0"))
-    (reply,), handoffs = asyncio.run(complete_watching_handoffs(pd_fleet, [SHORT_PROMPT]))
+    (reply,), handoffs = asyncio.run(complete_watching_handoffs(pd_fleet, [SHORT_PROMPT], 0))
     assert reply.choices[0].text == reference[-1]["text"] and not handoffs
     assert asyncio.run(fresh_stats(pd_fleet, "d0")).kv_pulls == before.kv_pulls

@@ -30,13 +30,15 @@ def test_step_counters_accumulate_increments_and_measure_rates() -> None:
     now = [0.0]
     counters = vllm_engine.StepCounters(clock=lambda: now[0])
     scheduler = SimpleNamespace(num_running_reqs=3, num_waiting_reqs=1, kv_cache_usage=0.25,
-                                prefix_cache_stats=SimpleNamespace(queries=64, hits=32), kv_connector_stats=None)
+                                prefix_cache_stats=SimpleNamespace(queries=64, hits=32), kv_connector_stats=None,
+                                running_lora_adapters={"a": 2})
     iteration = SimpleNamespace(prompt_token_stats=SimpleNamespace(computed=100), num_generation_tokens=10, num_preempted_reqs=1)
     counters.on_step(scheduler, iteration)
     counters.on_step(scheduler, iteration)
     now[0] = 2.0
     assert counters.take_rates() == (100.0, 10.0)
     assert (counters.running, counters.waiting, counters.prefix_queries, counters.prefix_hits, counters.preemptions) == (3, 1, 128, 64, 2)
+    assert counters.adapters_running == ["a"]
     now[0] = 3.0
     assert counters.take_rates() == (0.0, 0.0)
 
@@ -46,7 +48,7 @@ def test_step_counters_sum_the_nixl_transfers_each_step_reports() -> None:
 
     def step(transfers):
         return SimpleNamespace(num_running_reqs=1, num_waiting_reqs=0, kv_cache_usage=0.0, prefix_cache_stats=None,
-                               kv_connector_stats=transfers)
+                               kv_connector_stats=transfers, running_lora_adapters={})
 
     # NixlKVConnectorStats.data: one list entry per finished transfer since the previous report.
     counters.on_step(step({"transfer_duration": [0.02, 0.001], "bytes_transferred": [98304, 229376],

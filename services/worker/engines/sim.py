@@ -108,7 +108,7 @@ class StepStats:
             adapters_running=s.adapters_running,
             adapters_cached=s.adapters_cached,
             adapter_loads=s.adapter_loads,
-            adapter_load_s=s.adapter_load_seconds / s.adapter_loads if s.adapter_loads else 0.0,
+            adapter_load_s=s.adapter_fetch_seconds / s.adapter_fetches if s.adapter_fetches else 0.0,
         )
         self._prefill_tokens = self._decode_tokens = 0
         self._since = now

@@ -117,10 +117,8 @@ class StepCounters:
                 self.prefix_hits += prefix.hits
             if scheduler_stats.kv_connector_stats:
                 self.on_kv_transfers(scheduler_stats.kv_connector_stats)
-            # The adapters of the requests scheduled or waiting now: those holding (or about to take) batch slots.
-            self.adapters_running = [*scheduler_stats.running_lora_adapters,
-                                    *(name for name in scheduler_stats.waiting_lora_adapters
-                                      if name not in scheduler_stats.running_lora_adapters)]
+            # The adapters of the requests scheduled now: the batch slots they hold.
+            self.adapters_running = list(scheduler_stats.running_lora_adapters)
         if iteration_stats is not None:
             self._prefill_tokens += iteration_stats.prompt_token_stats.computed
             self._decode_tokens += iteration_stats.num_generation_tokens
@@ -675,11 +673,10 @@ class VllmEngine:
             raise AdapterError(f"the engine cannot load adapter {adapter.name}: {_root_cause(exc)}") from exc
         self._adapter_loads += 1
         self._adapter_load_seconds += time.monotonic() - started
-        earlier = self._loras.pop(adapter.name, None)
+        # Another revision of the adapter is replaced here; vLLM's cache lets its weights go in their turn (requests
+        # still running with them keep them until they end).
+        self._loras.pop(adapter.name, None)
         self._loras[adapter.name] = lora_request
-        if earlier is not None:  # another revision of the adapter: its files went, so must its weights
-            with contextlib.suppress(Exception):
-                await self._running().remove_lora(earlier.lora_int_id)
         assert self._lora is not None
         while len(self._loras) > max(self._lora.max_cpu_loras, self._lora.max_loras):
             self._loras.popitem(last=False)  # vLLM's host cache dropped its least recently used one too

@@ -115,12 +115,14 @@ class SchedulerStats(msgspec.Struct):
     blocks_evicted: int = 0
     # Requests whose prompt is not fully computed: the waiting ones, and running ones still prefilling in chunks.
     prefilling: int = 0
-    # LoRA adapters in batch slots, and those only in host memory (`AdapterSlots`); loads done, and their seconds.
+    # LoRA adapters in batch slots, those running requests hold, and those only in host memory (`AdapterSlots`);
+    # loads into a slot, and those of them from storage (not in host memory), with their seconds.
     adapters_active: list[str] = []
     adapters_running: list[str] = []
     adapters_cached: list[str] = []
     adapter_loads: int = 0
-    adapter_load_seconds: float = 0.0
+    adapter_fetches: int = 0
+    adapter_fetch_seconds: float = 0.0
 
 
 class _Sequence:
@@ -218,7 +220,8 @@ class SimScheduler:
         self._adapter_activate_s = adapter_activate_s
         self._adapter_load_s = adapter_load_s
         self._adapter_loads = 0
-        self._adapter_load_seconds = 0.0
+        self._adapter_fetches = 0
+        self._adapter_fetch_seconds = 0.0
 
     # --- requests ----------------------------------------------------------------
 
@@ -344,7 +347,8 @@ class SimScheduler:
             adapters_running=[] if self._adapters is None else list(self._adapters.running()),
             adapters_cached=[] if self._adapters is None else self._adapters.in_host_only(),
             adapter_loads=self._adapter_loads,
-            adapter_load_seconds=self._adapter_load_seconds,
+            adapter_fetches=self._adapter_fetches,
+            adapter_fetch_seconds=self._adapter_fetch_seconds,
         )
 
     def drain_kv_events(self) -> list[KvCacheEvent]:
@@ -462,7 +466,9 @@ class SimScheduler:
             outcome.adapter_load_s += seconds
             outcome.adapter_loads += 1
             self._adapter_loads += 1
-            self._adapter_load_seconds += seconds
+            if residence == "none":
+                self._adapter_fetches += 1
+                self._adapter_fetch_seconds += seconds
 
     def _release_adapter(self, seq: _Sequence) -> None:
         if seq.holds_adapter and self._adapters is not None:
