@@ -54,7 +54,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
             case "add":
                 info = _with_store(args, lambda store: store.publish(args.name, args.base, args.path))
                 console.print(f"published adapter {info.name} of {info.base}: rank {info.rank}, "
-                              f"{info.tensor_bytes / 1e6:.1f} MB of tensors, revision {info.revision}")
+                              f"{_size(info.tensor_bytes)} of tensors, revision {info.revision}")
             case "list":
                 _print(_with_store(args, AdapterStore.list), args.json, console)
             case "remove":
@@ -95,5 +95,9 @@ def _print(adapters, as_json: bool, console: Console) -> None:
     table = Table("adapter", "base", "rank", "tensors", "revision", "published")
     for info in adapters:
         when = datetime.datetime.fromtimestamp(info.created).isoformat(timespec="seconds") if info.created else "-"
-        table.add_row(info.name, info.base, str(info.rank), f"{info.tensor_bytes / 1e6:.1f} MB", info.revision[:12], when)
+        table.add_row(info.name, info.base, str(info.rank), _size(info.tensor_bytes), info.revision[:12], when)
     console.print(table)
+
+
+def _size(size: int) -> str:
+    return f"{size / 1e6:.1f} MB" if size >= 100_000 else f"{size / 1e3:.1f} kB"
