@@ -17,11 +17,10 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
+from launch.tiny_model import staged_directory
 from shared.adapter_store import CONFIG_FILE, WEIGHTS_FILE, BaseShape, projection_sizes
 
 ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -101,10 +100,7 @@ def make_tiny_adapter(
     target_modules = tuple(target_modules)
     base = Path(base_directory).expanduser().resolve()
     base_config = json.loads((base / "config.json").read_text())
-    target = Path(directory).expanduser().resolve()
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
-    try:
+    with staged_directory(directory) as (staging, target):
         save_file(adapter_tensors(base_config, seed, rank, target_modules), str(staging / WEIGHTS_FILE))
         config = adapter_config(base, rank, target_modules)
         (staging / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
@@ -112,10 +108,4 @@ def make_tiny_adapter(
         # as another user, in a container say, must still read the adapter.
         for path in (staging, staging / CONFIG_FILE, staging / WEIGHTS_FILE):
             os.chmod(path, 0o755 if path.is_dir() else 0o644)
-        if target.exists():
-            shutil.rmtree(target)
-        staging.rename(target)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     return target

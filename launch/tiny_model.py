@@ -16,10 +16,12 @@ differences that make greedy outputs incomparable.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import random
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 VOCAB_SIZE = 1024
@@ -179,24 +181,32 @@ def make_tiny_model(directory: str | Path, seed: int = 0) -> Path:
     Written to a sibling temporary directory first and renamed, so a reader
     (another worker starting at the same moment) never sees half a model.
     """
-    target = Path(directory).expanduser().resolve()
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    try:
+    with staged_directory(directory) as (staging, target):
         tokenizer = build_tokenizer(seed)
         model = build_model(tokenizer, seed)
         model.save_pretrained(staging, safe_serialization=True)
         tokenizer.save_pretrained(staging)
+    return target
+
+
+@contextlib.contextmanager
+def staged_directory(directory: str | Path) -> Iterator[tuple[Path, Path]]:
+    """(a sibling temporary directory to write into, `directory` as an absolute path); on a clean exit the
+    temporary directory replaces `directory`, on an error it is removed. A reader never sees half the files."""
+    target = Path(directory).expanduser().resolve()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        yield staging, target
         if target.exists():
             shutil.rmtree(target)
         staging.rename(target)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    return target
 
 
 def ensure_tiny_model(directory: str | Path, seed: int = 0) -> Path:

@@ -361,6 +361,13 @@ class Decision:
         self.free = within
         self.__dict__.pop("free_rows", None)
 
+    def prefer(self, rows: np.ndarray) -> None:
+        """Offer only the free rows that `rows` (a mask) marks, when it marks any; else leave the free rows as they are."""
+        preferred = self.free & rows
+        if preferred.any():
+            self.free = preferred
+            self.__dict__.pop("free_rows", None)
+
     def request_seconds(self, prompt_tokens: int, output_tokens: int, imposed_weight: float) -> np.ndarray:
         """Every row's `JffcPerRequest.expected_seconds` for a request of this size (a new array)."""
         self._cost(prompt_tokens, output_tokens, imposed_weight)

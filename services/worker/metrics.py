@@ -46,9 +46,12 @@ class WorkerMetrics:
         """Read the in-flight count from `count` at each scrape."""
         self.in_flight.set_function(count)
 
-    def adapters(self, worker_id: str, max_loras: int, running: list[str], waiting: list[str]) -> None:
-        """The node's adapters now: its series replaces the one it had (label sets would otherwise pile up)."""
-        labels = (str(max_loras), ",".join(running), ",".join(waiting), worker_id)
+    def adapters(self, worker_id: str, max_loras: int, in_slots: list[str]) -> None:
+        """The node's adapters now: its series replaces the one it had (label sets would otherwise pile up).
+
+        Those in batch slots go in `running_lora_adapters`, which the GIE's scorer reads as the adapters a server
+        has active; `waiting_lora_adapters` stays empty, as engines report no adapter queue to the worker."""
+        labels = (str(max_loras), ",".join(in_slots), "", worker_id)
         earlier = self._lora_labels.get(worker_id)
         if earlier is not None and earlier != labels:
             self.lora_info.remove(*earlier)

@@ -595,7 +595,7 @@ class WorkerService:
         self._heartbeat_seq += 1
         stats = self._engine.stats()
         if self.registration.max_loras:
-            self.metrics.adapters(self.registration.worker_id, self.registration.max_loras, stats.adapters_active, [])
+            self.metrics.adapters(self.registration.worker_id, self.registration.max_loras, stats.adapters_active)
         if self._kv_pull_failures:
             stats = msgspec.structs.replace(stats, kv_pull_failures=stats.kv_pull_failures + self._kv_pull_failures)
         # Redis keeps the full heartbeat; the bus gets the load alone unless the registration is due.

@@ -13,8 +13,8 @@ reserved, per health weight), then least KV used; ties in turn.
 What it reads is what the balancer's adapter placement
 (`services.balancer.adapters.AdapterPlacement`) makes of the heartbeats: a
 chain's `adapter_load_s` (the index's `adapter_s` column) is 0 where the
-adapter is in a batch slot or was sent there since the node's last
-heartbeat, which is "active" here. A node whose slots all run other
+adapter is in a batch slot, or runs a request this balancer placed there
+that still holds its slot, which is "active" here. A node whose slots all run other
 adapters' requests is not offered at all, so every other offered node has
 room, and the last tier is empty. This needs `balancer.adapters.aware`
 (the default): unaware, every node reads 0 and the policy is least-loaded.
@@ -22,8 +22,6 @@ A request without an adapter is routed by load alone.
 """
 
 from __future__ import annotations
-
-import numpy as np
 
 from contracts.messages import RouteRequest
 from services.balancer.chain_index import Decision
@@ -50,22 +48,10 @@ class LoraAffinity:
         return self._rotation.best(free, lambda c: (_tier(adapter, c.adapter_load_s), c.load, c.kv_usage))
 
     def choose_indexed(self, request: RouteRequest, chains: Decision) -> int | None:
-        rows = chains.free_rows
-        if not len(rows):
-            return None
-        index = chains.index
         if request.adapter:
-            active = rows[index.adapter_s[rows] == 0.0]
-            if len(active):
-                rows = active
-        load, kv_usage = index.load[rows], index.kv_usage[rows]
-        if np.isnan(load).any() or np.isnan(kv_usage).any():
-            chains.settled = False
-            return None
-        least = load == load.min()
-        rows, kv_usage = rows[least], kv_usage[least]
-        tied = rows[kv_usage == kv_usage.min()].tolist()
-        return self._rotation.among(tied)
+            chains.prefer(chains.index.adapter_s == 0.0)
+        tied = chains.least("load", "kv_usage")
+        return self._rotation.among(tied) if tied else None
 
 
 def _tier(adapter: str, load_s: float) -> int:
