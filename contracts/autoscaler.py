@@ -6,7 +6,7 @@ from typing import Annotated, Literal
 
 from msgspec import Meta, Struct
 
-from contracts.messages import NonNegativeInt, RequestId
+from contracts.messages import NonNegativeInt, RequestId, WorkerRegistration
 
 Pool = Literal["aggregated", "prefill", "decode"]
 POOLS: tuple[Pool, ...] = ("aggregated", "prefill", "decode")
@@ -44,6 +44,22 @@ class ScalingDecision(Struct, tag="scaling", tag_field="type"):
     autoscaler_id: str
     decided_at: float
     pools: list[PoolDecision]
+    # The models of pools that may scale to zero (min = 0), one registration each, the last a worker of the model
+    # sent: while no worker serves such a model, ingresses take its requests as that registration says and
+    # balancers hold them until a worker registers (`ScaleUpWanted` wakes the autoscaler).
+    from_zero: list[WorkerRegistration] = []
 
     def desired(self) -> dict[str, int]:
         return {p.pool: p.desired for p in self.pools}
+
+
+class ScaleUpWanted(Struct, tag="scale_up_wanted", tag_field="type"):
+    """Published by a balancer holding requests for `model`, which no worker serves now: its pool is to leave zero.
+
+    Sent when the first such request arrives and again while any waits, so one lost or sent before the
+    autoscaler started still wakes it.
+    """
+
+    model: str
+    held: NonNegativeInt
+    balancer_id: str = ""

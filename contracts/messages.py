@@ -84,6 +84,9 @@ class RouteRequest(Compact, tag="route", tag_field="type"):
     hand_over: GenerateRequest | None = None
     # The LoRA adapter the request runs with ("": the base model, `model`): balancers cost its load on each node.
     adapter: str = ""
+    # The tenant's weight in fair sharing (its API key's `weight`): a tenant of weight 2 is served twice the tokens
+    # of one of weight 1 when both keep requests waiting.
+    tenant_weight: Annotated[float, Meta(gt=0.0)] = 1.0
 
 
 class RouteWithdrawn(Compact, tag="route_withdrawn", tag_field="type"):

@@ -36,6 +36,8 @@ REQUEST_FINISHED = f"{PREFIX}.events.finished"
 REQUEST_SERVED = f"{PREFIX}.events.served"
 AUTOSCALER_DECISION = f"{PREFIX}.autoscaler.decision"
 AUTOSCALER_DECISION_KEY = f"{REDIS_PREFIX}:autoscaler:decision"
+# A balancer holds requests for a model no worker serves (`ScaleUpWanted`): the autoscaler decides at once.
+AUTOSCALER_WAKE = f"{PREFIX}.autoscaler.wake"
 
 # The OpenAI API over NATS request/reply (a `nats.micro` service): the payload
 # is the OpenAI JSON request body, the reply its JSON response body.

@@ -5,6 +5,8 @@ the latest decision it stored in Redis: it starts workers a pool lacks and
 drains the pool's newest workers when it has too many (SIGTERM: a worker
 finishes what it runs, takes nothing new, then exits). What a Kubernetes
 HPA or KEDA does with `kvlane_autoscaler_desired_replicas`, on one machine.
+A pool decided down to 0 loses its last worker, and a decision of 1 for it
+(a balancer holds a request for its model) starts one again.
 """
 
 from __future__ import annotations

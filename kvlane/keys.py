@@ -44,6 +44,8 @@ def add_arguments(keys: argparse.ArgumentParser) -> None:
     create.add_argument("--models", default="", help="comma-separated models the key may use (default: all)")
     create.add_argument("--priority-max", type=int, choices=range(PRIORITY_MAX + 1), default=PRIORITY_MAX,
                         metavar=f"0..{PRIORITY_MAX}", help="higher request priorities are lowered to this")
+    create.add_argument("--weight", type=float, default=1.0,
+                        help="the tenant's weight in fair sharing under overload (2: twice the tokens of weight 1)")
     common(create)
     listing = actions.add_parser("list", help="the keys (ids, tenants, limits; never the keys themselves)")
     listing.add_argument("--json", action="store_true", help="JSON lines instead of a table")
@@ -103,7 +105,7 @@ def _create(args: argparse.Namespace, notes: Console) -> int:
     models = [model.strip() for model in args.models.split(",") if model.strip()]
     try:
         record, key = make_record(args.tenant, rpm=args.rpm, tpm=args.tpm, max_concurrency=args.max_concurrency, models=models,
-                                  priority_max=args.priority_max)
+                                  priority_max=args.priority_max, weight=args.weight)
     except msgspec.ValidationError as exc:
         notes.print(f"[red]{exc}[/]")
         return 2
@@ -128,9 +130,9 @@ def _list(args: argparse.Namespace, console: Console) -> int:
             shown = {name: value for name, value in msgspec.structs.asdict(record).items() if name != "hash"}
             print(json.dumps({**shown, "prefix": record.prefix}))
         return 0
-    table = Table("id", "prefix", "tenant", "rpm", "tpm", "concurrency", "models", "priority max", "created")
+    table = Table("id", "prefix", "tenant", "weight", "rpm", "tpm", "concurrency", "models", "priority max", "created")
     for record in records:
-        table.add_row(record.id, record.prefix, record.tenant, _limit(record.rpm), _limit(record.tpm),
+        table.add_row(record.id, record.prefix, record.tenant, f"{record.weight:g}", _limit(record.rpm), _limit(record.tpm),
                       _limit(record.max_concurrency), ",".join(record.models) or "all", str(record.priority_max),
                       _when(record.created_at))
     console.print(table)
@@ -165,6 +167,8 @@ def _limits(record: KeyRecord) -> str:
         parts.append("models " + ",".join(record.models))
     if record.priority_max < PRIORITY_MAX:
         parts.append(f"priority at most {record.priority_max}")
+    if record.weight != 1.0:
+        parts.append(f"weight {record.weight:g}")
     return ", ".join(parts) or "no limits"
 
 

@@ -84,7 +84,9 @@ _LEDGER_COMMANDS = (
     "zadd", "zrem", "zrangebyscore", "zscore", "zcard",
 )
 # Inside the slot store's scripts (services/balancer/slot_store.py) and its plain reads.
-_SLOT_COMMANDS = ("time", "get", "set", "del", "zadd", "zrem", "zcard", "zcount", "zrange", "zremrangebyscore", "pexpireat")
+_SLOT_COMMANDS = ("time", "get", "set", "del", "zadd", "zrem", "zcard", "zcount", "zrange", "zremrangebyscore", "pexpireat",
+                  # The tenants' fair-share counters beside the slots.
+                  "hincrbyfloat", "hget", "hset", "hgetall", "pexpire")
 _LEDGER_KEYS = RedisKeys(f"{subjects.REDIS_PREFIX}:cache:*")
 # A replicated job's leadership lock (services/cache_manager/leadership.py, redis-py's Lock): SET NX PX, and GET/PEXPIRE/DEL in its scripts.
 _LEADERSHIP_COMMANDS = ("set", "get", "pexpire", "del")
@@ -135,7 +137,8 @@ def _worker(
             subjects.heartbeat(ID), subjects.kv_events(ID), subjects.stream_subject(ANY, ANY), subjects.REQUEST_FINISHED,
             subjects.CACHE_RENEW, subjects.WORKER_LEFT, *publish,
         ),
-        subscribe=(subjects.worker_inbox(ID), *subscribe),
+        # Balancer heartbeats: a balancer newly there hears the recent finished events again (`finished_replay`).
+        subscribe=(subjects.worker_inbox(ID), subjects.BALANCER_HEARTBEAT_ALL, *subscribe),
         answers=("ingress", "health-prober", *answers),
         redis_keys=(RedisKeys(subjects.node_key(ID)), _NODES),
         redis_commands=(*_CONNECTION_COMMANDS, "set", "sadd", "del", "srem"),
@@ -159,6 +162,8 @@ ROLES: dict[str, Role] = {
             subscribe=(
                 subjects.stream_inbox(ID), *WATCH_CLUSTER, subjects.BALANCER_HEARTBEAT_ALL, *API_ENDPOINTS, *MICRO_DISCOVERY,
                 INBOX,
+                # Which models are served from zero.
+                subjects.AUTOSCALER_DECISION,
             ),
             # The OpenAI API over NATS and nats.micro discovery.
             answers=("client", "operator"),
@@ -169,6 +174,7 @@ ROLES: dict[str, Role] = {
                 RedisKeys(_API_KEY_LIMITS),
                 # Stored responses of the Responses API.
                 RedisKeys(subjects.response_key(ANY)),
+                RedisKeys(subjects.AUTOSCALER_DECISION_KEY, "R"),
             ),
             redis_commands=tuple(dict.fromkeys((*_CONNECTION_COMMANDS, *_WATCH_COMMANDS, *_SCRIPT_COMMANDS, *_KEY_LIMIT_COMMANDS,
                                                 "set"))),
@@ -179,16 +185,18 @@ ROLES: dict[str, Role] = {
             service="balancer",
             summary="answers route requests and hands requests (and aborts) to workers; allocates KV from the ledger or "
                     "the cache-manager",
-            publish=(subjects.CACHE_REQUEST, subjects.CACHE_ROUTED, subjects.worker_inbox(ANY), subjects.balancer_heartbeat(ANY)),
+            publish=(subjects.CACHE_REQUEST, subjects.CACHE_ROUTED, subjects.worker_inbox(ANY), subjects.balancer_heartbeat(ANY),
+                     subjects.AUTOSCALER_WAKE),
             subscribe=(
                 subjects.ROUTE, subjects.balancer_route(ANY), subjects.REQUEST_FINISHED, subjects.ROUTE_WITHDRAWN, subjects.KV_EVENTS_ALL,
                 subjects.HEALTH_ALL, *WATCH_CLUSTER, subjects.BALANCER_STATUS, subjects.BALANCER_STATUS_ALL, INBOX,
+                subjects.AUTOSCALER_DECISION,
             ),
             # Routes; statuses.
             answers=("ingress", "autoscaler", "operator"),
             redis_keys=(
                 *_WATCH_KEYS, RedisKeys(f"{subjects.REDIS_PREFIX}:slots:*"), RedisKeys(f"{subjects.REDIS_PREFIX}:slot:*"),
-                _LEDGER_KEYS,
+                RedisKeys(f"{subjects.REDIS_PREFIX}:{{tenants}}:*"), _LEDGER_KEYS, RedisKeys(subjects.AUTOSCALER_DECISION_KEY, "R"),
             ),
             redis_commands=tuple(dict.fromkeys(
                 (*_CONNECTION_COMMANDS, *_WATCH_COMMANDS, *_SCRIPT_COMMANDS, *_SLOT_COMMANDS, *_LEDGER_COMMANDS)
@@ -223,9 +231,9 @@ ROLES: dict[str, Role] = {
         Role(
             name="autoscaler",
             service="autoscaler",
-            summary="reads served-request events and the balancer's queue; publishes scaling decisions",
+            summary="reads served-request events, the balancer's queue and its wakes; publishes scaling decisions",
             publish=(subjects.AUTOSCALER_DECISION, subjects.BALANCER_STATUS),
-            subscribe=(subjects.REQUEST_SERVED, *WATCH_CLUSTER, INBOX),
+            subscribe=(subjects.REQUEST_SERVED, subjects.AUTOSCALER_WAKE, *WATCH_CLUSTER, INBOX),
             redis_keys=(*_WATCH_KEYS, RedisKeys(subjects.AUTOSCALER_DECISION_KEY)),
             redis_commands=(*_CONNECTION_COMMANDS, *_WATCH_COMMANDS, "set"),
         ),

@@ -60,6 +60,9 @@ class KeyRecord(Struct, forbid_unknown_fields=True, kw_only=True):
     models: list[str] = []
     priority_max: Annotated[int, Meta(ge=0, le=PRIORITY_MAX)] = PRIORITY_MAX
     created_at: float = 0.0
+    # The tenant's weight in the balancers' fair sharing: weight 2 is served twice the tokens of weight 1 while both
+    # keep requests waiting.
+    weight: Annotated[float, Meta(gt=0.0, le=1000.0)] = 1.0
 
     @property
     def prefix(self) -> str:
@@ -119,13 +122,13 @@ def bearer_token(headers: object) -> str | None:
 
 def make_record(
     tenant: str, *, rpm: int = 0, tpm: int = 0, max_concurrency: int = 0, models: list[str] | None = None,
-    priority_max: int = PRIORITY_MAX, created_at: float | None = None,
+    priority_max: int = PRIORITY_MAX, created_at: float | None = None, weight: float = 1.0,
 ) -> tuple[KeyRecord, str]:
     """A new key and its record (validated as a stored record would be); the key is returned once, here only."""
     key_id, key = new_key()
     record = msgspec.convert(
         {"id": key_id, "hash": hash_key(key), "tenant": tenant, "rpm": rpm, "tpm": tpm, "max_concurrency": max_concurrency,
-         "models": list(models or []), "priority_max": priority_max,
+         "models": list(models or []), "priority_max": priority_max, "weight": weight,
          "created_at": time.time() if created_at is None else created_at},
         KeyRecord,
     )

@@ -66,6 +66,16 @@ class QueueSettings(Section):
     # within 0.01 s (docs/benchmarks.md, "How long a queued request may be
     # overtaken").
     cache_aware_max_delay_s: PositiveFloat = 2.0
+    # Within a priority class, serve the oldest request of the tenant served
+    # least so far (services/balancer/fair_share.py, VTC): a tenant that
+    # bursts cannot take every slot that frees from the others. Service is
+    # counted in tokens, a prompt token at `fair_share_prompt_cost`, an output
+    # token at `fair_share_output_cost` (VTC's 1 and 2: a generated token
+    # costs a step, a prompt token a share of one), divided by the tenant's
+    # weight. Off: arrival order, whoever's.
+    fair_share: bool = True
+    fair_share_prompt_cost: Annotated[float, Meta(ge=0.0)] = 1.0
+    fair_share_output_cost: Annotated[float, Meta(ge=0.0)] = 2.0
 
 
 class SpeedSettings(Section):

@@ -9,6 +9,7 @@ whose parent is the sender's, so one trace spans all services.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import itertools
 import time
@@ -67,6 +68,8 @@ class Bus:
         self._decoders: dict[Any, msgspec.msgpack.Decoder] = {}
         self._tasks: set[asyncio.Task] = set()
         self._closing = False
+        # Set while the connection is lost (not closed): goodbyes on the way out stop waiting for a server that is gone.
+        self._connection_lost = asyncio.Event()
         # Tracing off here: a message that brings no trace context gets no span either.
         self._tracing = not isinstance(telemetry.tracer, trace.NoOpTracer)
         # Replies to this connection's requests: one wildcard inbox, a future per request by its token.
@@ -311,16 +314,43 @@ class Bus:
         return task
 
     async def flush(self, timeout: float = 2.0) -> None:
+        """Until what was published has reached the server (`unless_disconnected`: callers flush as they leave).
+        What is not flushed waits in the client's buffer, and peers that miss it see the node's heartbeats stop."""
         try:
-            await self._nc.flush(timeout=timeout)
+            await self.unless_disconnected(lambda: self._nc.flush(timeout=timeout), "flush")
         except (nats.errors.Error, asyncio.TimeoutError) as exc:
             log.warning("flush_failed", error=str(exc))
 
+    async def unless_disconnected(self, goodbye: Callable[[], Awaitable[Any]], what: str) -> bool:
+        """Await `goodbye()` (a flush, a drain on the way out) unless the connection is or gets lost first: NATS
+        gone (down with the fleet) would have it wait out nats-py's timeouts (10 s a flush) and hold the exit.
+        Whether it finished; its errors are raised."""
+        if not self._nc.is_connected:
+            log.warning("skipped_while_disconnected", what=what)
+            return False
+        finishing = asyncio.ensure_future(goodbye())
+        lost = asyncio.ensure_future(self._connection_lost.wait())
+        try:
+            await asyncio.wait([finishing, lost], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            lost.cancel()
+        if finishing.done():
+            finishing.result()
+            return True
+        finishing.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await finishing
+        log.warning("abandoned_while_disconnected", what=what)
+        return False
+
     async def _on_reconnected(self) -> None:
+        self._connection_lost.clear()
         self.reconnected_at = time.monotonic()
         log.info("nats_reconnected")
 
     async def _on_disconnected(self) -> None:
+        if not self._nc.is_closed:  # lost, not closed on purpose (nats-py says both this way)
+            self._connection_lost.set()
         # A disconnect while closing is the drain we asked for, not news.
         (log.debug if self._closing else log.warning)("nats_disconnected")
 
@@ -330,10 +360,11 @@ class Bus:
             await asyncio.wait(self._tasks, timeout=5.0)
         if not self._nc.is_closed:
             try:
-                await self._nc.drain()
+                if await self.unless_disconnected(self._nc.drain, "drain"):
+                    return
             except (nats.errors.Error, asyncio.TimeoutError) as exc:
                 log.warning("drain_failed", error=str(exc))
-                await self._nc.close()
+            await self._nc.close()
 
 
 async def _on_error(exc: Exception) -> None:

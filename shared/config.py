@@ -44,10 +44,12 @@ __all__ = [
     "NatsSettings", "RedisSettings", "LoggingSettings", "TracingSettings", "ClusterSettings", "AuthSettings",
     "IngressSettings", "CacheManagerSettings", "HealthSettings", "SimSettings", "VllmSettings", "WorkerSettings",
     "PoolBounds", "AutoscalerSettings", "SupervisionSettings", "KvlaneConfig", "ENV_PREFIX", "CONFIG_FILE_ENV",
-    "load_config", "to_env",
+    "load_config", "to_env", "TENANT_HEADER",
 ]
 
 ENV_PREFIX = "KVLANE__"
+# The header a request without an API key names its tenant in, unless `ingress.tenant_header` says another.
+TENANT_HEADER = "x-tenant"
 CONFIG_FILE_ENV = "KVLANE_CONFIG"
 
 class NatsSettings(Section):
@@ -161,11 +163,14 @@ class IngressSettings(Section):
     ingress_id: str = ""
     # Processes serving the port together (SO_REUSEPORT: the kernel spreads connections
     # over them), each with its own NATS connection and ingress id `<ingress_id>-<k>`;
-    # the first starts the others and ends them when it ends. Linux only.
+    # siblings under a supervising process that restarts any that exits. Linux only.
     processes: PositiveInt = 1
     auth: AuthSettings = msgspec.field(default_factory=AuthSettings)
     request_timeout_s: PositiveFloat = 600.0
     route_timeout_s: PositiveFloat = 5.0
+    # While no balancer answers (none running, or every replica silent: one restarting), a route request is
+    # held this long, within its deadline, and asked again as soon as a balancer heartbeats; then 503.
+    balancer_wait_s: Annotated[float, Meta(ge=0)] = 5.0
     accept_timeout_s: PositiveFloat = 2.0
     # The route request carries the worker's request, and the balancer sends it on as it decides: one NATS
     # round trip fewer before the first token. Two-node chains and degraded requests are still sent from here.
@@ -189,6 +194,11 @@ class IngressSettings(Section):
     slow_stream_factor: PositiveFloat = 4.0
     max_tokens_default: PositiveInt = 512
     max_body_bytes: PositiveInt = 8 * 1024 * 1024
+    # Who a request without an API key is from, for the balancers' fair sharing: this header's value
+    # (a GIE fairness id, say); "" or no header: the one key-less tenant. A key's tenant wins over it.
+    tenant_header: str = TENANT_HEADER
+    # Weights of tenants named by the header (unnamed: 1); a key's tenant has its key's weight.
+    tenant_weights: dict[str, Annotated[float, Meta(gt=0.0)]] = {}
     # How many leading prompt tokens ride along for hot-prefix pre-warming.
     forward_prefix_tokens: Annotated[int, Meta(ge=0)] = 2048
     # Where tokenizer files fetched from the bus are kept (a model whose directory this host
@@ -395,6 +405,9 @@ class AutoscalerSettings(Section):
     # After a change, wait this long before the next change up (new replicas must start first) or down.
     up_cooldown_s: Annotated[float, Meta(ge=0.0)] = 15.0
     down_cooldown_s: Annotated[float, Meta(ge=0.0)] = 60.0
+    # A pool whose min is 0 goes to zero once nothing ran, waited or was served for this long; a request for its
+    # model then waits in a balancer's queue (at most balancer.queue.max_wait_s) while a worker starts.
+    idle_to_zero_s: PositiveFloat = 300.0
     aggregated: PoolBounds = msgspec.field(default_factory=PoolBounds)
     prefill: PoolBounds = msgspec.field(default_factory=PoolBounds)
     decode: PoolBounds = msgspec.field(default_factory=PoolBounds)

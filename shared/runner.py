@@ -3,8 +3,10 @@
 `run_service` parses `--config`, loads the configuration, sets up logging,
 and runs the service's `main(config, stop)` on uvloop. SIGTERM and SIGINT
 set `stop`; the service then drains (finishes what it holds, takes nothing
-new) and returns, and the process exits 0. A configuration error exits 2
-with the message on stderr.
+new) and returns, and the process exits 0. A service stopped before it
+announced that it serves holds nothing: its start is cancelled at once (it
+may be waiting for a NATS or Redis that went down with the fleet). A
+configuration error exits 2 with the message on stderr.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ ServiceMain = Callable[[KvlaneConfig, asyncio.Event], Awaitable[None]]
 # Logged by each service once its subscriptions are in place: launchers and
 # tests wait for this line before they rely on the service.
 READY_EVENT = "service_ready"
+# Whether this process has said it serves (`announce_ready`): until then a stop cancels its start.
+_announced = False
 
 
 def announce_ready(**fields: object) -> None:
@@ -36,8 +40,16 @@ def announce_ready(**fields: object) -> None:
     What the process built to start is frozen out of the garbage collector first (`freeze_startup_heap`):
     that changes the whole process, so only a service's process entry calls this, never code run in-process.
     """
+    mark_serving()
     freeze_startup_heap()
     print(json.dumps({"event": READY_EVENT, **fields}, default=str), file=sys.stderr, flush=True)
+
+
+def mark_serving() -> None:
+    """From here on a stop lets the service's main stop itself (a drain), rather than cancelling its start.
+    `announce_ready` says so; a process that serves through others (a supervisor) says it with this."""
+    global _announced
+    _announced = True
 
 
 def freeze_startup_heap() -> None:
@@ -73,9 +85,27 @@ def run_service(name: str, main: ServiceMain, argv: list[str] | None = None) -> 
             loop.add_signal_handler(sig, stop.set)
         log.info("service_starting")
         watchdog = asyncio.create_task(report_slow_shutdown(stop, log))
+        serving = asyncio.current_task()
+        assert serving is not None
+        start_cancelled = False
+
+        async def cancel_start_on_stop() -> None:
+            nonlocal start_cancelled
+            await stop.wait()
+            if not _announced:
+                log.info("stopped_while_starting")
+                start_cancelled = True
+                serving.cancel()
+
+        canceller = asyncio.create_task(cancel_start_on_stop())
         try:
             await main(config, stop)
+        except asyncio.CancelledError:
+            if not start_cancelled:
+                raise
+            serving.uncancel()
         finally:
+            canceller.cancel()
             watchdog.cancel()
         log.info("service_stopped")
 

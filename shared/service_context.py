@@ -11,13 +11,16 @@ import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+import structlog
 from redis.asyncio import Redis
 
 from shared.bus import Bus
 from shared.cluster import ClusterView, ClusterWatcher
 from shared.config import KvlaneConfig
 from shared.state import ClusterState, connect_redis
-from shared.telemetry import Telemetry
+from shared.telemetry import SHUTDOWN_FLUSH_S, Telemetry
+
+log = structlog.get_logger("kvlane.service")
 
 
 @dataclass
@@ -47,4 +50,5 @@ async def service_context(config: KvlaneConfig, service: str, instance_id: str) 
         await bus.close()
         with contextlib.suppress(Exception):
             await redis_client.aclose()
-        telemetry.shutdown()
+        if not telemetry.shutdown():
+            log.warning("telemetry_not_flushed", endpoint=config.tracing.otlp_endpoint, waited_s=SHUTDOWN_FLUSH_S)

@@ -9,10 +9,15 @@ With `tracing.exporter = "otlp"` spans go to `{endpoint}/v1/traces` and
 metrics to `{endpoint}/v1/metrics` (OTLP/HTTP, protobuf); `otlp_endpoint`
 may be the base URL or the full traces URL. Without an exporter the tracer
 is a no-op and there is no meter (`meter is None`): nothing is recorded.
+
+At shutdown what is pending goes out, but for at most `SHUTDOWN_FLUSH_S`:
+the exporters retry an absent collector for about ten seconds, and an idle
+service must stop within two.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping
 
 from opentelemetry import trace
@@ -31,6 +36,8 @@ from shared.config import TracingSettings
 
 
 _SIGNALS = ("/v1/traces", "/v1/metrics")
+# A collector that answers takes milliseconds for the last batch; one that does not is given up after this.
+SHUTDOWN_FLUSH_S = 0.5
 
 
 def otlp_endpoints(endpoint: str) -> tuple[str, str]:
@@ -90,7 +97,9 @@ class Telemetry:
         """`exporter` and `metric_reader` replace the configured ones (tests pass in-memory ones)."""
         attributes = {"service.name": f"kvlane-{service}", **({"service.instance.id": instance_id} if instance_id else {})}
         resource = Resource.create(attributes)
-        self._provider = TracerProvider(resource=resource, sampler=ParentBasedTraceIdRatio(settings.sample_ratio))
+        # Not shut down again at exit (`shutdown_on_exit`): that would wait out the exporters' retries unbounded.
+        self._provider = TracerProvider(resource=resource, sampler=ParentBasedTraceIdRatio(settings.sample_ratio),
+                                        shutdown_on_exit=False)
         exporter = exporter or _exporter(settings)
         if exporter is not None:
             self._provider.add_span_processor(BatchSpanProcessor(exporter, schedule_delay_millis=settings.batch_delay_s * 1000))
@@ -115,7 +124,7 @@ class Telemetry:
             reader = self._metric_reader or _metric_reader(self._settings)
             if reader is None:
                 return None
-            self._meter_provider = MeterProvider(metric_readers=[reader], resource=self._resource)
+            self._meter_provider = MeterProvider(metric_readers=[reader], resource=self._resource, shutdown_on_exit=False)
         return self._meter_provider.get_meter("kvlane")
 
     def inject(self, headers: dict[str, str] | None = None, context: Context | None = None) -> dict[str, str]:
@@ -138,8 +147,15 @@ class Telemetry:
         if self._meter_provider is not None:
             self._meter_provider.force_flush()
 
-    def shutdown(self) -> None:
-        """Export what is pending (spans, and the metrics one last time), then stop."""
+    def shutdown(self, timeout_s: float = SHUTDOWN_FLUSH_S) -> bool:
+        """Export what is pending (spans, and the metrics one last time), then stop, within `timeout_s`;
+        whether it all went out (False: what was left is dropped with the exporters' daemon threads)."""
+        stopping = threading.Thread(target=self._shutdown_providers, name="telemetry-shutdown", daemon=True)
+        stopping.start()
+        stopping.join(timeout_s)
+        return not stopping.is_alive()
+
+    def _shutdown_providers(self) -> None:
         self._provider.shutdown()
         if self._meter_provider is not None:
             self._meter_provider.shutdown()

@@ -24,6 +24,7 @@ from urllib.parse import urlparse
 import aiohttp
 
 from loadtest.bench.workloads import Api
+from shared.config import TENANT_HEADER
 
 ALLOWED_HOST = "127.0.0.1"
 
@@ -38,6 +39,7 @@ class RequestRecord:
     scheduled_s: float  # when the workload wanted it sent (open loop); sent_s - scheduled_s is client lag
     sent_s: float = 0.0
     priority: int = 0
+    tenant: str = ""
     first_token_s: float | None = None
     token_times_s: list[float] = field(default_factory=list)  # one per content chunk (one token each on sim)
     end_s: float | None = None
@@ -104,7 +106,9 @@ class StreamingClient:
         record.sent_s = self.now()
         try:
             async with asyncio.timeout(self._timeout_s):
-                async with self._session.post(self._base_url + path, json=payload) as response:
+                # The tenant as a client without an API key names it (`ingress.tenant_header`'s default).
+                headers = {TENANT_HEADER: record.tenant} if record.tenant else None
+                async with self._session.post(self._base_url + path, json=payload, headers=headers) as response:
                     record.status = response.status
                     record.request_id = response.headers.get("X-Request-Id")
                     if response.status != 200:

@@ -37,7 +37,7 @@ from loadtest.bench.run import FleetSpec, PlannedRun, PolicyRejected, RunSpec, f
 from loadtest.bench.driver import DriveLimits
 from loadtest.bench.metrics import Slo
 from loadtest.bench.machine import machine_info
-from loadtest.bench.workloads import WORKLOAD_KINDS, ArrivalSpec, WorkloadSpec
+from loadtest.bench.workloads import WORKLOAD_KINDS, ArrivalSpec, WorkloadSpec, parse_tenants
 from shared.config import LoggingSettings
 from shared.logging import configure_logging
 
@@ -76,6 +76,9 @@ def build_parser(prog: str = "kvlane bench", description: str = __doc__.split("\
     work.add_argument("--think-time", type=float, default=0.0, help="seconds between turns (multi-turn)")
     work.add_argument("--long-share", type=float, default=0.05, help="share of 16k-128k prompts (long-context)")
     work.add_argument("--trace", type=Path, help="Mooncake-format JSONL trace (trace workload)")
+    work.add_argument("--tenants", type=parse_tenants, default=(), metavar="NAME:SHARE[:WEIGHT],...",
+                      help="tenants the sessions belong to, each with its share of the arrivals and its weight in fair "
+                           "sharing (default 1); results then report each tenant's SLO attainment and Jain's index")
     work.add_argument("--trace-time-scale", type=float, default=1.0,
                       help="multiplies trace timestamps (0.5: twice as fast); ignored when --rate/--rates is given")
     load = parser.add_argument_group("load")
@@ -133,6 +136,7 @@ def workload_for(args: argparse.Namespace, rate: float | None, max_requests: int
         question_tokens=args.question_tokens, output_tokens=args.output_tokens, turns=args.turns,
         think_time_s=args.think_time, long_share=args.long_share, trace_path=args.trace,
         trace_time_scale=args.trace_time_scale, trace_use_timestamps=rate is None and args.concurrency is None,
+        tenants=args.tenants,
     )
 
 

@@ -155,9 +155,54 @@ def late_attainment(records: Sequence[RequestRecord], slo: Slo, share: float = 0
     return sum(1 for r in late if meets_slo(r, slo)) / len(late) if late else None
 
 
+def jain_index(values: Sequence[float]) -> float | None:
+    """Jain's fairness index, (sum x)^2 / (n sum x^2): 1 when all are equal, 1/n when one has everything."""
+    squares = sum(v * v for v in values)
+    return sum(values) ** 2 / (len(values) * squares) if values and squares > 0 else None
+
+
+def fair_level(demands: Mapping[str, float], weights: Mapping[str, float], total: float) -> float:
+    """The water level L of a max-min fair split of `total` (per unit of weight): each tenant gets
+    min(its demand, its weight x L), and they add up to `total` (or everyone gets its demand)."""
+    by_ratio = sorted((demand / weights.get(t, 1.0), demand, weights.get(t, 1.0)) for t, demand in demands.items())
+    left, weight_left = total, sum(w for *_, w in by_ratio)
+    for ratio, demand, weight in by_ratio:
+        if ratio * weight_left >= left:
+            return left / weight_left
+        left -= demand
+        weight_left -= weight
+    return by_ratio[-1][0] if by_ratio else 0.0
+
+
+def tenant_summary(records: Sequence[RequestRecord], slo: Slo, weights: Mapping[str, float]) -> dict[str, Any]:
+    """Per tenant: requests, SLO attainment, TTFT p99 and served tokens (prompt and output, per unit of weight);
+    and Jain's index of served tokens per weight over the backlogged tenants: those that asked for more than a
+    max-min fair split of what was served would give them (the others got what they asked for)."""
+    by_tenant: dict[str, list[RequestRecord]] = {}
+    for record in records:
+        by_tenant.setdefault(record.tenant, []).append(record)
+    served = {t: float(sum((r.prompt_tokens or 0) + completion_tokens(r) for r in rs if r.ok)) for t, rs in by_tenant.items()}
+    asked = {t: float(sum((r.prompt_tokens or 0) + r.max_tokens for r in rs)) for t, rs in by_tenant.items()}
+    level = fair_level(asked, weights, sum(served.values()))
+    # Within 5% of the level: a tenant that asked for about its fair share is not held back by the others.
+    backlogged = sorted(t for t in by_tenant if asked[t] > 1.05 * weights.get(t, 1.0) * level)
+    tenants = {}
+    for tenant, tenant_records in sorted(by_tenant.items()):
+        ok = [r for r in tenant_records if r.ok]
+        tenants[tenant] = {
+            "requests": len(tenant_records), "succeeded": len(ok), "weight": weights.get(tenant, 1.0),
+            "slo_attainment": sum(1 for r in tenant_records if meets_slo(r, slo)) / len(tenant_records),
+            "ttft_p99_ms": distribution_ms(t for r in ok if (t := ttft_s(r)) is not None)["p99"],
+            "served_tokens": served[tenant], "asked_tokens": asked[tenant],
+            "served_tokens_per_weight": served[tenant] / weights.get(tenant, 1.0), "backlogged": tenant in backlogged,
+        }
+    return {"per_tenant": tenants, "backlogged": backlogged,
+            "jain_index_backlogged": jain_index([served[t] / weights.get(t, 1.0) for t in backlogged])}
+
+
 def summarize(records: Sequence[RequestRecord], slo: Slo, runs: Mapping[str, WorkerRun] | None = None,
-              worker_ids: Sequence[str] = ()) -> dict[str, Any]:
-    """Every metric of one run, JSON-ready."""
+              worker_ids: Sequence[str] = (), tenant_weights: Mapping[str, float] | None = None) -> dict[str, Any]:
+    """Every metric of one run, JSON-ready; per tenant too where the requests name tenants."""
     runs = runs or {}
     ok = [r for r in records if r.ok]
     span = span_s(records)
@@ -193,7 +238,7 @@ def summarize(records: Sequence[RequestRecord], slo: Slo, runs: Mapping[str, Wor
         "requests_per_worker": load,
         "load_cv": coefficient_of_variation(list(load.values())) if any(load.values()) else None,
         "finished_events_matched": sum(1 for r in records if (r.request_id or "") in runs),
-    }
+    } | ({"tenants": tenant_summary(records, slo, tenant_weights or {})} if any(r.tenant for r in records) else {})
 
 
 def _wait_before_worker(record: RequestRecord, runs: Mapping[str, WorkerRun]) -> float | None:

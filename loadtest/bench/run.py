@@ -183,6 +183,8 @@ def after_warmup(records: list[RequestRecord], warmup_s: float) -> list[RequestR
 def run_once(spec: RunSpec, on_record: Callable[[RequestRecord], None]) -> dict[str, Any]:
     """Start the fleet, send the workload, stop the fleet; the run's metrics and records."""
     config = fleet_config(spec.fleet, spec.policy, spec.request_timeout_s)
+    if spec.workload.tenants:
+        config = with_overrides(config, ingress={"tenant_weights": spec.workload.tenant_weights()})
     launcher = Launcher(spec.log_dir)
     fleet: Fleet | None = None
     started = time.monotonic()
@@ -203,7 +205,7 @@ def run_once(spec: RunSpec, on_record: Callable[[RequestRecord], None]) -> dict[
         "policy": spec.policy,
         "fleet_startup_s": startup_s,
         "processes_died": dead,
-        "summary": summarize(counted, spec.slo, runs, worker_ids),
+        "summary": summarize(counted, spec.slo, runs, worker_ids, spec.workload.tenant_weights()),
         "warmup_requests": len(records) - len(counted),
         # KV pulls the decode nodes made during the workload: requests prefilled on a prefill node.
         "kv_pulls": kv_pulls,

@@ -31,6 +31,11 @@ LoRA adapter, `adapter-<k>` for k in 0..N-1, drawn from a Zipf law of
 exponent `adapter_zipf` (rank k+1 has weight 1 / (k+1)^s) by its own seeded
 generator, independently of its group: the same session gets the same
 adapter in any run, and a conversation keeps its adapter for every turn.
+
+With `WorkloadSpec.tenants`, every session belongs to one tenant, drawn by
+the tenants' shares of the arrivals (`TenantShare`, `--tenants
+NAME:SHARE[:WEIGHT],...`) by its own seeded generator: tenant k's requests
+arrive at its share of the rate.
 """
 
 from __future__ import annotations
@@ -61,6 +66,33 @@ _SHAREGPT_OUTPUT_MAX = 2048
 
 
 @dataclass(frozen=True)
+class TenantShare:
+    """A tenant of the workload: its share of the arrivals (relative to the others') and its weight."""
+
+    name: str
+    share: float
+    weight: float = 1.0
+
+
+def parse_tenants(value: str) -> tuple[TenantShare, ...]:
+    """`NAME:SHARE[:WEIGHT],...` (`--tenants`): shares relative to each other, weights 1 unless given."""
+    tenants = []
+    for part in (p.strip() for p in value.split(",") if p.strip()):
+        name, _, rest = part.partition(":")
+        share_text, _, weight_text = rest.partition(":")
+        try:
+            share, weight = float(share_text), float(weight_text or 1.0)
+        except ValueError:
+            share = weight = -1.0
+        if not name or not (math.isfinite(share) and share > 0) or not (math.isfinite(weight) and weight > 0):
+            raise ValueError(f"--tenants {part!r}: expected NAME:SHARE[:WEIGHT] with a share and weight above 0")
+        tenants.append(TenantShare(name, share, weight))
+    if len({t.name for t in tenants}) < len(tenants):
+        raise ValueError(f"--tenants {value!r}: a tenant is named twice")
+    return tuple(tenants)
+
+
+@dataclass(frozen=True)
 class Turn:
     text: str  # chat: this turn's user message; completions: the whole prompt
     max_tokens: int
@@ -78,6 +110,8 @@ class Session:
     think_time_s: float = 0.0  # pause between a turn's answer and the next turn
     priority: int = 0  # the requests' `priority` (higher is served first)
     adapter: str = ""  # the LoRA adapter its requests name as their model ("": the base model)
+    tenant: str = ""  # who sends it ("": nobody named)
+    tenant_weight: float = 1.0  # the tenant's weight in fair sharing
 
     @property
     def requests(self) -> int:
@@ -159,6 +193,8 @@ class WorkloadSpec:
     # LoRA adapters the sessions run with (0: the base model), and the exponent of their Zipf popularity.
     adapters: int = 0
     adapter_zipf: float = 1.0
+    # The tenants sessions belong to, and their shares of the arrivals (none: no tenant named).
+    tenants: tuple[TenantShare, ...] = ()
 
     def check(self) -> None:
         if self.max_requests < 1:
@@ -171,12 +207,17 @@ class WorkloadSpec:
             raise ValueError("high_priority_share must be in [0, 1]")
         if self.adapters < 0 or not math.isfinite(self.adapter_zipf) or self.adapter_zipf < 0:
             raise ValueError("adapters must be 0 or more, and their Zipf exponent a number 0 or more")
+        if len({t.name for t in self.tenants}) < len(self.tenants):
+            raise ValueError("tenants must have different names")
         if self.kind == "trace" and self.trace_path is None:
             raise ValueError("the trace workload needs a trace file")
         if self.kind in ("shared-prefix", "multi-turn"):
             budget = self.system_tokens + self.turns_per_session * (self.question_tokens + self.output_tokens + 8)
             if budget + _CONTEXT_MARGIN_TOKENS > self.max_model_len:
                 raise ValueError(f"prompts of this workload reach ~{budget} tokens, over max_model_len {self.max_model_len}")
+
+    def tenant_weights(self) -> dict[str, float]:
+        return {tenant.name: tenant.weight for tenant in self.tenants}
 
     @property
     def timed(self) -> bool:
@@ -229,6 +270,9 @@ def sessions(spec: WorkloadSpec) -> Iterator[Session]:
             session = replace(session, priority=1)
         if spec.adapters:
             session = replace(session, adapter=adapter_name(spec, index))
+        if spec.tenants:
+            tenant = tenant_of(spec, index)
+            session = replace(session, tenant=tenant.name, tenant_weight=tenant.weight)
         if spec.duration_s is not None and spec.timed and session.arrival_s > spec.duration_s:
             return
         if session.requests > budget:
@@ -247,6 +291,13 @@ def adapter_name(spec: WorkloadSpec, index: int) -> str:
 
 
 @functools.lru_cache(maxsize=16)
+def tenant_of(spec: WorkloadSpec, index: int) -> TenantShare:
+    """Session `index`'s tenant, drawn by the tenants' shares."""
+    cumulative = list(itertools.accumulate(t.share for t in spec.tenants))
+    draw = random.Random(f"{spec.seed}:tenant:{index}").random() * cumulative[-1]
+    return spec.tenants[min(bisect.bisect_right(cumulative, draw), len(spec.tenants) - 1)]
+
+
 def _zipf_cumulative(count: int, exponent: float) -> tuple[float, ...]:
     return tuple(itertools.accumulate(1.0 / (rank ** exponent) for rank in range(1, count + 1)))
 

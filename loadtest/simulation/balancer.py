@@ -86,8 +86,8 @@ class SimBalancer:
         # The client that withdraws reads no reply, and stops its node itself.
         self._run([effect for effect in self.core.withdrawn(request_id) if not isinstance(effect, Refused)])
 
-    def on_finished(self, request_id: str, worker_id: str) -> None:
-        self._run(self.core.finished(request_id, worker_id))
+    def on_finished(self, request_id: str, worker_id: str, output_tokens: int | None = None) -> None:
+        self._run(self.core.finished(request_id, worker_id, output_tokens))
 
     def on_heartbeat(self, heartbeat: Heartbeat) -> None:
         self.view.observe(heartbeat, self._events.now)
@@ -148,7 +148,8 @@ class SimBalancer:
                     # As the service's store does: the earlier attempt's lease goes with its slot (the table's).
                     for request_id, worker_id in effect.releases:  # type: ignore[union-attr]
                         self._allocator.ledger.release(request_id, worker_id)
-                # Waiting: the reply comes later. Abort: the simulated ingress stops nodes itself.
+                # Waiting: the reply comes later. Abort: the simulated ingress stops nodes itself. Charge: no other
+                # balancer shares the tenants' counters.
             effects = answer
 
     def _reserve(self, reserve: Reserve) -> list[Effect]:

@@ -267,7 +267,7 @@ def run_one(run: SimRun, on_record: Callable[[RequestRecord], None]) -> dict[str
     measured = after_warmup(result.records, run.warmup_s)
     outcome = {
         "policy": run.policy,
-        "summary": summarize(measured, run.slo, result.runs, worker_ids),
+        "summary": summarize(measured, run.slo, result.runs, worker_ids, run.workload.tenant_weights()),
         "simulation": result_summary(result) | {"warmup_requests": len(result.records) - len(measured)},
         "records": [r.to_json() for r in measured],
     }

@@ -363,7 +363,8 @@ class Simulation:
             record.completion_tokens = len(flight.output)
             record.cached_tokens = info.cached_prompt_tokens
             self._runs[info.request_id] = WorkerRun(node.worker_id, now - flight.accepted_at, "length")
-            self._events.after(self._delay("hop"), self.balancer.on_finished, info.request_id, node.worker_id)
+            self._events.after(self._delay("hop"), self.balancer.on_finished, info.request_id, node.worker_id,
+                              len(flight.output))
             self._end(flight, client_delay=stream)
 
     def _generated(self, request_id: str) -> int:
@@ -401,7 +402,7 @@ class Simulation:
     def _start_turn(self, session: Session, turn: int, history: list[tuple[str, str]], scheduled_s: float) -> None:
         spec = session.turns[turn]
         record = RequestRecord(session.session_id, session.group, turn, session.api, spec.max_tokens, scheduled_s,
-                               priority=session.priority)
+                               priority=session.priority, tenant=session.tenant)
         record.sent_s = self._now()
         self._records.append(record)
         self._request_seq += 1
@@ -447,6 +448,8 @@ class Simulation:
             exclude_workers=list(attempt.exclude),
             priority=prepared.priority,
             adapter=flight.session.adapter,
+            tenant=flight.session.tenant,
+            tenant_weight=flight.session.tenant_weight,
         )
         flight.worker_id = None
         self._events.after(self._delay("hop", flight.delays) + self._delay("decision", flight.delays), self.balancer.route,

@@ -21,6 +21,13 @@ that, after which the replicas actually running count again). Scale-down is the
 hysteresis: only when one replica fewer would still run under
 `scale_down_pressure`, over a full stable window, and a cooldown after
 every change.
+
+A pool whose `min` is 0 goes to zero once nothing ran, waited or was
+served for `idle_to_zero_s`, and leaves zero only when a balancer holds a
+request for its model (`wake`): pressure cannot tell anything at zero, where
+no node reports and no request is served. The registrations its workers
+sent are remembered (`remember`), so that ingresses and balancers still take
+the model's requests while no worker serves it (`from_zero`).
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from contracts.autoscaler import POOLS, Pool, PoolDecision
-from contracts.messages import Heartbeat
+from contracts.messages import Heartbeat, WorkerRegistration
 from shared.config import AutoscalerSettings
 
 
@@ -42,6 +49,11 @@ class PoolGauges:
     replicas: int
     kv_usage: float  # mean over the pool's replicas, 0..1
     waiting: int  # requests waiting for the pool (its engines' queues, plus the central queue for slot-holding pools)
+    running: int = 0  # requests its engines run
+
+    @property
+    def busy(self) -> bool:
+        return self.running + self.waiting > 0
 
 
 # Pools whose nodes hold slots: requests in the central queue wait for one of them.
@@ -57,11 +69,12 @@ def pool_gauges(heartbeats: list[Heartbeat], central_queue: int) -> dict[Pool, P
     gauges = {}
     for pool, members in by_pool.items():
         usage = [hb.stats.kv_blocks_used / hb.stats.kv_blocks_total for hb in members if hb.stats.kv_blocks_total]
-        gauges[pool] = PoolGauges(len(members), sum(usage) / len(usage) if usage else 0.0, sum(hb.stats.waiting for hb in members))
+        gauges[pool] = PoolGauges(len(members), sum(usage) / len(usage) if usage else 0.0,
+                                  sum(hb.stats.waiting for hb in members), sum(hb.stats.running for hb in members))
     queued_for = next((pool for pool in _SLOT_POOLS if pool in gauges), None)
     if queued_for is not None and central_queue:
         g = gauges[queued_for]
-        gauges[queued_for] = PoolGauges(g.replicas, g.kv_usage, g.waiting + central_queue)
+        gauges[queued_for] = PoolGauges(g.replicas, g.kv_usage, g.waiting + central_queue, g.running)
     return gauges
 
 
@@ -86,9 +99,34 @@ class Observations:
         self._served: deque[tuple[float, float | None, float | None]] = deque()
         self._gauges: deque[tuple[float, Mapping[Pool, PoolGauges]]] = deque()
         self._first_at: float | None = None
+        # Kept apart from `_served`, which forgets: the idle window that takes a pool to zero may be longer.
+        self.last_served_at = -math.inf
+        # Spans during which a pool had no replica, per pool (the end None while it has none still).
+        self._without_replicas: dict[Pool, list[tuple[float, float | None]]] = {}
 
-    def served(self, at: float, ttft_s: float | None, tpot_s: float | None) -> None:
+    def served(self, at: float, ttft_s: float | None, tpot_s: float | None, arrived_at: float | None = None) -> None:
+        """A request answered at `at`; one that arrived while a pool had no replica waited for a worker to start, a
+        wait its TTFT would count as pressure (and scale a pool just woken from zero straight on)."""
+        if ttft_s is not None and arrived_at is not None and self._without_a_replica(arrived_at):
+            ttft_s = None
         self._served.append((at, ttft_s, tpot_s))
+        self.last_served_at = max(self.last_served_at, at)
+
+    def replicas(self, pool: Pool, at: float, count: int) -> None:
+        """How many replicas `pool` runs at `at` (only pools that may be at zero need saying)."""
+        spans = self._without_replicas.setdefault(pool, [])
+        still_none = bool(spans) and spans[-1][1] is None
+        if count == 0 and not still_none:
+            spans.append((at, None))
+        elif count > 0 and still_none:
+            spans[-1] = (spans[-1][0], at)
+
+    def _without_a_replica(self, at: float) -> bool:
+        return any(start <= at and (end is None or at < end) for spans in self._without_replicas.values() for start, end in spans)
+
+    def latest(self) -> Mapping[Pool, PoolGauges]:
+        """The newest gauges (none before the first)."""
+        return self._gauges[-1][1] if self._gauges else {}
 
     def gauges(self, at: float, pools: Mapping[Pool, PoolGauges]) -> None:
         self._gauges.append((at, dict(pools)))
@@ -101,6 +139,9 @@ class Observations:
             self._served.popleft()
         while self._gauges and self._gauges[0][0] < horizon:
             self._gauges.popleft()
+        # A request served later may have arrived in a span that ended within the window, hardly before.
+        for pool, spans in self._without_replicas.items():
+            self._without_replicas[pool] = [(start, end) for start, end in spans if end is None or end >= horizon]
 
     def spans(self, now: float, span_s: float) -> bool:
         """Whether gauges reach back over the whole span (a decision to scale down needs that much evidence)."""
@@ -140,6 +181,40 @@ class Autoscaler:
         self._asked: dict[Pool, int] = {}
         self._changed_at: dict[Pool, float] = {}
         self._panic_until: dict[Pool, float] = {}
+        # When each pool was last active (running, waiting, served or woken), and when a request last waited for it
+        # while it was at zero.
+        self._active_at: dict[Pool, float] = {}
+        self._woken_at: dict[Pool, float] = {}
+        # The newest registration each model's workers sent, per pool: how the model is served while at zero.
+        self._registrations: dict[tuple[str, Pool], WorkerRegistration] = {}
+
+    def remember(self, registrations: Iterable[WorkerRegistration]) -> None:
+        """Registrations of workers seen now (or stored with an earlier decision); the newest per model and pool stays."""
+        for registration in registrations:
+            key = (registration.model, registration.role)
+            known = self._registrations.get(key)
+            if known is None or registration.started_at >= known.started_at:
+                self._registrations[key] = registration
+
+    def from_zero(self) -> list[WorkerRegistration]:
+        """One registration per model of a pool that may scale to zero (its `min` is 0), generating pools' first."""
+        chosen: dict[str, WorkerRegistration] = {}
+        for (model, pool), registration in sorted(self._registrations.items(), key=lambda item: _SERVES_FIRST[item[0][1]]):
+            if getattr(self._settings, pool).min == 0:
+                chosen.setdefault(model, registration)
+        return [chosen[model] for model in sorted(chosen)]
+
+    def wake(self, now: float, model: str) -> list[Pool]:
+        """A balancer holds a request for `model`, which no worker serves: its pools that may be at zero are wanted.
+
+        Returns those pools (none: `model` is no model of such a pool, and nothing changes).
+        """
+        pools = sorted({pool for (served, pool) in self._registrations
+                        if served == model and getattr(self._settings, pool).min == 0}, key=POOLS.index)
+        for pool in pools:
+            self._woken_at[pool] = now
+            self._active_at[pool] = now
+        return pools
 
     def decide(self, now: float, observations: Observations, running: Mapping[Pool, int]) -> list[PoolDecision]:
         """Desired replicas of each pool that has replicas (a pool the fleet does not have is not managed)."""
@@ -147,10 +222,24 @@ class Autoscaler:
         stable = observations.pressures(now, s.stable_window_s, s)
         panic = observations.pressures(now, s.panic_window_s, s, latest_gauges=True)
         full_window = observations.spans(now, s.stable_window_s)
+        latest = observations.latest()
         decisions = []
-        for pool in _managed(running, self._asked):
+        for pool in self._managed(running):
+            if getattr(s, pool).min == 0:
+                observations.replicas(pool, now, running.get(pool, 0))
+            # A request served anywhere counts for every pool: the served events do not say which pools ran it.
+            active = observations.last_served_at
+            if pool in latest and latest[pool].busy:
+                active = now
+            self._active_at[pool] = max(self._active_at.get(pool, now), active)
             decisions.append(self._decide_pool(pool, now, running.get(pool, 0), stable[pool], panic[pool], full_window))
         return decisions
+
+    def _managed(self, running: Mapping[Pool, int]) -> list[Pool]:
+        """Pools with replicas or asked for, and pools that may be at zero whose workers were ever seen."""
+        seen = {pool for _, pool in self._registrations}
+        return [pool for pool in POOLS if running.get(pool, 0) > 0 or self._asked.get(pool, 0) > 0
+                or (pool in seen and getattr(self._settings, pool).min == 0)]
 
     def _decide_pool(self, pool: Pool, now: float, running: int, stable: Pressure, panic: Pressure, full_window: bool) -> PoolDecision:
         s = self._settings
@@ -182,6 +271,8 @@ class Autoscaler:
                 reason = "would scale down, cooling down after the last change"
             else:
                 desired, reason = asked - s.step, f"{stable.signal} at {stable.value:.2f}x target with one replica fewer"
+        if bounds.min == 0:
+            desired, reason = self._to_or_from_zero(pool, now, asked, desired, reason, since_change, in_panic)
         bounded = max(bounds.min, min(bounds.max, desired))
         if bounded != desired:
             reason += f" (bounded to {bounds.min}..{bounds.max})"
@@ -190,6 +281,21 @@ class Autoscaler:
         self._asked[pool] = bounded
         return PoolDecision(pool, running, bounded, round(stable.value, 4), round(panic.value, 4), stable.signal, reason, in_panic)
 
+    def _to_or_from_zero(self, pool: Pool, now: float, asked: int, desired: int, reason: str, since_change: float,
+                         in_panic: bool) -> tuple[int, str]:
+        """`desired` for a pool that may be at zero: it leaves zero only for a request that waits, and goes there idle."""
+        s = self._settings
+        if asked == 0:
+            # Woken since it was last changed: a wake before the pool went to zero was already counted as activity.
+            if self._woken_at.get(pool, -math.inf) > self._changed_at.get(pool, -math.inf):
+                return max(desired, 1), "a request waits for a worker, and the pool is at zero"
+            return 0, "at zero until a request waits for a worker"
+        idle_for = now - self._active_at.get(pool, now)
+        if desired <= asked and idle_for >= s.idle_to_zero_s and not in_panic and since_change >= s.down_cooldown_s:
+            return 0, f"idle for {idle_for:.0f}s (idle_to_zero_s {s.idle_to_zero_s:g})"
+        return desired, reason
 
-def _managed(running: Mapping[Pool, int], asked: Mapping[Pool, int]) -> Iterable[Pool]:
-    return [pool for pool in POOLS if running.get(pool, 0) > 0 or asked.get(pool, 0) > 0]
+
+# The registration a model is served as from zero: a generating node's (what ingress reads of it is the same on
+# every role, but a prefill node's says less of the decode it does not run).
+_SERVES_FIRST: dict[Pool, int] = {"aggregated": 0, "decode": 1, "prefill": 2}

@@ -6,20 +6,27 @@ role) and a balancer's central queue. Each decision goes out on
 `kvlane.v1.autoscaler.decision`, into Redis (the latest one, for actuators
 that poll, such as `kvlane up --autoscale`), and into the metrics
 `kvlane_autoscaler_desired_replicas{pool}` that KEDA or an HPA can act on.
+
+A balancer holding a request for a model no worker serves says so on
+`kvlane.v1.autoscaler.wake` (`ScaleUpWanted`): the autoscaler decides at
+once rather than at its next interval, so a pool at zero starts its first
+worker without waiting up to `interval_s` more.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 
 import msgspec
+import redis.exceptions
 import structlog
 from nats.aio.msg import Msg
 from redis.asyncio import Redis
 
 from contracts import subjects
-from contracts.autoscaler import RequestServed, ScalingDecision
+from contracts.autoscaler import RequestServed, ScaleUpWanted, ScalingDecision
 from contracts.balancer import BalancerStatus, BalancerStatusReply, BalancerStatusRequest
 from services.autoscaler.core import Autoscaler, Observations, pool_gauges
 from services.autoscaler.metrics import AutoscalerMetrics
@@ -51,24 +58,53 @@ class AutoscalerService:
         self.metrics = AutoscalerMetrics()
         self._ticker = Periodic("autoscale", settings.interval_s, self.tick)
         self.last: ScalingDecision | None = None
+        # A wake decides between two periodic ticks: one decision at a time.
+        self._deciding = asyncio.Lock()
 
     async def start(self) -> None:
+        await self._remember_stored()
         await self._bus.subscribe(subjects.REQUEST_SERVED, RequestServed, self._on_served, traced=False)
+        await self._bus.subscribe(subjects.AUTOSCALER_WAKE, ScaleUpWanted, self._on_wake, traced=False)
         self._ticker.start()
+
+    async def _remember_stored(self) -> None:
+        """The models served from zero that an earlier autoscaler knew: their workers may all be gone now."""
+        try:
+            stored = await self._redis.get(subjects.AUTOSCALER_DECISION_KEY)
+            if stored is not None:
+                self._core.remember(msgspec.json.decode(stored, type=ScalingDecision).from_zero)
+        except (msgspec.DecodeError, redis.exceptions.RedisError, OSError) as exc:
+            log.warning("stored_decision_unread", error=str(exc))
 
     async def stop(self) -> None:
         await self._ticker.stop()
 
     async def _on_served(self, served: RequestServed, msg: Msg) -> None:
-        self._observations.served(self._clock(), served.ttft_s, served.tpot_s)
+        now = self._clock()
+        self._observations.served(now, served.ttft_s, served.tpot_s, arrived_at=now - served.e2e_s)
+
+    async def _on_wake(self, wanted: ScaleUpWanted, msg: Msg) -> None:
+        pools = self._core.wake(self._clock(), wanted.model)
+        if not pools:
+            log.warning("wake_for_unknown_model", model=wanted.model, balancer_id=wanted.balancer_id)
+            return
+        if self.last is None or any(self.last.desired().get(pool, 0) == 0 for pool in pools):
+            log.info("woken", model=wanted.model, held=wanted.held, pools=pools, balancer_id=wanted.balancer_id)
+            await self.tick()
 
     async def tick(self) -> ScalingDecision:
+        async with self._deciding:
+            return await self._decide()
+
+    async def _decide(self) -> ScalingDecision:
+        live = self._view.live(time.monotonic())
+        gauges = pool_gauges(live, await self._central_queue())
         now = self._clock()
-        gauges = pool_gauges(self._view.live(time.monotonic()), await self._central_queue())
+        self._core.remember(hb.registration for hb in live)
         self._observations.gauges(now, gauges)
         self._observations.forget_before(now)
         pools = self._core.decide(now, self._observations, {pool: g.replicas for pool, g in gauges.items()})
-        decision = ScalingDecision(self._id, now, pools)
+        decision = ScalingDecision(self._id, now, pools, self._core.from_zero())
         self.metrics.record(decision)
         await self._bus.publish(subjects.AUTOSCALER_DECISION, decision)
         await self._redis.set(subjects.AUTOSCALER_DECISION_KEY, msgspec.json.encode(decision))

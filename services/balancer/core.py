@@ -31,6 +31,8 @@ from msgspec import Struct
 from contracts.health import HealthVerdict
 from contracts.messages import ErrorReply, Heartbeat, KvEvents, RouteRequest
 from services.balancer.central_queue import QueuedRequest
+from services.balancer.from_zero import FromZero, WakeAutoscaler
+from services.balancer.fair_share import SharedCounters, TenantCharge
 from services.balancer.router import Placement, Queued, Router
 from services.balancer.slot_store import worker_of
 
@@ -121,6 +123,13 @@ class ReadUsage(Struct, gc=False):
     chains: list[str]
 
 
+class Charge(Struct, gc=False):
+    """Add to a tenant's shared counter in the store (placed: its expected service; finished: the difference the
+    output made). Nothing to report; a store shared by no other replica has nothing to do."""
+
+    charge: TenantCharge
+
+
 class Drain(Struct, gc=False):
     """Slots may have freed: call `BalancerCore.dispatch` soon (once for any number of these)."""
 
@@ -128,17 +137,22 @@ class Drain(Struct, gc=False):
 DRAIN = Drain()
 
 Effect = Union[Placed, Refused, Waiting, Reserve, Requeued, Release, ReleaseEarlier, Abort, Preempted, NodesGone,
-               ReadUsage, Drain]
+               ReadUsage, Charge, WakeAutoscaler, Drain]
 
 _WITHDRAWN = ErrorReply(code="withdrawn", message="the client left", status=499)
 
 
 class BalancerCore:
-    """`routable(model)`: the model's nodes a request may go to now; `live()`: every live node, draining or not."""
+    """`routable(model)`: the model's nodes a request may go to now; `live()`: every live node, draining or not;
+    `shares_counters`: the tenants' counters are shared with other replicas through the store (`Charge`)."""
 
     def __init__(self, router: Router, routable: Callable[[str], Sequence[Heartbeat]],
-                 live: Callable[[], Sequence[Heartbeat]]) -> None:
+                 live: Callable[[], Sequence[Heartbeat]], from_zero: FromZero | None = None,
+                 shares_counters: bool = False) -> None:
         self.router = router
+        self._shares_counters = shares_counters and router.shares is not None
+        # Models whose requests wait while no worker serves them (their pool scales from zero).
+        self.from_zero = from_zero or FromZero()
         self._routable = routable
         self._live = live
         # Chains whose global count a reservation's reply gave since the last tick: the tick's read would tell no
@@ -169,8 +183,14 @@ class BalancerCore:
             else:
                 earlier = ReleaseEarlier([(request_id, worker_id) for worker_id in request.exclude_workers], None)
         heartbeats = self._routable(request.model)
-        refusal = router.unroutable(request, heartbeats, self._live)
+        # No worker serves the model, but its pool can start one: the request waits for it instead of a 404.
+        from_zero = self.from_zero.holds(request.model, heartbeats)
+        refusal = None if from_zero else router.unroutable(request, heartbeats, self._live)
         effects = [Refused(request_id, refusal)] if refusal is not None else self._admit(request, heartbeats, now, len(heartbeats) + 1)
+        if from_zero and isinstance(effects[-1], Waiting):
+            held = lambda: sum(1 for entry in router.queue.in_order() if entry.request.model == request.model)  # noqa: E731
+            if (wake := self.from_zero.held(request.model, now, held)) is not None:
+                effects.insert(len(effects) - 1, wake)
         if earlier is not None:
             effects.insert(0, earlier)
         return effects
@@ -205,6 +225,9 @@ class BalancerCore:
             if taken and leased:
                 router.table.set_global_used(chain.chain_id, used)
         if taken and leased:
+            shares = router.shares
+            if shares is not None and (charge := shares.placed(placement.request)) is not None and self._shares_counters:
+                effects.append(Charge(charge))
             effects.append(Placed(placement, entry))
             return effects
         if taken:
@@ -231,14 +254,19 @@ class BalancerCore:
     def queue_deadline(self, entry: QueuedRequest) -> Refused:
         """`entry` waited until its deadline (the caller's own timer, between ticks): the reply."""
         self.router.queue.remove(entry.request_id)
-        return Refused(entry.request_id, self.router.refusal(
-            "queue_timeout", f"no slot freed within {entry.deadline - entry.enqueued_at:.1f}s"))
+        return Refused(entry.request_id, self._timed_out(entry, f"no slot freed within {entry.deadline - entry.enqueued_at:.1f}s"))
 
     # --- events ----------------------------------------------------------------------------
 
-    def finished(self, request_id: str, worker_id: str) -> list[Effect]:
-        """`RequestFinished` from `worker_id`."""
+    def finished(self, request_id: str, worker_id: str, output_tokens: int | None = None) -> list[Effect]:
+        """`RequestFinished` from `worker_id`, with the output it gave where known. The last effect is the `Release`."""
         router = self.router
+        effects: list[Effect] = []
+        if output_tokens is not None and router.shares is not None:
+            # Before the slot is freed, which forgets what the request was charged.
+            settled = router.shares.finished(request_id, output_tokens)
+            if settled is not None and self._shares_counters:
+                effects.append(Charge(settled))
         chain_id = router.finished(request_id, worker_id)
         if chain_id is None and router.table.holder(request_id) is not None and self._is_prefill_node(worker_id):
             # A prefill node ends a request only when it never handed it over: the slot and the KV lease are its
@@ -247,7 +275,8 @@ class BalancerCore:
             chain_id = router.table.release(request_id)
             assert chain_id is not None
             worker_id = worker_of(chain_id)
-        return [Release(request_id, worker_id, chain_id)]
+        effects.append(Release(request_id, worker_id, chain_id))
+        return effects
 
     def _is_prefill_node(self, worker_id: str) -> bool:
         return any(hb.registration.worker_id == worker_id and hb.registration.role == "prefill" for hb in self._live())
@@ -305,7 +334,9 @@ class BalancerCore:
         self.expired += released
         effects: list[Effect] = [NodesGone(gone)] if gone else []
         for entry in router.queue.expire(now):
-            effects.append(Refused(entry.request_id, router.refusal("queue_timeout", "no slot freed before the deadline")))
+            effects.append(Refused(entry.request_id, self._timed_out(entry, "no slot freed before the deadline")))
+        if router.shares is not None:
+            router.shares.forget_idle(router.queue.waiting_per_tenant())
         facts = router.builder.facts
         unknown = {facts(hb).chain_id for hb in live}
         unknown -= self._counted
@@ -313,12 +344,22 @@ class BalancerCore:
         effects.append(ReadUsage(sorted(unknown)))
         return effects
 
-    def counted(self, usage: Mapping[str, int]) -> list[Effect]:
-        """The store's answer to `ReadUsage`: slots in use per chain (those it could read)."""
+    def counted(self, usage: Mapping[str, int], counters: SharedCounters | None = None) -> list[Effect]:
+        """The store's answer to `ReadUsage`: slots in use per chain (those it could read), and the tenants' shared
+        counters where the store keeps them."""
         table = self.router.table
         for chain_id, used in usage.items():
             table.set_global_used(chain_id, used)
+        if counters is not None and self.router.shares is not None:
+            self.router.shares.read(counters)
         return self._drain()
+
+    def _timed_out(self, entry: QueuedRequest, no_slot: str) -> ErrorReply:
+        """The 503 for `entry` at its deadline: it waited for a worker to start, or for a slot (`no_slot` says so)."""
+        no_worker = self.from_zero.timed_out(entry, self._routable(entry.request.model))
+        if no_worker is not None:
+            return self.router.refusal("scaling_from_zero", no_worker)
+        return self.router.refusal("queue_timeout", no_slot)
 
     def _drain(self) -> list[Effect]:
         return [DRAIN] if len(self.router.queue) else []

@@ -53,9 +53,10 @@ class DepartureRate:
         return len(self._times) / span
 
 
-def predicted_wait_s(queue: CentralQueue, priority: int, departures_per_s: float) -> float:
-    """Seconds until a request of `priority` queued now would get a slot (inf when nothing leaves)."""
-    ahead = sum(length for cls, length in queue.lengths().items() if cls >= priority)
+def predicted_wait_s(queue: CentralQueue, priority: int, departures_per_s: float, tenant: str | None = None) -> float:
+    """Seconds until a request of `priority` queued now would get a slot (inf when nothing leaves); with `tenant`,
+    its class serves tenants in turn (fair share)."""
+    ahead = queue.ahead_of(priority, tenant)
     if departures_per_s <= 0:
         return math.inf
     # Those ahead leave first, then its own turn comes (it waits only because every slot is busy).
@@ -63,9 +64,11 @@ def predicted_wait_s(queue: CentralQueue, priority: int, departures_per_s: float
 
 
 class Degradation:
-    def __init__(self, settings: DegradationSettings, retry_after_s: float) -> None:
+    def __init__(self, settings: DegradationSettings, retry_after_s: float, fair_share: bool = False) -> None:
+        """`fair_share`: the queue serves the tenants of a class in turn, not in arrival order."""
         self._settings = settings
         self._retry_after_s = retry_after_s
+        self._fair_share = fair_share
         self.departures = DepartureRate(settings.rate_window_s)
         # What was done, for the metrics: shed, evicted, max_tokens, and local_prefill (the router's:
         # a decode node prefilling itself because the prefill pool is saturated).
@@ -74,7 +77,7 @@ class Degradation:
     def before_queueing(self, request: RouteRequest, queue: CentralQueue, deadline: float, now: float) -> RouteRequest | ErrorReply:
         """The request as it should wait (perhaps for fewer tokens), or its refusal."""
         settings = self._settings
-        wait = predicted_wait_s(queue, request.priority, self.departures.per_s(now))
+        wait = self.predicted_wait_s(queue, request, now)
         if settings.shed and wait > deadline - now and self.departures.per_s(now) > 0:
             self.counts["shed"] += 1
             return ErrorReply(
@@ -89,8 +92,15 @@ class Degradation:
                 return msgspec.structs.replace(request, max_tokens=reduced)
         return request
 
-    def backlog_bound_s(self, queue: CentralQueue, priority: int, now: float) -> float:
-        """The most prefill backlog a free chain may have for a request of `priority` to be placed there now.
+    @property
+    def ttft_target_s(self) -> float:
+        return self._settings.ttft_target_s
+
+    def predicted_wait_s(self, queue: CentralQueue, request: RouteRequest, now: float) -> float:
+        return predicted_wait_s(queue, request.priority, self.departures.per_s(now), request.tenant if self._fair_share else None)
+
+    def backlog_bound_s(self, queue: CentralQueue, request: RouteRequest, now: float) -> float:
+        """The most prefill backlog a free chain may have for `request` to be placed there now.
 
         A node busy prefilling long prompts can still have free slots; a
         request placed there waits behind all of that prefill, bound to the
@@ -99,7 +109,7 @@ class Degradation:
         better off queued. With no departures measured yet there is no
         prediction, and no bound (inf).
         """
-        return max(self._settings.ttft_target_s, predicted_wait_s(queue, priority, self.departures.per_s(now)))
+        return max(self._settings.ttft_target_s, self.predicted_wait_s(queue, request, now))
 
     def make_room(self, request: RouteRequest, queue: CentralQueue) -> QueuedRequest | None:
         """Take the newest waiting request of the lowest class below `request`'s out of a full queue (it is refused)."""
@@ -116,5 +126,5 @@ class Degradation:
 
     def evicted_reply(self, victim: QueuedRequest) -> ErrorReply:
         return ErrorReply(code="overloaded", status=429, retry_after_s=self._retry_after_s,
-                          message=f"overloaded: a higher-priority request took this priority-{victim.request.priority} "
-                                  "request's place in the queue")
+                          message=f"overloaded: a higher-priority request, or one of a tenant with fewer waiting, took this "
+                                  f"priority-{victim.request.priority} request's place in the queue")

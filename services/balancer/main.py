@@ -7,6 +7,7 @@ import uuid
 
 from services.balancer.allocation import KvAllocator
 from services.balancer.building import build_router, fallback_step_model
+from services.balancer.from_zero import FromZero
 from services.balancer.metrics import BalancerMetrics
 from services.balancer.service import BalancerService
 from services.balancer.slot_store import LocalSlotStore, RedisSlotStore
@@ -15,6 +16,7 @@ from shared.kv.block_ledger import BlockLedger
 from shared.config import KvlaneConfig
 from shared.metrics_http import serve_metrics
 from shared.runner import announce_ready
+from shared.scale_from_zero import ModelsFromZeroWatcher
 from shared.service_context import service_context
 
 
@@ -33,9 +35,13 @@ async def main(config: KvlaneConfig, stop: asyncio.Event) -> None:
                  else LocalSlotStore(allocator.release_many if allocator is not None else None))
         router = build_router(settings, model)
         metrics.track_degradation(router.degradation.counts)
+        # The models the autoscaler may scale to zero: their requests wait for a worker rather than get a 404.
+        from_zero = ModelsFromZeroWatcher(ctx.bus, ctx.redis)
+        await from_zero.start()
         service = BalancerService(
             ctx.bus, ctx.view, router, store, settings, metrics, SlotRates(settings.slots), allocator, balancer_id,
             tracer=ctx.telemetry.tracer, heartbeat_interval_s=config.cluster.heartbeat_interval_s,
+            from_zero=FromZero(from_zero.models),
         )
         # Heartbeats reach the balancer through the watcher that keeps `ctx.view`: decoded and recorded once.
         ctx.watcher.add_heartbeat_listener(service.heard)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import get_args
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -27,6 +27,16 @@ class BalancerMetrics:
             "kvlane_balancer_decision_seconds", "Time the routing core takes per placement attempt", _LATENCY_BUCKETS, r
         )
         self.queue_length = Gauge("kvlane_balancer_queue_length", "Requests waiting in the central queue", registry=r)
+        # Fair share (services/balancer/fair_share.py), per tenant with requests waiting (as many series as those).
+        self.tenant_waiting = Gauge("kvlane_balancer_tenant_waiting", "Requests waiting in the central queue by tenant",
+                                    ["tenant"], registry=r)
+        self.tenant_service = Gauge("kvlane_balancer_tenant_service_tokens",
+                                    "A waiting tenant's virtual service: its weighted tokens served, lifted when it was idle",
+                                    ["tenant"], registry=r)
+        self._tenants_shown: set[str] = set()
+        # What KEDA activates a pool at zero on (k8s/components/keda): 0 -> 1 once any request waits here.
+        self.held_from_zero = Gauge("kvlane_balancer_held_from_zero",
+                                    "Requests waiting for a worker of a model whose pool is at zero", ["model"], registry=r)
         self.queue_wait = Histogram(
             "kvlane_balancer_queue_wait_seconds", "Time requests waited in the central queue", ["outcome"], buckets=_WAIT_BUCKETS,
             registry=r,
@@ -55,6 +65,18 @@ class BalancerMetrics:
         """Export what the router's degradation did (read at each scrape): `kvlane_balancer_degraded_total{kind}`."""
         self.registry.register(_CountsCollector("kvlane_balancer_degraded", "Requests degraded under overload, by what was done",
                                                 "kind", counts))
+
+
+    def track_tenants(self, waiting: Mapping[str, int], counter: Callable[[str], float]) -> None:
+        """The tenants with requests waiting now, and their virtual service; a tenant no longer waiting is dropped."""
+        shown = {tenant or "-": tenant for tenant in waiting}  # the key-less tenant as "-", as the ingress labels it
+        for label in self._tenants_shown - shown.keys():
+            self.tenant_waiting.remove(label)
+            self.tenant_service.remove(label)
+        self._tenants_shown = set(shown)
+        for label, tenant in shown.items():
+            self.tenant_waiting.labels(label).set(waiting[tenant])
+            self.tenant_service.labels(label).set(counter(tenant))
 
 
 class _CountsCollector(Collector):

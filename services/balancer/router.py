@@ -25,6 +25,7 @@ from services.balancer.adapters import AdapterPlacement
 from services.balancer.central_queue import CentralQueue, QueuedRequest
 from services.balancer.chain_index import ChainIndex
 from services.balancer.degradation import Degradation
+from services.balancer.fair_share import TenantShares
 from services.balancer.policies import RoutingPolicy
 from services.balancer.slot_table import SlotTable
 from services.balancer.disaggregation import choose_prefill, prefill_saturated, remote_prompt_ready_s
@@ -80,9 +81,12 @@ class Router:
         self.queue = queue
         self._queue_settings = queue_settings
         self._disaggregation = disaggregation or DisaggregationSettings()
-        self.degradation = Degradation(degradation or DegradationSettings(), queue_settings.retry_after_s)
+        self.degradation = Degradation(degradation or DegradationSettings(), queue_settings.retry_after_s,
+                                       queue_settings.fair_share)
         # Queued request id -> younger requests of its class served before it (cache-aware dequeue).
         self._overtaken: dict[str, int] = {}
+        # Queued request id -> its place in the last dequeue order before cache-aware reordering.
+        self._rank: dict[str, int] = {}
         # Requests left waiting for a busy node caching their prompt (`holds_for_cache`): counted once each,
         # however often a queued one is held again; and those of them still queued.
         self.cache_holds = 0
@@ -93,7 +97,10 @@ class Router:
         # Where LoRA adapters are loaded, and what loading one costs on each node; it counts a placed request's
         # adapter on its node until the request's slot is freed, however that happens.
         self.adapters = adapters or AdapterPlacement(AdapterRoutingSettings())
-        table.on_release = self.adapters.released
+        # Each tenant's service so far, for the queue's order within a class (None: arrival order).
+        self.shares = (TenantShares(queue_settings.fair_share_prompt_cost, queue_settings.fair_share_output_cost)
+                       if queue_settings.fair_share else None)
+        table.on_release = self._slot_freed
 
     def place(self, request: RouteRequest, heartbeats: Sequence[Heartbeat], expires_at: float,
               backlog_bound: float = math.inf, may_hold: bool = False) -> Placement | None:
@@ -205,7 +212,7 @@ class Router:
         """
         if not self.policy.bounds_backlog:
             return math.inf
-        return self.degradation.backlog_bound_s(self.queue, request.priority, now)
+        return self.degradation.backlog_bound_s(self.queue, request, now)
 
     def _with_prefill_nodes(
         self, request: RouteRequest, snapshot: ClusterSnapshot, heartbeats: Sequence[Heartbeat], cached: Mapping[str, int],
@@ -248,6 +255,8 @@ class Router:
         self.table.release(request.request_id)
         self.queue.remove(request.request_id)
         self._held.discard(request.request_id)
+        if self.shares is not None:
+            self.shares.arrived(request.tenant, self.queue.waiting_per_tenant())
         # The time left the request arrived with, as a moment on this balancer's clock.
         request_deadline = now + request.timeout_s
         # With no room to wait, a request that could be held for its cache takes a free chain instead of a refusal.
@@ -262,7 +271,13 @@ class Router:
         if isinstance(waiting, ErrorReply):
             return waiting
         evicted = self.degradation.make_room(waiting, self.queue) if self.queue.full else None
+        if evicted is None and self.queue.full and self.shares is not None:
+            evicted = self._fair_room(waiting)
         if self.queue.full:
+            if evicted is not None:
+                # Still full (requests put back after a refused reservation may overfill it): the victim keeps its place.
+                self.queue.restore(evicted)
+                self.degradation.counts["evicted"] -= 1
             return self.refusal("queue_full", f"all slots busy and {len(self.queue)} requests already waiting")
         entry = self.queue.push(waiting, now, deadline)
         assert entry is not None
@@ -297,8 +312,7 @@ class Router:
                 exhausted.add(model)
                 continue
             # A request waits for its cache no longer than it may be overtaken (`dequeue_order`).
-            may_hold = (now - entry.enqueued_at < self._queue_settings.cache_aware_max_delay_s
-                        and not self._overdue(entry, bound))
+            may_hold = now - entry.enqueued_at < self._hold_limit_s(entry.request) and not self._overdue(entry, bound)
             placement = self.place(entry.request, heartbeats, entry.enqueued_at + entry.request.timeout_s,
                                    self.backlog_bound_s(entry.request, now), may_hold)
             if placement is not None:
@@ -318,10 +332,13 @@ class Router:
         the rest, oldest first. Under load, slots free one at a time, and the
         slot then goes to a request its node can serve from cache.
         """
-        entries = list(self.queue.in_order())
+        entries = list(self.queue.in_order(self.shares))
         settings = self._queue_settings
         if not settings.cache_aware_dequeue or len(entries) < 2:
             return entries
+        # Overtaking is counted against this order, not arrival: with tenants' shares, serving the least-served
+        # tenant first is not an overtake of the busier tenant's older requests.
+        self._rank = {entry.request_id: rank for rank, entry in enumerate(entries)}
         self._overtaken = {r: n for r, n in self._overtaken.items() if r in self.queue}
         free_nodes: dict[str, list[str]] = {}
 
@@ -344,8 +361,14 @@ class Router:
             rest = [e for e in waiting if not self._overdue(e, bound)]
             window, tail = rest[: settings.cache_aware_window], rest[settings.cache_aware_window :]
             scores = {e.request_id: cached_share(e) for e in window}
-            window.sort(key=lambda e: -scores[e.request_id])  # stable: ties stay oldest first
-            ordered += due + window + tail
+            if self.shares is None:
+                window.sort(key=lambda e: -scores[e.request_id])  # stable: ties stay oldest first
+                ordered += due + window + tail
+            else:
+                # The tenants' turns stay as fair share gave them: within its own turns, a tenant's overdue
+                # requests go first, then its best cached.
+                rank = {e.request_id: (0, 0.0) for e in due} | {e.request_id: (1, -scores[e.request_id]) for e in window}
+                ordered += _within_tenant_turns(waiting, lambda e: rank.get(e.request_id, (2, 0.0)))
         return ordered
 
     def overtake_bound(self) -> float:
@@ -368,11 +391,14 @@ class Router:
         return self._overtaken.get(entry.request_id, 0) >= bound
 
     def _count_overtaken(self, served: QueuedRequest, order: Sequence[QueuedRequest]) -> None:
-        """Every older request of `served`'s class still waiting has been overtaken once more."""
+        """Every request of `served`'s class ahead of it in the order (before cache-aware reordering) and still
+        waiting has been overtaken once more."""
         if not self._queue_settings.cache_aware_dequeue:
             return
+        rank = self._rank
+        served_rank = rank.get(served.request_id, -1)
         for entry in order:
-            if (entry.seq < served.seq and entry.request.priority == served.request.priority
+            if (rank.get(entry.request_id, served_rank) < served_rank and entry.request.priority == served.request.priority
                     and entry.request_id in self.queue):
                 self._overtaken[entry.request_id] = self._overtaken.get(entry.request_id, 0) + 1
 
@@ -448,6 +474,45 @@ class Router:
         if entry is not None:
             self.queue.restore(entry)
 
+    def _hold_limit_s(self, request: RouteRequest) -> float:
+        """How long a queued request may wait for a busy node caching its prompt (`holds_for_cache`).
+
+        With fair share, a request of a tenant with fewer requests waiting than the tenants waiting have on
+        average is held no longer than the TTFT target: such a tenant is served at least as fast as it asks, so
+        its request is soon in turn, and a longer hold would spend its latency for everyone's cache (and, with its
+        requests kept waiting, have it held again). A busier tenant's requests wait for their turns anyway, and
+        their holds cost nobody else. Measured at 2x overload (docs/benchmarks.md, "Fair share"): with the full
+        2 s for all, the light tenant met its SLO for 0.93 of its requests; never held, 1.0 but the fleet served
+        5% fewer tokens (its prompts missed the cache); held up to 0.5 s, 0.97 at arrival order's throughput.
+        """
+        limit = self._queue_settings.cache_aware_max_delay_s
+        if self.shares is not None:
+            waiting = self.queue.waiting_per_tenant()
+            if waiting.get(request.tenant, 0) * len(waiting) < len(self.queue):
+                return min(limit, self.degradation.ttft_target_s)
+        return limit
+
+    def _fair_room(self, request: RouteRequest) -> QueuedRequest | None:
+        """Take the newest waiting request of the tenant with the most waiting in `request`'s class out of a full
+        queue, when that tenant has more waiting than `request`'s would with it (it is refused), as fair queuing
+        drops from the longest queue: a tenant filling the queue cannot lock the others out of it."""
+        waiting = self.queue.tenants_of(request.priority)
+        if not waiting:
+            return None
+        longest = max(waiting, key=waiting.__getitem__)
+        if waiting[longest] <= waiting.get(request.tenant, 0) + 1:
+            return None
+        victim = self.queue.newest_of_tenant(longest, request.priority)
+        if victim is not None:
+            self.queue.remove(victim.request_id)
+            self.degradation.counts["evicted"] += 1
+        return victim
+
+    def _slot_freed(self, request_id: str) -> None:
+        self.adapters.released(request_id)
+        if self.shares is not None:
+            self.shares.released(request_id)
+
     def refusal(self, code: str, message: str) -> ErrorReply:
         return ErrorReply(code=code, message=message, status=503, retry_after_s=self._queue_settings.retry_after_s)
 
@@ -463,3 +528,12 @@ class Router:
             facts = self.builder.facts(heartbeat)
             if facts.health_weight > 0 and self.table.used(facts.chain_id) < facts.slots_total:
                 yield facts
+
+
+def _within_tenant_turns(entries: list[QueuedRequest], key: Callable[[QueuedRequest], tuple[int, float]]) -> list[QueuedRequest]:
+    """`entries` with each tenant's requests sorted by `key` (stably), in the places the tenant's requests held."""
+    own: dict[str, list[QueuedRequest]] = {}
+    for entry in entries:
+        own.setdefault(entry.request.tenant, []).append(entry)
+    turns = {tenant: iter(sorted(mine, key=key)) for tenant, mine in own.items()}
+    return [next(turns[entry.request.tenant]) for entry in entries]

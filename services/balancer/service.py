@@ -30,6 +30,7 @@ from opentelemetry.trace import Span, Tracer
 from prometheus_client import Counter, Gauge
 
 from contracts import subjects
+from contracts.autoscaler import ScaleUpWanted
 from contracts.balancer import BalancerStatusReply, BalancerStatusRequest
 from contracts.health import HealthVerdict
 from contracts.messages import (
@@ -49,6 +50,7 @@ from services.balancer.central_queue import QueuedRequest
 from services.balancer.core import (
     Abort,
     BalancerCore,
+    Charge,
     Drain,
     Effect,
     Placed,
@@ -60,6 +62,7 @@ from services.balancer.core import (
     Reserve,
     Waiting,
 )
+from services.balancer.from_zero import FromZero, WakeAutoscaler
 from services.balancer.metrics import BalancerMetrics
 from services.balancer.presence import ReplicaPresence
 from services.balancer.router import Placement, Router
@@ -100,6 +103,7 @@ class BalancerService:
         wall_clock: Callable[[], float] = time.time,
         tracer: Tracer | None = None,
         heartbeat_interval_s: float = 1.0,
+        from_zero: FromZero | None = None,
     ) -> None:
         self._bus = bus
         self._view = view
@@ -109,7 +113,10 @@ class BalancerService:
         self._waiting_traces: dict[str, otel_context.Context] = {}
         self.router = router
         # The decisions: this service carries out their effects over NATS and the store.
-        self.core = BalancerCore(router, self._routable, lambda: self._view.live(self._clock()))
+        self.core = BalancerCore(router, self._routable, lambda: self._view.live(self._clock()), from_zero,
+                                 shares_counters=isinstance(store, RedisSlotStore))
+        # Models with requests waiting for a worker at the last tick (their gauges go back to 0 when none waits).
+        self._held_models: set[str] = set()
         self._store = store
         self._settings = settings
         self._metrics = metrics
@@ -142,8 +149,8 @@ class BalancerService:
 
     async def start(self) -> None:
         bus = self._bus
-        await self._presence.start()
-        # These two only update memory (the release batch goes out later): handled as nats-py reads them.
+        # These two only update memory (the release batch goes out later): handled as nats-py reads them. Before
+        # the first heartbeat: workers answer a new replica's first one with the finished events it may have missed.
         await bus.subscribe(subjects.REQUEST_FINISHED, RequestFinished, self._on_finished, traced=False, at_once=True)
         await bus.subscribe(subjects.ROUTE_WITHDRAWN, RouteWithdrawn, self._on_withdrawn)
         await bus.subscribe(subjects.KV_EVENTS_ALL, KvEvents, self._on_kv_events, traced=False, at_once=True)
@@ -153,6 +160,7 @@ class BalancerService:
             subjects.BALANCER_STATUS, BalancerStatusRequest, self._on_status, queue=subjects.BALANCER_ADMIN_QUEUE_GROUP
         )
         await bus.subscribe(subjects.BALANCER_STATUS_ALL, BalancerStatusRequest, self._on_status)
+        await self._presence.start()
         self._ticker.start()
 
     async def stop(self) -> None:
@@ -415,9 +423,13 @@ class BalancerService:
                         self._store_degraded = True
                 # Not before the store freed it: another replica could not take it yet, nor could this one.
                 self._carry_out_now(self.core.released(released))
+            case Charge(charge=charge):
+                self._store.charge(charge)
             case ReleaseEarlier(releases=releases, chains=chains):
                 with contextlib.suppress(*_STORE_ERRORS):
                     await self._store.release_many(releases, chains)
+            case WakeAutoscaler():
+                await self._wake(effect)
             case Abort(request_id=request_id, worker_id=worker_id):
                 # This replica may have handed the request over before its route reply reached a client that had
                 # left; a worker that never got it ignores the abort.
@@ -426,6 +438,15 @@ class BalancerService:
                                             AbortRequest(request_id=request_id, reason="client_disconnected"))
             case _:
                 self._carry_out_now([effect])
+
+    async def _wake(self, wake: WakeAutoscaler) -> None:
+        """Ask the autoscaler for a worker of the model; lost, the next tick's wake asks again."""
+        try:
+            await self._bus.publish(subjects.AUTOSCALER_WAKE, ScaleUpWanted(wake.model, wake.held, self._balancer_id))
+        except Exception as exc:  # NATS trouble: the held requests wait on, and the next tick tries again
+            log.warning("autoscaler_wake_failed", model=wake.model, error=str(exc))
+            return
+        log.info("autoscaler_woken", model=wake.model, held=wake.held)
 
     def _carry_out_now(self, effects: list[Effect]) -> None:
         """The effects that need no I/O: replies and drains."""
@@ -439,9 +460,12 @@ class BalancerService:
     # --- events ---------------------------------------------------------------------
 
     def _on_finished(self, event: RequestFinished, msg: Msg) -> None:
-        for release in self.core.finished(event.request_id, event.worker_id):
-            assert isinstance(release, Release) and release.worker_id is not None
-            self._finished.put((release.request_id, release.worker_id, release.chain_id))
+        for effect in self.core.finished(event.request_id, event.worker_id, event.usage.completion_tokens):
+            if isinstance(effect, Charge):
+                self._store.charge(effect.charge)
+                continue
+            assert isinstance(effect, Release) and effect.worker_id is not None
+            self._finished.put((effect.request_id, effect.worker_id, effect.chain_id))
 
     async def _release_globally(self, finished: list[tuple[str, str, str | None]]) -> None:
         """Free finished requests' slots and KV leases in the store, then give the slots to queued requests."""
@@ -500,6 +524,9 @@ class BalancerService:
         self._metrics.cache_holds.inc(self.router.cache_holds - self._cache_holds_seen)
         self._cache_holds_seen = self.router.cache_holds
         self._metrics.queue_length.set(len(self.router.queue))
+        if self.router.shares is not None:
+            self._metrics.track_tenants(self.router.queue.waiting_per_tenant(), self.router.shares.counter)
+        await self._held_from_zero(now)
         table, facts = self.router.table, self.router.builder.facts
         live_chains = {facts(hb).chain_id: hb for hb in self._view.live(self._clock())}
         for chain_id in self._gauged_chains.keys() - live_chains.keys():
@@ -514,17 +541,29 @@ class BalancerService:
             gauges[0].set(table.used(chain_id))
             gauges[1].set(facts(heartbeat).slots_total)
 
+    async def _held_from_zero(self, now: float) -> None:
+        """Export the requests waiting for a worker per model, and wake the autoscaler again for them."""
+        from_zero = self.core.from_zero
+        held = from_zero.waiting(self.router.queue, self._routable)
+        for model in self._held_models - held.keys():
+            self._metrics.held_from_zero.labels(model).set(0)
+        for model, count in held.items():
+            self._metrics.held_from_zero.labels(model).set(count)
+        self._held_models = set(held)
+        for wake in from_zero.due(now, held):
+            await self._wake(wake)
+
     async def _read_usage(self, chains: list[str], now: float) -> None:
         try:
             if self._store_degraded:
                 await self._restore_holds()
-            usage = await self._store.usage(chains, now)
+            usage, counters = await self._store.usage_and_counters(chains, now)
         except _STORE_ERRORS as exc:
             if not self._store_degraded:
                 log.warning("slot_usage_read_failed", error=str(exc))
             self._store_degraded = True
-            usage = {}
-        self._carry_out_now(self.core.counted(usage))
+            usage, counters = {}, None
+        self._carry_out_now(self.core.counted(usage, counters))
 
     async def _restore_holds(self) -> None:
         """Write this replica's reservations back to the store (after an outage or a Redis restart lost them)."""

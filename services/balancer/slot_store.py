@@ -35,6 +35,15 @@ through its node: releasing needs the node, and a request reserved on
 another node keeps its first slot until that attempt's end releases it
 or its deadline passes.
 
+The tenants' fair-share counters (`fair_share.TenantShares`) live beside
+the slots: two hashes, each tenant's service (charges add up) and its lift
+(the largest any replica set). A placement's charge, and an end's
+settlement, go into the next batch of scripts with the reservations and
+releases, never awaited by the route decision; every usage read brings the
+counters back in the same pipeline. Both keys carry one hash tag, so on a
+Redis Cluster the script runs on one master; idle for a day, they lapse,
+which changes nothing (with nothing active, every tenant starts level).
+
 `LocalSlotStore` is the single-process stand-in: the `SlotTable` alone is
 the truth, so every placement is confirmed. Its release frees the
 request's lease through the balancer's allocator (`KvAllocator.release_many`),
@@ -64,6 +73,7 @@ from shared.kv.block_ledger import (
     release_keys,
     reservation_of,
 )
+from services.balancer.fair_share import SharedCounters, TenantCharge
 from shared.redis_scripts import run_calls
 
 # Functions shared by the slot script and the slot-and-lease script.
@@ -156,6 +166,20 @@ return {redis.call('GET', KEYS[1]) or '', freed}
 """
 
 
+# KEYS: the tenants' service hash, their lift hash; ARGV: tenant, service to add, lift (kept if the largest)
+_CHARGE = """
+redis.call('HINCRBYFLOAT', KEYS[1], ARGV[1], ARGV[2])
+if tonumber(ARGV[3]) > (tonumber(redis.call('HGET', KEYS[2], ARGV[1])) or 0) then
+  redis.call('HSET', KEYS[2], ARGV[1], ARGV[3])
+end
+redis.call('PEXPIRE', KEYS[1], 86400000)
+redis.call('PEXPIRE', KEYS[2], 86400000)
+return 1
+"""
+TENANT_SERVICE_KEY = f"{subjects.REDIS_PREFIX}:{{tenants}}:service"
+TENANT_LIFT_KEY = f"{subjects.REDIS_PREFIX}:{{tenants}}:lift"
+
+
 class SlotAndLease(Struct, frozen=True):
     """What one slot-and-lease reservation did: both were taken, or neither."""
 
@@ -186,6 +210,15 @@ class SlotStore(Protocol):
         """Slots in use per chain, counting only unexpired reservations."""
         ...
 
+    async def usage_and_counters(self, chain_ids: Sequence[str], now: float) -> tuple[dict[str, int], SharedCounters | None]:
+        """`usage`, and the tenants' shared counters (None: the store keeps none)."""
+        ...
+
+    def charge(self, charge: TenantCharge) -> asyncio.Future | None:
+        """Add to a tenant's shared counter, in the background (nothing to do for a store no replica shares); the
+        reply, for a caller that must know it was made."""
+        ...
+
 
 class LocalSlotStore:
     _release_leases: Callable[[Sequence[tuple[str, str]]], Awaitable[None]] | None = None
@@ -209,6 +242,12 @@ class LocalSlotStore:
 
     async def usage(self, chain_ids: Sequence[str], now: float) -> dict[str, int]:
         return {}
+
+    async def usage_and_counters(self, chain_ids: Sequence[str], now: float) -> tuple[dict[str, int], SharedCounters | None]:
+        return await self.usage(chain_ids, now), None
+
+    def charge(self, charge: TenantCharge) -> asyncio.Future | None:
+        return None
 
 
 def worker_of(chain_id: str) -> str:
@@ -341,6 +380,7 @@ class RedisSlotStore:
         self._reserve_with_lease = client.register_script(_RESERVE_WITH_LEASE)
         self._release = client.register_script(_RELEASE)
         self._read_and_release_lease = client.register_script(_READ_AND_RELEASE_LEASE)
+        self._charge = client.register_script(_CHARGE)
         self._batch = ScriptBatch(client)
 
     async def reserve(self, request_id: str, chain_id: str, slots: int, expires_at: float) -> tuple[bool, int]:
@@ -413,11 +453,31 @@ class RedisSlotStore:
     async def usage(self, chain_ids: Sequence[str], now: float) -> dict[str, int]:
         if not chain_ids:
             return {}
+        return (await self._read(chain_ids, now, False))[0]
+
+    async def usage_and_counters(self, chain_ids: Sequence[str], now: float) -> tuple[dict[str, int], SharedCounters | None]:
+        return await self._read(chain_ids, now, True)
+
+    async def _read(self, chain_ids: Sequence[str], now: float, counters: bool) -> tuple[dict[str, int], SharedCounters | None]:
         async with self._redis.pipeline(transaction=False) as pipe:
             for chain_id in chain_ids:
                 pipe.zcount(chain_slots_key(chain_id), f"({int(now * 1000)}", "+inf")
-            counts = await pipe.execute()
-        return dict(zip(chain_ids, (int(c) for c in counts), strict=True))
+            if counters:
+                pipe.hgetall(TENANT_SERVICE_KEY)
+                pipe.hgetall(TENANT_LIFT_KEY)
+            replies = await pipe.execute()
+        usage = dict(zip(chain_ids, (int(c) for c in replies[:len(chain_ids)]), strict=True))
+        if not counters:
+            return usage, None
+        service, lift = ({_text(k): float(v) for k, v in reply.items()} for reply in replies[len(chain_ids):])
+        return usage, SharedCounters(service, lift)
+
+    def charge(self, charge: TenantCharge) -> asyncio.Future:
+        reply = self._batch.call(self._charge, [TENANT_SERVICE_KEY, TENANT_LIFT_KEY],
+                                 [charge.tenant, repr(charge.service), repr(charge.lift)])
+        # Nobody waits for it: a lost charge is the next read's to correct, and must not be reported as unretrieved.
+        reply.add_done_callback(lambda done: done.cancelled() or done.exception())
+        return reply
 
 
 async def _gathered(replies: list[asyncio.Future]) -> list[Any]:
@@ -429,6 +489,10 @@ async def _gathered(replies: list[asyncio.Future]) -> list[Any]:
         if isinstance(reply, BaseException):
             raise reply
     return done
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
 
 
 def _released(chain_id: str, reply: list) -> tuple[str, int] | None:

@@ -1,8 +1,10 @@
 """`python -m services.ingress [--config FILE] [--processes N]`.
 
-`--processes N` overrides `ingress.processes`. With more than one, the
-multiprocess metrics directory is set up here, before prometheus_client is
-imported (services/ingress/processes.py), and removed at exit.
+`--processes N` overrides `ingress.processes`. With more than one, this
+process supervises that many sibling ingress processes on the port and
+serves nothing itself; the multiprocess metrics directory is set up here,
+before prometheus_client is imported (services/ingress/processes.py), and
+removed at exit.
 """
 
 import argparse
@@ -32,10 +34,11 @@ except ConfigError:
 made_metrics_dir = prepare_metrics_dir(processes)
 
 from services.ingress.main import main  # noqa: E402 - after the metrics directory is set up
+from services.ingress.processes import supervise  # noqa: E402
 from shared.runner import run_service  # noqa: E402
 
 try:
-    run_service("ingress", main, ["--config", args.config] if args.config else [])
+    run_service("ingress", supervise if processes > 1 else main, ["--config", args.config] if args.config else [])
 finally:
     if made_metrics_dir is not None:
         shutil.rmtree(made_metrics_dir, ignore_errors=True)

@@ -157,7 +157,8 @@ class IngressApp:
         missing += self._completions.tokenizers_missing()
         if not self._is_connected():
             missing.append("nats")
-        if not live:
+        # A fleet whose pools are at zero serves still: a request starts a worker (and waits for it).
+        if not live and not self._completions.models_from_zero():
             missing.append("workers")
         ready = not missing
         status = HealthStatus("ok" if ready else "not_ready", len(live), sorted({hb.registration.model for hb in live}), missing,

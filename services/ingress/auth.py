@@ -24,6 +24,7 @@ from collections.abc import Callable, Mapping
 
 import msgspec
 import structlog
+from multidict import CIMultiDictProxy
 from redis.exceptions import RedisError
 
 from services.ingress.errors import ApiError
@@ -37,6 +38,8 @@ log = structlog.get_logger("kvlane.ingress")
 
 # Key ids remembered (found or not) at most; the oldest go first.
 _CACHE_ENTRIES = 10_000
+# As long as a key's tenant may be (`KeyRecord.tenant`).
+_TENANT_MAX_LENGTH = 128
 
 _REFUSALS = {
     "concurrency": ("concurrency_limit_exceeded", "Too many concurrent requests for this API key: at most {limit}."),
@@ -155,11 +158,29 @@ class Authenticator:
             raise ApiError(403, f"This API key may not use the model `{model}`.", code="model_not_allowed", param="model")
 
     @staticmethod
+    def named_tenant(headers: Mapping[str, str] | None, header: str, weights: Mapping[str, float]) -> tuple[str, float] | None:
+        """The tenant a request without a key names in `header` (HTTP's in any letter case), with its weight; None
+        when it names none. A name longer than a key's tenant may be is refused (400)."""
+        if not header or not headers:
+            return None
+        value = headers.get(header)
+        if value is None and not isinstance(headers, CIMultiDictProxy):  # NATS headers keep the sender's case
+            lowered = header.lower()
+            value = next((v for k, v in headers.items() if k.lower() == lowered), None)
+        if not value:
+            return None
+        if len(value) > _TENANT_MAX_LENGTH:
+            raise ApiError(400, f"the {header} header names a tenant of {len(value)} characters, at most {_TENANT_MAX_LENGTH}",
+                           code="invalid_tenant")
+        return value, weights.get(value, 1.0)
+
+    @staticmethod
     def apply(record: KeyRecord | None, prepared: PreparedRequest) -> PreparedRequest:
-        """The request as its key allows it: the tenant named, the priority at most the key's maximum."""
+        """The request as its key allows it: the tenant named with its weight, the priority at most the key's maximum."""
         if record is None:
             return prepared
-        return msgspec.structs.replace(prepared, priority=record.clamp_priority(prepared.priority), tenant=record.tenant)
+        return msgspec.structs.replace(prepared, priority=record.clamp_priority(prepared.priority), tenant=record.tenant,
+                                       tenant_weight=record.weight)
 
     # --- limits -------------------------------------------------------------------------------
 

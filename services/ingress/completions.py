@@ -49,6 +49,7 @@ from shared.api_keys import KeyRecord
 from shared.cluster import ClusterView
 from shared.config import IngressSettings, TracingSettings
 from shared.model_store import ModelFileCache, load_served_tokenizer
+from shared.scale_from_zero import ModelsFromZero
 from shared.telemetry import Telemetry
 from shared.tokenizer import Tokenizer
 
@@ -92,8 +93,12 @@ class Completions:
         auth: Authenticator | None = None,
         model_files: ModelFileCache | None = None,
         adapters: AdapterCatalog | None = None,
+        from_zero: ModelsFromZero | None = None,
     ) -> None:
         self._settings = settings
+        # Models whose pool may be at zero: their requests are taken as the last registration says, and wait in a
+        # balancer while a worker starts.
+        self._from_zero = from_zero or ModelsFromZero()
         # The LoRA adapters on the bus, which a request may name as its model.
         self._adapters = adapters or AdapterCatalog(None)
         # Tokenizer files fetched from the bus, for models whose directory this host lacks.
@@ -154,6 +159,9 @@ class Completions:
                          for prompt in prompts]
             else:
                 asked = [prepare(body, registration, tokenizer, self._settings.max_tokens_default, engine_body, adapter=adapter)]
+            if key is None and (named := Authenticator.named_tenant(headers, self._settings.tenant_header,
+                                                                    self._settings.tenant_weights)) is not None:
+                asked = [msgspec.structs.replace(one, tenant=named[0], tenant_weight=named[1]) for one in asked]
         except BaseException as exc:
             span.end(self._clock(), None, exc)
             self._metrics.tenant_request(key.tenant if key is not None else "", status_of(exc))
@@ -237,13 +245,13 @@ class Completions:
     async def _served(self, name: str) -> tuple[WorkerRegistration, AdapterRef | None]:
         """The registration of the workers that serve model `name`, and the LoRA adapter it names, if it names one."""
         models = self._view.models(self._clock())
-        registration = models.get(name)
+        registration = models.get(name) or self._from_zero.registration(name)
         if registration is not None:
             return registration, None
         adapter = await self._adapters.get(name)
         if adapter is None:
             raise ApiError(404, f"The model `{name}` does not exist or no live worker serves it.", code="model_not_found", param="model")
-        base = models.get(adapter.base)
+        base = models.get(adapter.base) or self._from_zero.registration(adapter.base)
         if base is None:
             raise ApiError(503, f"The adapter `{name}` adapts model `{adapter.base}`, which no live worker serves now.",
                            code="model_unavailable", param="model", retry_after_s=1.0)
@@ -251,6 +259,10 @@ class Completions:
             raise ApiError(503, f"The adapter `{name}` adapts model `{adapter.base}`, whose workers serve no adapters "
                                 "(worker.lora.max_loras = 0).", code="model_unavailable", param="model")
         return base, adapter.ref
+
+    def models_from_zero(self) -> list[str]:
+        """The models served from zero: requests for them are taken while no worker serves them."""
+        return self._from_zero.models()
 
     async def models_body(self, visible: Callable[[str], bool] = lambda model: True) -> bytes:
         """The `/v1/models` body: every model a live worker serves and every adapter of one (that `visible` lets through)."""

@@ -14,6 +14,11 @@ sequence. At most `migration_attempts` resumptions, and of those at most
 crashes its engine must not take the fleet down node by node); then an
 explicit error.
 
+While no balancer answers (a balancer restarting, say), the route request
+is held and asked again when a balancer heartbeats (or after a short
+backoff), for at most `balancer_wait_s` within the request's deadline, then
+503 with Retry-After: a control-plane restart is not the client's error.
+
 Those decisions are `RequestFlight`'s (services/ingress/flight.py), a pure
 state machine the virtual-time simulator runs too; this module does the I/O
 around it: route requests, hand-overs, relaying, aborts, spans, metrics.
@@ -64,7 +69,7 @@ from contracts.messages import (
 from services.ingress.balancers import RouteAsker
 from services.ingress.errors import ApiError
 from services.ingress.feedback import StreamSpeedNorms
-from services.ingress.flight import Done, Fail, RequestFlight, StreamInterrupted
+from services.ingress.flight import AwaitBalancer, Done, Fail, RequestFlight, StreamInterrupted
 from services.ingress.metrics import IngressMetrics
 from services.ingress.prompts import PreparedRequest
 from shared.bus import Bus, BusError, NoResponders, ReplySlot, ReplyStream, RequestTimeout, StreamReceiver
@@ -131,6 +136,10 @@ class _Attempt:
 
 class RouteUnanswered(Exception):
     """No balancer answered the route request in time (`Dispatcher._route`)."""
+
+
+class NoBalancer(Exception):
+    """No balancer took the route request: none listens, or every replica heard from is silent (`Dispatcher._route`)."""
 
 
 class _HandOver(NamedTuple):
@@ -211,6 +220,15 @@ class Dispatcher:
                     attempt.failed(exc)
                     attempt.end()
                     raise
+                except NoBalancer as exc:
+                    attempt.failed(exc)
+                    attempt.end()
+                    held = flight.on_no_balancer(time.monotonic(), deadline - time.monotonic())
+                    if isinstance(held, Fail):
+                        raise held.error from exc
+                    await self._await_balancer(request_id, held)
+                    route = held.route
+                    continue
                 except RouteUnanswered as exc:
                     again = flight.on_unanswered(str(exc))
                     if isinstance(again, Fail):
@@ -283,6 +301,12 @@ class Dispatcher:
                         await self._abort(request_id, stream.subject, decision, "client_disconnected", attempt.context)
                     attempt.end()
 
+    async def _await_balancer(self, request_id: str, held: AwaitBalancer) -> None:
+        if self._metrics is not None:
+            self._metrics.balancer_waited()
+        log.info("route_held_for_a_balancer", request_id=request_id, attempt=held.route.attempt, wait_s=held.wait_s)
+        await self._routes.wait_for_heartbeat(held.wait_s)
+
     async def _abort_when_accepted(self, request_id: str, reply: ReplySlot, stream_to: str, deadline: float) -> None:
         """Stop the run of an attempt whose route no balancer answered, once a worker says it took it over."""
         with reply:
@@ -300,7 +324,8 @@ class Dispatcher:
         self, request_id: str, prepared: PreparedRequest, deadline: float, excluded: Sequence[str], produced: int,
         context: Context | None = None, hand_over: _HandOver | None = None,
     ) -> RouteDecision:
-        """The balancer's decision; raises `ApiError`, or `RouteUnanswered` when no balancer answered in time."""
+        """The balancer's decision; raises `ApiError`, `RouteUnanswered` when no balancer answered in time, or
+        `NoBalancer` when none took the request."""
         route = RouteRequest(
             request_id=request_id,
             model=prepared.model,
@@ -311,6 +336,7 @@ class Dispatcher:
             exclude_workers=list(excluded),
             priority=prepared.priority,
             tenant=prepared.tenant,
+            tenant_weight=prepared.tenant_weight,
             prefix_token_ids=prepared.prompt_token_ids[: self._settings.forward_prefix_tokens],
             hand_over=hand_over.request if hand_over else None,
             adapter="" if prepared.adapter is None else prepared.adapter.name,
@@ -322,7 +348,7 @@ class Dispatcher:
         try:
             reply = await self._routes.ask(route, timeout, context)
         except NoResponders as exc:
-            raise ApiError(503, "no balancer is running", code="balancer_unavailable", retry_after_s=1.0) from exc
+            raise NoBalancer(str(exc)) from exc
         except RequestTimeout as exc:
             raise RouteUnanswered(str(exc)) from exc
         except BusError as exc:

@@ -2,8 +2,9 @@
 
 A `RequestFlight` hears what happened to the request (a route decision, a
 node that did not accept it, a frame, a stream that broke off, a route
-request no balancer answered) and says what to do next: route it (again),
-hand it to the chosen node, pass a frame to the client, or fail it. The
+request no balancer answered, no balancer there to ask) and says what to do
+next: route it (again), wait for a balancer, hand it to the chosen node,
+pass a frame to the client, or fail it. The
 ingress's `Dispatcher` runs these actions over the bus; the virtual-time
 simulator runs the same ones on its simulated fleet.
 
@@ -16,6 +17,11 @@ resumptions and of those `node_loss_resumes` after its node died, and
 `preemption_resumes` resumptions after a preemption (counted apart: a
 low-priority request may legitimately give way several times). A request
 with n > 1 resumes only before its first token.
+
+A control-plane restart is not an error: while no balancer is there to ask
+(none running, or every replica silent), the route request is held and asked
+again, for at most `balancer_wait_s` in a row and within the request's
+deadline; only then does the client get 503.
 """
 
 from __future__ import annotations
@@ -69,6 +75,14 @@ class Route:
 
 
 @dataclass(frozen=True, slots=True)
+class AwaitBalancer:
+    """No balancer to ask: wait for one to say it is there, at most `wait_s`, then ask `route`."""
+
+    wait_s: float
+    route: Route
+
+
+@dataclass(frozen=True, slots=True)
 class HandOver:
     """Hand the request to the node chosen, with `max_tokens` in all; `capped`: the balancer just lowered it."""
 
@@ -104,6 +118,10 @@ class FlightOver(RuntimeError):
 class RequestFlight:
     """The decisions of one request's route, hand-over, relay and resumptions (see the module's docstring)."""
 
+    # Asked again after no balancer answered: soon at first (a restart takes about a second), then less often.
+    FIRST_BALANCER_RETRY_S = 0.1
+    MAX_BALANCER_RETRY_S = 1.0
+
     def __init__(self, settings: IngressSettings, max_tokens: int, n: int = 1) -> None:
         self.max_tokens = max_tokens
         self._n = n
@@ -111,6 +129,10 @@ class RequestFlight:
         self._migration_attempts = settings.migration_attempts
         self._node_loss_resumes = settings.node_loss_resumes
         self._preemption_resumes = settings.preemption_resumes
+        self._balancer_wait_s = settings.balancer_wait_s
+        # When the present run of route requests that found no balancer began (None: the last one was answered).
+        self._no_balancer_since: float | None = None
+        self._balancer_retries = 0
         self.outcome: Literal["done", "failed"] | None = None
         self.attempt = 0
         self._excluded: list[str] = []
@@ -118,6 +140,7 @@ class RequestFlight:
         # The next frame's number on the client's stream; each attempt's node numbers its own from 0.
         self._client_seq = 0
         self.refusals = self.migrations = self.node_losses = self.preemptions = self.unanswered = 0
+        self.balancer_waits = 0
 
     @property
     def produced(self) -> Sequence[int]:
@@ -149,10 +172,29 @@ class RequestFlight:
             return self._fail(ApiError(503, f"routing failed: {reason}", code="balancer_unavailable", retry_after_s=1.0))
         return self._route()
 
+    def on_no_balancer(self, now: float, time_left_s: float) -> AwaitBalancer | Fail:
+        """No balancer took the route request (none listens, or every replica known is silent): hold the request
+        and ask again, for at most `balancer_wait_s` since the first such answer in a row and within the
+        `time_left_s` of its deadline. `now`: any monotonic clock, the same on every call."""
+        self._running()
+        if self._no_balancer_since is None:
+            self._no_balancer_since = now
+            self._balancer_retries = 0
+        left_s = min(self._balancer_wait_s - (now - self._no_balancer_since), time_left_s)
+        if left_s <= 0:
+            waited_s = now - self._no_balancer_since
+            return self._fail(ApiError(503, f"no balancer is running (waited {waited_s:.1f}s for one)",
+                                       code="balancer_unavailable", retry_after_s=1.0))
+        self._balancer_retries += 1
+        self.balancer_waits += 1
+        retry_s = min(self.FIRST_BALANCER_RETRY_S * 2 ** (self._balancer_retries - 1), self.MAX_BALANCER_RETRY_S)
+        return AwaitBalancer(min(retry_s, left_s), self._route())
+
     def on_decision(self, max_tokens: int = 0) -> HandOver:
         """A balancer chose a node; `max_tokens`: the tokens it allows from here on, when it degraded the request
         under overload (0: as asked)."""
         self._running()
+        self._no_balancer_since = None
         produced = len(self._produced)
         if 0 < max_tokens < self.max_tokens - produced:
             self.max_tokens = produced + max_tokens

@@ -24,7 +24,7 @@ from services.ingress.http_guard import HttpGuard
 from services.ingress.key_limits import KeyLimiter
 from services.ingress.metrics import IngressMetrics
 from services.ingress.nats_api import NatsApi
-from services.ingress.processes import METRICS_DIR_ENV, SHARES_PORT_ENV, SiblingProcesses, platform_refusal, process_ids
+from services.ingress.processes import SHARES_PORT_ENV, process_ids
 from services.ingress.readiness import Dependency, Readiness
 from services.ingress.response_store import ResponseStore
 from services.ingress.responses import Responses
@@ -36,6 +36,7 @@ from shared.config import KvlaneConfig
 from shared.model_store import ModelFileCache, default_cache_dir
 from shared.periodic import Periodic
 from shared.runner import announce_ready
+from shared.scale_from_zero import ModelsFromZeroWatcher
 from shared.service_context import service_context
 
 log = structlog.get_logger("kvlane.ingress")
@@ -43,13 +44,11 @@ log = structlog.get_logger("kvlane.ingress")
 
 async def main(config: KvlaneConfig, stop: asyncio.Event) -> None:
     settings = config.ingress
-    if (refusal := platform_refusal(settings.processes)) is not None:
-        raise SystemExit(refusal)
-    if settings.processes > 1 and not os.environ.get(METRICS_DIR_ENV):
-        raise SystemExit(f"ingress.processes > 1 needs {METRICS_DIR_ENV} set before prometheus_client is imported, "
-                         "so that /metrics counts every process: start the ingress with `python -m services.ingress`")
+    if settings.processes > 1:
+        raise SystemExit("ingress.processes > 1 runs as sibling processes under a supervising one: "
+                         "start the ingress with `python -m services.ingress`")
     try:
-        ingress_id, *sibling_ids = process_ids(settings.ingress_id or f"i-{uuid.uuid4().hex[:8]}", settings.processes)
+        (ingress_id,) = process_ids(settings.ingress_id or f"i-{uuid.uuid4().hex[:8]}", 1)
     except ValueError as exc:
         raise SystemExit(str(exc)) from exc
     async with service_context(config, "ingress", ingress_id) as ctx:
@@ -72,11 +71,15 @@ async def main(config: KvlaneConfig, stop: asyncio.Event) -> None:
         except ValueError as exc:
             raise SystemExit(str(exc)) from exc
         served_events = ServedEvents(bus)
+        # The models the autoscaler may scale to zero: taken while no worker serves them, not refused with a 404.
+        from_zero = ModelsFromZeroWatcher(bus, ctx.redis)
+        await from_zero.start()
         completions = Completions(
             settings, view, dispatcher, metrics, telemetry=ctx.telemetry,
             on_served=served_events.add, auth=auth,
             model_files=ModelFileCache(bus.client, settings.model_cache_dir or default_cache_dir()),
             adapters=AdapterCatalog(AdapterStore(bus.client)),
+            from_zero=from_zero.models,
         )
         # Stored responses live in Redis: any replica continues any conversation.
         responses = Responses(completions, ResponseStore(ctx.redis, settings.responses_ttl_s), settings.max_tokens_default)
@@ -84,7 +87,7 @@ async def main(config: KvlaneConfig, stop: asyncio.Event) -> None:
         guard = HttpGuard(settings, COMPLETION_PATHS)
         app = IngressApp(settings.max_body_bytes, view, completions, metrics, lambda: bus.connected, Readiness(bus, dependencies),
                          guard=guard, responses=responses)
-        nats_api = NatsApi(bus.client, completions, ingress_id, importlib.metadata.version("kvlane"), responses)
+        nats_api = NatsApi(bus, completions, ingress_id, importlib.metadata.version("kvlane"), responses)
         # handler_cancellation: a client that hangs up cancels its handler at once, so its
         # request is aborted on the worker even while nothing is being written to it
         # (a queue wait, a prefill, output that is not text yet, a non-streamed reply).
@@ -92,19 +95,13 @@ async def main(config: KvlaneConfig, stop: asyncio.Event) -> None:
                               handler_cancellation=True)
         # A model's tokenizer loads as soon as a worker for it shows up, not on its first request.
         preloading = Periodic("tokenizers", config.cluster.heartbeat_interval_s, completions.preload_tokenizers, immediately=True)
-        siblings: SiblingProcesses | None = None
         try:
             await routes.start()
             await runner.setup()
             # Several processes share the port: the kernel spreads connections over them.
-            shares_port = bool(sibling_ids) or os.environ.get(SHARES_PORT_ENV) == "1"
+            shares_port = os.environ.get(SHARES_PORT_ENV) == "1"
             site = web.TCPSite(runner, settings.host, settings.port, reuse_port=shares_port or None)
             await site.start()
-            if sibling_ids:
-                # Port 0: the others take the one this process got.
-                port = runner.addresses[0][1]
-                siblings = SiblingProcesses(config, sibling_ids, port)
-                siblings.start()
             await nats_api.start()
             preloading.start()
             auth.start()
@@ -115,7 +112,6 @@ async def main(config: KvlaneConfig, stop: asyncio.Event) -> None:
             await preloading.stop()
             await routes.stop()
             # Both stop taking requests, then wait for those in flight.
-            await asyncio.gather(nats_api.stop(settings.request_timeout_s), runner.cleanup(),
-                                 *([siblings.stop(settings.request_timeout_s + 5.0)] if siblings is not None else []))
+            await asyncio.gather(nats_api.stop(settings.request_timeout_s), runner.cleanup())
             await auth.close()  # the last requests' limits settled in Redis
             await served_events.close()

@@ -50,6 +50,10 @@ REQUEST_LATENCY_BUCKETS = (
 MODEL = ["model_name"]
 
 
+# Tenants labelled one by one in the per-tenant metrics; the rest count as "other".
+_TENANT_LABELS_MAX = 256
+
+
 class IngressMetrics:
     def __init__(self, view: ClusterView | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         """`view`: the live workers, whose heartbeats become the per-node metrics (none without it)."""
@@ -61,6 +65,7 @@ class IngressMetrics:
         self.in_flight = Gauge("kvlane_ingress_requests_in_flight", "Requests being served", registry=r,
                                multiprocess_mode="livesum")
         # Completions (HTTP and NATS) by the tenant of their API key ("-": none, auth off or no valid key) and outcome.
+        self._tenant_labels: set[str] = set()
         self._tenant_requests = Counter(
             "kvlane_ingress_tenant_requests", "Completion requests by API-key tenant and status", ["tenant", "status"], registry=r,
         )
@@ -116,6 +121,11 @@ class IngressMetrics:
             "Route requests given up because the balancer replica holding them fell silent (each is asked again once)",
             registry=r,
         )
+        self._balancer_waits = Counter(
+            "kvlane_ingress_balancer_waits",
+            "Route requests held because no balancer took them (none running, or every replica silent), then asked again",
+            registry=r,
+        )
         # What a scrape serves: these metrics, or in multiprocess mode those of every process.
         self._exposed = r
         if shared_dir := os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
@@ -167,9 +177,17 @@ class IngressMetrics:
         self._balancer_silences.inc()
         self._routes_given_up.inc(routes_given_up)
 
+    def balancer_waited(self) -> None:
+        self._balancer_waits.inc()
+
     def tenant_request(self, tenant: str, status: int, end: StreamEnd | None = None) -> None:
         """A completion request ended with `status` (its HTTP status; 499: the caller left); `end`: its usage, if it finished."""
         label = tenant or "-"
+        if label not in self._tenant_labels:
+            # Without keys a client names its tenant in a header: so many names cannot each become series.
+            if len(self._tenant_labels) >= _TENANT_LABELS_MAX:
+                label = "other"
+            self._tenant_labels.add(label)
         self._series(self._tenant_requests, label, str(status)).inc()
         if end is not None:
             self._series(self._tenant_tokens, label, "prompt").inc(end.usage.prompt_tokens)

@@ -25,6 +25,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable
 
+import nats.errors
 import structlog
 from nats import micro
 from nats.aio.client import Client as NatsClient
@@ -38,6 +39,7 @@ from services.ingress.completions import CHAT, TEXT_COMPLETION, CallerGone, Comp
 from services.ingress.errors import ApiError
 from services.ingress.responses import Responses
 from services.ingress.tokenization import Tokenization
+from shared.bus import Bus
 
 log = structlog.get_logger("kvlane.ingress")
 
@@ -54,9 +56,10 @@ def error_headers(error: ApiError) -> dict[str, str]:
 
 
 class NatsApi:
-    def __init__(self, nc: NatsClient, completions: Completions, ingress_id: str, version: str,
+    def __init__(self, bus: Bus, completions: Completions, ingress_id: str, version: str,
                  responses: Responses | None = None) -> None:
-        self._nc = nc
+        self._bus = bus
+        self._nc = nc = bus.client
         self._completions = completions
         self._anthropic = AnthropicMessages(completions)
         self._responses = responses
@@ -95,7 +98,12 @@ class NatsApi:
     async def stop(self, grace_s: float) -> None:
         """Stop taking requests, then let those in flight finish for up to `grace_s`."""
         if self._service is not None:
-            await self._service.stop()
+            # Its subscriptions drain with a flush; with NATS gone no request reaches them, and they end with the
+            # connection.
+            try:
+                await self._bus.unless_disconnected(self._service.stop, "nats_api_stop")
+            except (nats.errors.Error, TimeoutError) as exc:
+                log.warning("nats_api_stop_failed", error=str(exc))
         if self._tasks:
             _, late = await asyncio.wait(self._tasks, timeout=grace_s)
             for task in late:

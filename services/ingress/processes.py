@@ -1,22 +1,27 @@
-"""Several ingress processes on one HTTP port (`ingress.processes`).
+"""Several ingress processes on one HTTP port (`ingress.processes`), as siblings.
 
-The process started first binds the port with SO_REUSEPORT, then starts the
-others, which bind it too: the kernel spreads incoming connections over all
-of them, so the HTTP and JSON work of the ingress uses more than one core.
-Each process has its own NATS connection and ingress id (`<id>-<k>`, the
-first being `<id>-0`), hence its own stream inbox and its own /ready.
+`python -m services.ingress` with `ingress.processes = N > 1` runs a small
+supervising process that serves no HTTP: it holds the port (bound with
+SO_REUSEPORT, never listening, so port 0 becomes one port for all and no
+other program takes it while a process restarts) and starts N ingress
+processes that bind it too: the kernel spreads incoming connections over
+those listening, so the HTTP and JSON work of the ingress uses more than
+one core. Each has its own NATS connection and ingress id (`<id>-<k>`),
+hence its own stream inbox and its own /ready.
 
-The others must not outlive the first: each gets SIGTERM when it dies,
-however it dies (PR_SET_PDEATHSIG), and is stopped with it otherwise. One
-that exits on its own is started again, as `kvlane up` restarts its services
-(`shared/restarts.py`).
+No process's death takes another down: one that exits is started again
+(shared/restarts.py's rules, as `kvlane up` restarts its services) while
+the others keep the port served; only the streams open on the one that
+died end. They end with the supervisor (PR_SET_PDEATHSIG), which does
+nothing else that could crash; a SIGTERM to it drains them all.
 
 A scrape of /metrics reaches whichever process the kernel picks, so the
 request metrics live in prometheus_client's multiprocess mode: every process
 writes its counters and histograms to files in PROMETHEUS_MULTIPROC_DIR and
 any of them serves the sum of all (`IngressMetrics`). The mode is chosen
 when prometheus_client is imported, so the directory is set up before that
-(`python -m services.ingress` does it, with `prepare_metrics_dir`).
+(`python -m services.ingress` does it, with `prepare_metrics_dir`); a
+process that died is marked dead there, so its live gauges stop counting.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from pathlib import Path
 
 import structlog
@@ -38,12 +44,13 @@ from contracts import subjects
 from shared.config import ENV_PREFIX, KvlaneConfig, to_env
 from shared.parent_death import ending_with
 from shared.restarts import GiveUp, RestartBook, RestartPolicy
+from shared.runner import mark_serving
 
 log = structlog.get_logger("kvlane.ingress")
 
 METRICS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 _PROCESSES_ENV = f"{ENV_PREFIX}INGRESS__PROCESSES"
-# Set for the processes the first one starts: they bind its port with SO_REUSEPORT too
+# Set for the processes the supervisor starts: they bind its port with SO_REUSEPORT
 # (an ingress started alone on a port in use fails, as it should).
 SHARES_PORT_ENV = "KVLANE_INGRESS_SHARES_PORT"
 
@@ -87,27 +94,28 @@ def prepare_metrics_dir(processes: int, environ: dict[str, str] | os._Environ[st
     return made
 
 
-class SiblingProcesses:
-    """The ingress processes after the first, started by it on its port; `stop` ends them."""
+class IngressProcesses:
+    """The supervisor's children: `start` them on the port, each restarted when it exits; `stop` drains them."""
 
-    def __init__(self, config: KvlaneConfig, ingress_ids: list[str], port: int, restart_delay_s: float = 1.0) -> None:
+    def __init__(self, config: KvlaneConfig, ingress_ids: list[str], port: int,
+                 policy: RestartPolicy = RestartPolicy()) -> None:
         self._ingress_ids = ingress_ids
         self._port = port
-        # Everything as the first process has it (file and environment), as KVLANE__* variables.
+        # Everything as the supervisor has it (file and environment), as KVLANE__* variables.
         self._env = {**os.environ, **to_env(config), _PROCESSES_ENV: "1", SHARES_PORT_ENV: "1",
                      f"{ENV_PREFIX}INGRESS__PORT": str(port)}
-        self._restarts = RestartBook(RestartPolicy(first_delay_s=restart_delay_s))
+        self._restarts = RestartBook(policy)
         self._running: dict[str, subprocess.Popen[bytes]] = {}
         self._keepers: list[asyncio.Task[None]] = []
         self._stopping = False
 
-    @property
-    def pids(self) -> list[int]:
-        return [popen.pid for popen in self._running.values()]
-
     def start(self) -> None:
         for ingress_id in self._ingress_ids:
             self._keepers.append(asyncio.get_running_loop().create_task(self._keep(ingress_id), name=f"ingress {ingress_id}"))
+
+    async def given_up(self) -> None:
+        """Returns once every process has been given up (each crash-looping): the port is served no more."""
+        await asyncio.wait(self._keepers)  # cancelling this wait leaves the keepers running
 
     def _spawn(self, ingress_id: str) -> subprocess.Popen[bytes]:
         # From the event loop's thread: PR_SET_PDEATHSIG fires when the starting thread ends.
@@ -154,6 +162,53 @@ class SiblingProcesses:
             keeper.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await asyncio.gather(*self._keepers, return_exceptions=True)
+
+
+def hold_port(host: str, port: int) -> socket.socket:
+    """A socket bound to `host`:`port` with SO_REUSEPORT and never listening: the port stays this group's (port 0
+    becomes a free one) while connections go only to the processes that listen on it."""
+    family, kind, proto, _, address = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
+                                                         flags=socket.AI_PASSIVE)[0]
+    held = socket.socket(family, kind, proto)
+    try:
+        held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        held.bind(address)
+    except OSError:
+        held.close()
+        raise
+    return held
+
+
+async def supervise(config: KvlaneConfig, stop: asyncio.Event) -> None:
+    """The supervising process's main: `ingress.processes` ingress processes on the port until `stop`."""
+    settings = config.ingress
+    if (refusal := platform_refusal(settings.processes)) is not None:
+        raise SystemExit(refusal)
+    if not os.environ.get(METRICS_DIR_ENV):
+        raise SystemExit(f"ingress.processes > 1 needs {METRICS_DIR_ENV} set before prometheus_client is imported, "
+                         "so that /metrics counts every process: start the ingress with `python -m services.ingress`")
+    try:
+        ingress_ids = process_ids(settings.ingress_id or f"i-{uuid.uuid4().hex[:8]}", settings.processes)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from exc
+    try:
+        held = hold_port(settings.host, settings.port)
+    except OSError as exc:
+        raise SystemExit(f"ingress port {settings.host}:{settings.port}: {exc}") from exc
+    with held:
+        processes = IngressProcesses(config, ingress_ids, held.getsockname()[1])
+        processes.start()
+        mark_serving()  # its processes say when they serve; a stop from here on drains them
+        given_up = asyncio.ensure_future(processes.given_up())
+        stopping = asyncio.ensure_future(stop.wait())
+        try:
+            await asyncio.wait([given_up, stopping], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopping.cancel()
+            given_up.cancel()
+            await processes.stop(settings.request_timeout_s + 5.0)
+        if not stop.is_set():
+            raise SystemExit("every ingress process was given up (each exited again and again soon after starting)")
 
 
 def _forget_metrics_of(pid: int) -> None:

@@ -46,6 +46,8 @@ class PreparedRequest(Struct, frozen=True):
     priority: int = 0
     # Who asks (the API key's tenant; empty without auth).
     tenant: str = ""
+    # The tenant's weight in fair sharing (its key's, or `ingress.tenant_weights`').
+    tenant_weight: float = 1.0
     # The API request, for the engine (structured outputs, logprobs, tools...); None: plain sampled text.
     api: ApiRequest | None = None
     # Text that leads the answer (`echo`: the prompt, or the last message it continues).

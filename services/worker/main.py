@@ -35,7 +35,7 @@ from shared.metrics_http import serve_metrics
 from shared.model_store import with_published_tokenizer
 from shared.runner import ServiceMain, announce_ready
 from shared.state import ClusterState, connect_redis
-from shared.telemetry import Telemetry
+from shared.telemetry import SHUTDOWN_FLUSH_S, Telemetry
 from shared.tokenizer import HF_PREFIX, SimTokenizer
 from shared.tokenizer_spec import load_tokenizer
 
@@ -260,7 +260,8 @@ async def main(config: KvlaneConfig, stop: asyncio.Event) -> None:
         await bus.close()
         with contextlib.suppress(Exception):
             await redis_client.aclose()
-        telemetry.shutdown()
+        if not telemetry.shutdown():
+            log.warning("telemetry_not_flushed", endpoint=config.tracing.otlp_endpoint, waited_s=SHUTDOWN_FLUSH_S)
     if engine_death is not None:
         print(f"kvlane worker: {engine_death}; the worker left the cluster and exits to be restarted", file=sys.stderr, flush=True)
         raise SystemExit(ENGINE_DEAD_EXIT_CODE)

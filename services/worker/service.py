@@ -55,6 +55,7 @@ from contracts.messages import (
     WorkerReply,
     WorkerRequest,
 )
+from contracts.balancer import BalancerHeartbeat
 from contracts.cache import LeaseProgress, RenewLeases
 from contracts.model_files import AdapterRef
 from services.worker.engines.base import (
@@ -66,6 +67,7 @@ from services.worker.engines.base import (
     PushesOutputs,
     RequestRejected,
 )
+from services.worker.finished_replay import FinishedReplay
 from services.worker.handoff import KvHolds, KvPuller
 from services.worker.metrics import WorkerMetrics
 from services.worker.tracing import FIRST_OUTPUT_EVENT, KvTransferSpan, end_request_span, kv_attributes, request_span
@@ -150,11 +152,15 @@ class WorkerService:
             Periodic("lease-renewal", cluster.lease_renew_interval_s, self._renew_leases),
         ]
         self._log = log.bind(worker_id=registration.worker_id)
+        # Finished events a restarted balancer missed, published to it again (services/worker/finished_replay.py).
+        self._finished_replay = FinishedReplay(1.5 * cluster.heartbeat_interval_s)
 
     async def start(self) -> None:
         await self._engine.start()
         if self.registration.role == "prefill":
             await self._holds.start()
+        await self._bus.subscribe(subjects.BALANCER_HEARTBEAT_ALL, BalancerHeartbeat, self._on_balancer_heartbeat,
+                                  traced=False, at_once=True)
         await self._bus.subscribe(self.registration.inbox, WorkerRequest, self._on_request)
         await self._send_heartbeat()
         for periodic in self._background:
@@ -559,6 +565,18 @@ class WorkerService:
         )
         with contextlib.suppress(Exception):
             await self._bus.publish(subjects.REQUEST_FINISHED, finished)
+        self._finished_replay.published(finished, time.monotonic())
+
+    def _on_balancer_heartbeat(self, heartbeat: BalancerHeartbeat, msg: Msg) -> None:
+        missed = self._finished_replay.heard(heartbeat, time.monotonic())
+        if missed:
+            self._log.info("finished_published_again", balancer_id=heartbeat.balancer_id, events=len(missed))
+            self._bus.spawn(self._publish_again(missed))
+
+    async def _publish_again(self, events: list[RequestFinished]) -> None:
+        for event in events:
+            with contextlib.suppress(Exception):
+                await self._bus.publish(subjects.REQUEST_FINISHED, event, traced=False)
 
     # --- heartbeats ---------------------------------------------------------------
 

@@ -7,6 +7,10 @@ each other's workers and fault tests may kill or restart servers freely.
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
@@ -179,3 +183,21 @@ def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> d
     descriptor, and the whole answer sat in the socket until the read timeout.
     """
     return {"uvloop": uvloop.new_event_loop}
+
+
+def start_kvlane_up(config: Path, port: int, log_dir: Path, *options: str) -> subprocess.Popen:
+    """`kvlane up --config config --port port --log-dir log_dir *options`, its output (text) on `stdout`."""
+    return subprocess.Popen(
+        [str(Path(sys.executable).parent / "kvlane"), "up", "--config", str(config), "--port", str(port),
+         "--log-dir", str(log_dir), *options],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "COLUMNS": "200"},
+    )
+
+
+def stop_kvlane_up(up: subprocess.Popen) -> None:
+    """Stop `kvlane up` as Ctrl-C does; killed if it has not stopped within a minute."""
+    up.send_signal(signal.SIGINT)
+    try:
+        up.wait(60)
+    except subprocess.TimeoutExpired:
+        up.kill()

@@ -4,10 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -22,7 +19,7 @@ from contracts.autoscaler import ScalingDecision
 from launch.launcher import free_port
 from shared.config import RedisSettings, load_config
 from shared.credentials import redis_url_and_options
-from tests.integration.conftest import MODEL
+from tests.integration.conftest import MODEL, start_kvlane_up, stop_kvlane_up
 
 pytestmark = pytest.mark.integration
 
@@ -68,11 +65,7 @@ def test_autoscale_grows_under_load_and_drains_when_idle(tmp_path: Path, secure:
         "up_cooldown_s = 2.0", "down_cooldown_s = 2.0",
         "[autoscaler.aggregated]", "min = 1", "max = 3", "",
     ]))
-    up = subprocess.Popen(
-        [str(Path(sys.executable).parent / "kvlane"), "up", "--config", str(config), "--port", str(port), "--workers", "1",
-         "--autoscale", "--log-dir", str(tmp_path / "logs"), *(["--secure"] if secure else [])],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "COLUMNS": "200"},
-    )
+    up = start_kvlane_up(config, port, tmp_path / "logs", "--workers", "1", "--autoscale", *(["--secure"] if secure else []))
     output = Output(up)
     try:
         output.wait_for("base URL", 90)
@@ -112,11 +105,7 @@ def test_autoscale_grows_under_load_and_drains_when_idle(tmp_path: Path, secure:
             nats_log = (tmp_path / "logs" / "nats-server.log").read_text()
             assert "Violation" not in nats_log and "authentication error" not in nats_log, nats_log[-3000:]
     finally:
-        up.send_signal(signal.SIGINT)
-        try:
-            up.wait(60)
-        except subprocess.TimeoutExpired:
-            up.kill()
+        stop_kvlane_up(up)
     assert up.returncode == 0, "\n".join(output.lines[-40:])
 
 

@@ -139,6 +139,24 @@ def test_bench_runs_a_mixed_fleet_with_a_profile_and_speed_per_node(tmp_path) ->
     assert e2e[9] < 0.5 < 0.9 < e2e[10]
 
 
+@pytest.mark.skipif(not servers_available(), reason="needs nats-server and redis-server")
+@pytest.mark.timeout(120)
+def test_bench_sends_tenants_and_reports_each(tmp_path) -> None:
+    out = tmp_path / "out"
+    code = main([
+        "--policies", "jffc_per_request", "--workers", "1", "--profile", "zero", "--workload", "shared-prefix",
+        "--groups", "2", "--system-tokens", "64", "--question-tokens", "8", "--output-tokens", "4", "--rate", "20",
+        "--requests", "40", "--tenants", "a:3,b:1:2", "--out", str(out), "--log-dir", str(tmp_path / "logs"), "--quiet",
+    ])
+    assert code == 0
+    (run,) = json.loads((out / "results.json").read_text())["runs"]
+    tenants = run["summary"]["tenants"]["per_tenant"]
+    assert set(tenants) == {"a", "b"} and tenants["a"]["requests"] > tenants["b"]["requests"]
+    assert (tenants["a"]["weight"], tenants["b"]["weight"]) == (1.0, 2.0)
+    assert all(t["succeeded"] == t["requests"] for t in tenants.values())
+    assert {r["tenant"] for r in run["records"]} == {"a", "b"}
+
+
 def test_kvlane_up_refuses_a_bad_fleet_before_starting_anything() -> None:
     from kvlane.cli import main as kvlane_main
 

@@ -39,7 +39,7 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 
 from contracts import subjects
-from contracts.autoscaler import RequestServed, ScalingDecision
+from contracts.autoscaler import RequestServed, ScaleUpWanted, ScalingDecision
 from contracts.balancer import BalancerStatus, BalancerStatusReply, BalancerStatusRequest
 from contracts.cache import CacheReply, CacheRequest, CacheStatus, CacheStatusRequest, PrefixesRouted, RenewLeases
 from contracts.health import HealthVerdict, NodeFeedback
@@ -156,6 +156,7 @@ def targets(fleet: Fleet) -> list[Target]:
         Target("health", subjects.health("fuzz"), HealthVerdict),
         Target("feedback", subjects.FEEDBACK, NodeFeedback),
         Target("autoscaler_decision", subjects.AUTOSCALER_DECISION, ScalingDecision),
+        Target("autoscaler_wake", subjects.AUTOSCALER_WAKE, ScaleUpWanted, hints={"model": model}),
         Target("prefill_inbox", subjects.worker_inbox("p0"), WorkerRequest, WorkerReply, silent=(AbortRequest,), hints=work),
         Target("decode_inbox", subjects.worker_inbox("d0"), WorkerRequest, WorkerReply, silent=(AbortRequest,), hints=work),
         Target("prefill_kv", subjects.worker_kv("p0"), KvMessage, KvPullReply, silent=(KvRelease,), hints=work),

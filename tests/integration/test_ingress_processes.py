@@ -2,8 +2,8 @@
 
 Requests on fresh connections reach both processes (each streams its
 replies to its own ingress id's inbox, which a NATS watcher sees); any
-process's /metrics counts every request; SIGKILLing the first process ends
-the other.
+process's /metrics counts every request; a SIGKILLed process is restarted
+while the other serves on; SIGKILLing the supervising process ends both.
 """
 
 from __future__ import annotations
@@ -41,9 +41,15 @@ def fleet(tmp_path) -> Iterator[Fleet]:
     stop_and_check(fleet)
 
 
-def _others(fleet: Fleet) -> list[psutil.Process]:
+def _serving(fleet: Fleet) -> list[psutil.Process]:
+    """The ingress processes under the supervising one, once there are two."""
     assert fleet.ingress is not None
-    return psutil.Process(fleet.ingress.pid).children()
+    children = [child for child in psutil.Process(fleet.ingress.pid).children() if not _ended(child)]
+    return children if len(children) == 2 else []
+
+
+def _ingress_id(process: psutil.Process) -> str:
+    return process.environ()["KVLANE__INGRESS__INGRESS_ID"].strip('"')
 
 
 def _ended(process: psutil.Process) -> bool:
@@ -68,9 +74,8 @@ async def _completed_count(base_url: str) -> float:
     return float(found.group(1)) if found else 0.0
 
 
-async def test_two_processes_share_the_port_the_metrics_and_their_end(fleet: Fleet) -> None:
-    others = wait_for(lambda: _others(fleet), 10, "the second ingress process")
-    assert len(others) == 1
+async def test_two_sibling_processes_share_the_port_the_metrics_and_outlive_each_other(fleet: Fleet) -> None:
+    processes = wait_for(lambda: _serving(fleet), 10, "two ingress processes")
 
     # Each process has workers stream to its own inbox: kvlane.stream.<ingress id>.<stream>.
     owners: set[str] = set()
@@ -100,12 +105,24 @@ async def test_two_processes_share_the_port_the_metrics_and_their_end(fleet: Fle
     for _ in range(6):
         assert await _completed_count(fleet.base_url) == sent
 
-    # The files the counts came from (the first process removes them at exit; killed, it leaves them).
-    metrics_dir = Path(others[0].environ()[METRICS_DIR_ENV])
+    # The files the counts came from (the supervisor removes them at exit; killed, it leaves them).
+    metrics_dir = Path(processes[0].environ()[METRICS_DIR_ENV])
     assert list(metrics_dir.glob("*.db"))
 
-    # The first process dies without a chance to stop the other: the other ends all the same.
+    # One process dies: the other serves on, and the dead one is started again under its id.
+    victim, survivor = processes
+    victim_id = _ingress_id(victim)
+    victim.kill()
+    await _complete_on_a_new_connection(fleet.base_url)
+    restarted = wait_for(lambda: [p for p in _serving(fleet) if p.pid != survivor.pid and p.pid != victim.pid], 30,
+                         "the killed ingress process restarted")
+    assert _ingress_id(restarted[0]) == victim_id and not _ended(survivor)
+    for _ in range(4):
+        await _complete_on_a_new_connection(fleet.base_url)
+
+    # The supervisor dies without a chance to stop them: they end all the same.
     assert fleet.ingress is not None
+    processes = _serving(fleet)
     fleet.ingress.popen.kill()
-    wait_for(lambda: all(_ended(process) for process in others), 30, "the second ingress process to end")
+    wait_for(lambda: all(_ended(process) for process in processes), 30, "the ingress processes to end")
     shutil.rmtree(metrics_dir)

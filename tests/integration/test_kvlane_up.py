@@ -48,7 +48,7 @@ def test_a_killed_kvlane_up_leaves_no_process_behind(tmp_path: Path) -> None:
     )
     up = subprocess.Popen(
         [str(Path(sys.executable).parent / "kvlane"), "up", "--config", str(config), "--port", str(port), "--workers", "1",
-         "--log-dir", str(tmp_path / "logs")],
+         "--ingress-processes", "2", "--otlp-endpoint", f"http://127.0.0.1:{free_port()}", "--log-dir", str(tmp_path / "logs")],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "COLUMNS": "200"},
     )
     started: list[int] = []
@@ -62,14 +62,24 @@ def test_a_killed_kvlane_up_leaves_no_process_behind(tmp_path: Path) -> None:
         # Local use: no API keys, and it says so.
         assert any("API keys off" in line for line in seen), "".join(seen)
         started = children_of(up.pid)
-        # NATS, Redis, balancer, cache-manager, health-prober, one worker, ingress.
+        # NATS, Redis, balancer, cache-manager, health-prober, one worker, ingress (supervising two processes).
         assert len(started) == 7, "".join(seen)
+        started += [pid for child in started for pid in children_of(child)]
+        assert len(started) == 9, "".join(seen)
+        names = {pid: Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[-60:] for pid in started}
         up.send_signal(signal.SIGKILL)
+        killed = time.monotonic()
         up.wait(10)
-        deadline = time.monotonic() + 30  # a service drains on SIGTERM before it exits
-        while left := [pid for pid in started if alive(pid)]:
-            assert time.monotonic() < deadline, f"still running after kvlane up was killed: {left}"
-            time.sleep(0.1)
+        # Each gets SIGTERM as its parent dies; idle, each is gone within 2 s (a bounded poll: not our children).
+        exited: dict[int, float] = {}
+        while left := [pid for pid in started if pid not in exited]:
+            for pid in left:
+                if not alive(pid):
+                    exited[pid] = time.monotonic() - killed
+            assert time.monotonic() - killed < 30, f"still running after kvlane up was killed: {left}"
+            time.sleep(0.01)
+        print("after SIGKILL of kvlane up: " + ", ".join(f"{names[pid]} {seconds:.2f}s" for pid, seconds in exited.items()))
+        assert all(seconds < 2.0 for seconds in exited.values()), {names[pid]: s for pid, s in exited.items()}
         for listened in (nats_port, redis_port, port):
             assert not port_open("127.0.0.1", listened)
     finally:

@@ -182,3 +182,21 @@ async def test_with_no_replica_heard_from_requests_go_to_the_queue_group(fleet) 
     assert answered_by <= {"b-a", "b-b"} and answered_by  # the queue group's members answered
     assert {r for r in a.answered + b.answered if r.startswith("q")} == {f"q{k}" for k in range(8)}
 
+
+
+async def test_requests_sent_to_the_queue_group_are_given_up_when_a_replica_falls_silent(fleet) -> None:
+    asker, a, b, metrics = fleet
+    await until(lambda: both_heard(asker), 10, "both replicas chosen")
+    b.frozen = True
+    for replica in (a, b):
+        await replica.say_stopping()
+    await until(lambda: not asker.live_replicas(), 10, "both forgotten")
+    sent_at = time.monotonic()
+    # Which replica holds one is the queue group's choice: the ingress cannot tell, so it gives up every one it sent
+    # there once a replica falls silent (the frozen one among them), and the dispatcher asks those again.
+    outcomes = await asyncio.gather(*(ask(asker, f"g{k}") for k in range(16)), return_exceptions=True)
+    given_up = [f"g{k}" for k, o in enumerate(outcomes) if isinstance(o, RequestTimeout)]
+    assert given_up and sorted(given_up) == sorted(b.held), outcomes
+    assert all(o == "b-a" for o in outcomes if not isinstance(o, RequestTimeout)), outcomes
+    assert time.monotonic() - sent_at < ROUTE_TIMEOUT_S / 3
+    assert metrics.registry.get_sample_value("kvlane_ingress_routes_given_up_total") == len(given_up)

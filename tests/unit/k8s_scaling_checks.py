@@ -14,6 +14,8 @@ from tests.unit.k8s_objects import AUTOSCALER_MODULE, WORKER_MODULES, pod_labels
 
 # The gauge services/autoscaler/metrics.py exports, one series per pool: what KEDA scales on.
 DESIRED_REPLICAS_METRIC = "kvlane_autoscaler_desired_replicas"
+# The gauge services/balancer/metrics.py exports per model: requests waiting for a pool at zero, what wakes it.
+HELD_FROM_ZERO_METRIC = "kvlane_balancer_held_from_zero"
 
 # --- autoscaling: KEDA acts on the autoscaler's decisions ------------------------------------
 
@@ -90,11 +92,16 @@ def scaling_problems(docs: list[dict[str, Any]], workloads: list[dict[str, Any]]
             continue
         pool = next(iter(target_pools))
         triggers = spec["triggers"]
-        # Another trigger would be one more metric, and the HPA follows the largest.
-        if len(triggers) != 1 or triggers[0]["type"] != "prometheus":
-            found.append(f"{where}: needs exactly one trigger, of type prometheus (the autoscaler is the only decider), not {[t['type'] for t in triggers]}")
+        # Another trigger would be one more metric, and the HPA follows the largest: besides the decision, only the
+        # wake from zero, which never asks for more than one replica.
+        held = [t for t in triggers if HELD_FROM_ZERO_METRIC in t.get("metadata", {}).get("query", "")]
+        deciding = [t for t in triggers if t not in held]
+        if len(deciding) != 1 or len(held) > 1 or any(t["type"] != "prometheus" for t in triggers):
+            found.append(f"{where}: needs exactly one trigger on the decision and at most one on held requests, of type prometheus "
+                         f"(the autoscaler is the only decider), not {[t['type'] for t in triggers]}")
             continue
-        trigger = triggers[0]
+        found += [f"{where}: {problem}" for problem in _held_trigger_problems(held, autoscaler_config)]
+        trigger = deciding[0]
         metadata = trigger["metadata"]
         # AverageValue: replicas = ceil(metric / threshold); threshold 1 makes replicas = the decision.
         if trigger.get("metricType", "AverageValue") != "AverageValue" or _number(metadata.get("threshold")) != 1.0:
@@ -122,12 +129,34 @@ def scaling_problems(docs: list[dict[str, Any]], workloads: list[dict[str, Any]]
         if (low, high) != (bounds.min, bounds.max):
             found.append(f"{where}: minReplicaCount..maxReplicaCount {low}..{high} differ from [autoscaler.{pool}] min..max "
                          f"{bounds.min}..{bounds.max} in the autoscaler's configuration")
-        if low < 1:
-            found.append(f"{where}: minReplicaCount {low}: the autoscaler only manages a pool that has workers, so from 0 it would never grow")
+        if low < 1 and not held:
+            found.append(f"{where}: minReplicaCount {low} without a trigger on {HELD_FROM_ZERO_METRIC}: at 0 the pool is woken only "
+                         "once the autoscaler decided again and Prometheus scraped it")
         replicas = target["spec"].get("replicas", 1)
         if not low <= replicas <= high:
             found.append(f"{where}: Deployment {ref['name']} starts at {replicas} replicas, outside {low}..{high}")
     found += [f"Deployment/{name}: scaled by {len(objects)} ScaledObjects ({', '.join(objects)}), not 1" for name, objects in targets.items() if len(objects) > 1]
+    return found
+
+
+def _held_trigger_problems(held: list[dict[str, Any]], config: KvlaneConfig) -> list[str]:
+    """A trigger on held requests wakes the pool (0 -> 1) and sizes it no further: the autoscaler decides the rest."""
+    if not held:
+        return []
+    trigger, found = held[0], []
+    metadata = trigger["metadata"]
+    functions, names, _ = promql_parts(metadata.get("query", ""))
+    if set(names) != {HELD_FROM_ZERO_METRIC} or functions != ["sum"]:
+        found.append(f"the held-requests trigger must read sum({HELD_FROM_ZERO_METRIC}) (every balancer's), not {metadata.get('query')!r}")
+    threshold = _number(metadata.get("threshold"))
+    if trigger.get("metricType", "AverageValue") != "AverageValue" or threshold is None or threshold < config.balancer.queue.max_length:
+        found.append(f"the held-requests trigger's threshold {metadata.get('threshold')} (AverageValue) must be at least "
+                     f"balancer.queue.max_length {config.balancer.queue.max_length}, so that it never asks for more than one replica")
+    if _number(metadata.get("activationThreshold", "0")) != 0.0:
+        found.append(f"the held-requests trigger's activationThreshold must be 0: one held request wakes the pool, "
+                     f"not {metadata.get('activationThreshold')}")
+    if metadata.get("ignoreNullValues", "true").lower() != "true":
+        found.append("the held-requests trigger's ignoreNullValues must be \"true\": no series means no request was ever held")
     return found
 
 

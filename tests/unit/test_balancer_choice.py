@@ -56,6 +56,28 @@ def test_a_stopping_or_unlistening_replica_is_not_chosen_but_still_reported_when
     assert replicas.choose(5.0) == "b"
 
 
+def test_every_replica_silent_means_none_to_ask_until_one_beats_again() -> None:
+    replicas = BalancerReplicas(TTL_S)
+    assert not replicas.all_silent(0.0)  # none heard yet: the queue group is asked
+    replicas.heard(beat("a"), 0.0)
+    replicas.heard(beat("b"), 0.0)
+    replicas.heard(beat("a"), 2.0)
+    replicas.fallen_silent(TTL_S + 0.5)
+    assert not replicas.all_silent(TTL_S + 0.5)  # a still beats
+    replicas.fallen_silent(2.0 + TTL_S + 0.5)
+    assert replicas.all_silent(2.0 + TTL_S + 0.5)
+    replicas.heard(beat("b"), 6.0)
+    assert not replicas.all_silent(6.0) and replicas.choose(6.0) == "b"
+
+
+def test_replicas_that_said_they_stop_are_not_counted_silent() -> None:
+    replicas = BalancerReplicas(TTL_S)
+    replicas.heard(beat("a"), 0.0)
+    replicas.heard(beat("a", stopping=True), 1.0)
+    replicas.fallen_silent(1.0 + TTL_S + 0.1)
+    assert not replicas.all_silent(1.0 + TTL_S + 0.1)
+
+
 def test_forgetting_an_unknown_replica_changes_nothing() -> None:
     replicas = BalancerReplicas(TTL_S)
     replicas.forget("x")

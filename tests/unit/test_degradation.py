@@ -48,14 +48,14 @@ def test_the_backlog_a_request_may_be_placed_behind_is_the_longer_of_target_and_
     queue = CentralQueue(100)
     settings = DegradationSettings(ttft_target_s=0.5)
     # No departure measured yet: no prediction, so no bound.
-    assert Degradation(settings, retry_after_s=1.0).backlog_bound_s(queue, 0, now=0.0) == math.inf
+    assert Degradation(settings, retry_after_s=1.0).backlog_bound_s(queue, request("new"), now=0.0) == math.inf
     d = degradation(settings, departures_per_s=10.0)
     now = 10.0
-    assert d.backlog_bound_s(queue, 0, now) == 0.5  # a slot frees in 0.1 s: the target is the bound
+    assert d.backlog_bound_s(queue, request("new"), now) == 0.5  # a slot frees in 0.1 s: the target is the bound
     for i in range(29):
         queue.push(request(f"q{i}"), now, now + 100.0)
-    assert d.backlog_bound_s(queue, 0, now) == pytest.approx(3.0)  # 29 ahead, then its turn, at 10 per second
-    assert d.backlog_bound_s(queue, 1, now) == 0.5  # a higher class has nobody ahead of it
+    assert d.backlog_bound_s(queue, request("new"), now) == pytest.approx(3.0)  # 29 ahead, then its turn, at 10 per second
+    assert d.backlog_bound_s(queue, request("new", priority=1), now) == 0.5  # a higher class has nobody ahead of it
 
 
 def test_a_request_that_would_wait_past_its_deadline_is_refused_at_once() -> None:

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 import sys
 
 import pytest
 
 from contracts import subjects
 from contracts.autoscaler import RequestServed
-from services.ingress.processes import METRICS_DIR_ENV, platform_refusal, prepare_metrics_dir, process_ids
+from services.ingress.processes import METRICS_DIR_ENV, hold_port, platform_refusal, prepare_metrics_dir, process_ids
 from services.ingress.served_events import ServedEvents
 
 
@@ -47,6 +48,24 @@ def test_a_given_metrics_directory_loses_an_earlier_runs_files_only(tmp_path) ->
     (tmp_path / "notes.txt").write_text("kept")
     assert prepare_metrics_dir(2, {METRICS_DIR_ENV: str(tmp_path)}) is None
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="SO_REUSEPORT spreads connections on Linux only")
+def test_a_held_port_takes_no_connection_and_lets_the_processes_listen_on_it() -> None:
+    with hold_port("127.0.0.1", 0) as held:
+        port = held.getsockname()[1]
+        assert port > 0
+        with pytest.raises(ConnectionRefusedError):  # held, not listened on
+            socket.create_connection(("127.0.0.1", port), timeout=5).close()
+        with socket.socket() as listener:
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            listener.bind(("127.0.0.1", port))
+            listener.listen()
+            for _ in range(20):  # every connection reaches the process that listens
+                with socket.create_connection(("127.0.0.1", port), timeout=5):
+                    listener.accept()[0].close()
+        with socket.socket() as stranger, pytest.raises(OSError):  # nobody else takes the port meanwhile
+            stranger.bind(("127.0.0.1", port))
 
 
 class RecordingBus:

@@ -202,7 +202,32 @@ KEDA_BREAKAGES = [
     (AGGREGATED_SCALEDOBJECT, 'ignoreNullValues: "false"', 'ignoreNullValues: "true"', "ignoreNullValues"),
     ("base/autoscaler.yaml", "    type: Recreate", "    type: RollingUpdate", "two would decide at once"),
     ("overlays/sim-autoscaled/kustomization.yaml", "  - ../../components/monitoring\n", "", "no ServiceMonitor scrapes the autoscaler"),
+    (AGGREGATED_SCALEDOBJECT, "query: sum(kvlane_balancer_held_from_zero)", "query: max(kvlane_balancer_held_from_zero)",
+     "must read sum(kvlane_balancer_held_from_zero)"),
+    (AGGREGATED_SCALEDOBJECT, 'threshold: "100000"', 'threshold: "1"', "never asks for more than one replica"),
+    (AGGREGATED_SCALEDOBJECT, 'activationThreshold: "0"', 'activationThreshold: "5"', "activationThreshold must be 0"),
+    (AGGREGATED_SCALEDOBJECT, 'ignoreNullValues: "true"', 'ignoreNullValues: "false"', "no request was ever held"),
+    # Down to 0 on both sides, but without the trigger that wakes it.
+    (AGGREGATED_SCALEDOBJECT, "minReplicaCount: 1\n  maxReplicaCount: 4\n  triggers:",
+     "minReplicaCount: 0\n  maxReplicaCount: 4\n  triggers:", "differ from [autoscaler.aggregated] min..max 1..4"),
 ]
+
+
+def test_a_pool_scaled_to_zero_on_both_sides_is_accepted_and_needs_the_held_requests_trigger(tmp_path: Path) -> None:
+    copy = tmp_path / "k8s"
+    shutil.copytree(K8S, copy)
+    config, scaled_object = copy / "base/config/kvlane.toml", copy / AGGREGATED_SCALEDOBJECT
+    config.write_text(config.read_text().replace("[autoscaler.aggregated]\nmin = 1", "[autoscaler.aggregated]\nmin = 0", 1))
+    text = scaled_object.read_text()
+    scaled_object.write_text(text.replace("minReplicaCount: 1", "minReplicaCount: 0", 1))
+    assert problems(render(copy / "overlays" / "sim-autoscaled")) == []
+    without_wake = text.replace("minReplicaCount: 1", "minReplicaCount: 0", 1).split("    # Wakes the pool from zero")[0]
+    scaled_object.write_text(without_wake)
+    common = copy / "components/keda/common/kustomization.yaml"
+    common.write_text(common.read_text().replace(
+        "      - op: add\n        path: /spec/triggers/1/metadata/serverAddress\n        value: http://prometheus-operated.monitoring.svc:9090\n", ""))
+    found = problems(render(copy / "overlays" / "sim-autoscaled"))
+    assert any("without a trigger on kvlane_balancer_held_from_zero" in problem for problem in found), found
 
 
 @pytest.mark.parametrize(("path", "old", "new", "expected"), KEDA_BREAKAGES, ids=[f"{b[0]}:{b[3]}" for b in KEDA_BREAKAGES])

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from contracts.messages import StreamEnd, Timings, TokenChunk, Usage
 from services.ingress.flight import (
-    Done, Fail, FlightOver, HandOver, RequestFlight, Route, StreamInterrupted, Yield,
+    AwaitBalancer, Done, Fail, FlightOver, HandOver, RequestFlight, Route, StreamInterrupted, Yield,
 )
 from shared.config import IngressSettings
 
@@ -95,6 +95,52 @@ def test_a_route_nobody_answered_after_a_resumption_is_still_only_asked_again_on
     flight.on_frame(chunk(0, 7))
     assert flight.on_interrupted(failed("w0")) == Route(3, ("w0",), (7,))
     assert isinstance(flight.on_unanswered("timed out"), Fail)
+
+
+def test_with_no_balancer_the_route_is_held_and_asked_again_sooner_then_later_until_the_wait_is_over() -> None:
+    flight = RequestFlight(IngressSettings(balancer_wait_s=3.0), 10)
+    flight.start()
+    waits = []
+    now = 100.0
+    while isinstance(held := flight.on_no_balancer(now, time_left_s=600.0), AwaitBalancer):
+        assert held.route == Route(len(waits) + 2, (), ())  # asked again as a new attempt
+        waits.append(held.wait_s)
+        now += held.wait_s
+    assert waits[:4] == [0.1, 0.2, 0.4, 0.8] and max(waits) == 1.0
+    assert sum(waits) == pytest.approx(3.0)  # the last wait ends with the window, not past it
+    status, code, message = error_of(held)
+    assert (status, code) == (503, "balancer_unavailable") and "waited 3.0s" in message
+    assert held.error.retry_after_s == 1.0 and flight.balancer_waits == len(waits)
+
+
+def test_a_balancer_that_answers_ends_the_wait_and_a_later_one_starts_a_fresh_window() -> None:
+    flight = RequestFlight(IngressSettings(balancer_wait_s=1.0), 10)
+    flight.start()
+    assert isinstance(flight.on_no_balancer(0.0, 600.0), AwaitBalancer)
+    assert isinstance(flight.on_no_balancer(0.9, 600.0), AwaitBalancer)
+    flight.on_decision(0)
+    flight.on_frame(chunk(0, 7))
+    flight.on_interrupted(gone("w0"))
+    held = flight.on_no_balancer(50.0, 600.0)
+    assert isinstance(held, AwaitBalancer) and held.wait_s == 0.1 and held.route.produced == (7,)
+    assert isinstance(flight.on_no_balancer(50.99, 600.0), AwaitBalancer)
+    assert isinstance(flight.on_no_balancer(51.0, 600.0), Fail)
+
+
+def test_the_wait_for_a_balancer_ends_with_the_requests_deadline() -> None:
+    flight = RequestFlight(IngressSettings(balancer_wait_s=5.0), 10)
+    flight.start()
+    held = flight.on_no_balancer(0.0, time_left_s=0.05)
+    assert isinstance(held, AwaitBalancer) and held.wait_s == 0.05
+    assert isinstance(flight.on_no_balancer(0.05, time_left_s=0.0), Fail)
+
+
+def test_no_wait_for_a_balancer_when_the_setting_is_zero() -> None:
+    flight = RequestFlight(IngressSettings(balancer_wait_s=0.0), 10)
+    flight.start()
+    assert error_of(flight.on_no_balancer(0.0, 600.0))[:2] == (503, "balancer_unavailable")
+    with pytest.raises(FlightOver):
+        flight.on_no_balancer(0.0, 600.0)
 
 
 def test_a_decision_under_the_tokens_left_caps_the_request() -> None:
@@ -256,19 +302,23 @@ class Client:
     migration_attempts=st.integers(0, 3),
     node_loss_resumes=st.integers(0, 3),
     preemption_resumes=st.integers(0, 3),
+    balancer_wait_s=st.sampled_from([0.0, 0.25, 5.0]),
 )
 def test_any_run_ends_once_relays_the_output_exactly_once_and_keeps_its_bounds(
     data: st.DataObject, max_tokens: int, n: int, dispatch_attempts: int, migration_attempts: int,
-    node_loss_resumes: int, preemption_resumes: int,
+    node_loss_resumes: int, preemption_resumes: int, balancer_wait_s: float,
 ) -> None:
     limits = IngressSettings(dispatch_attempts=dispatch_attempts, migration_attempts=migration_attempts,
-                             node_loss_resumes=node_loss_resumes, preemption_resumes=preemption_resumes)
+                             node_loss_resumes=node_loss_resumes, preemption_resumes=preemption_resumes,
+                             balancer_wait_s=balancer_wait_s)
     flight = RequestFlight(limits, max_tokens, n)
     client = Client()
     excluded: list[str] = []
     # Resumptions as this side counts them: after a failure (of those, after a node died), after a preemption.
     resumed = {"migrated": 0, "node_lost": 0, "preempted": 0}
     events = 0
+    # A clock for the waits for a balancer, and how long the present run of them has lasted.
+    now = waited_for_a_balancer = 0.0
 
     def trouble(odds: int) -> bool:
         """Something goes wrong (one time in `odds`); after 60 events the fleet behaves, and the request ends."""
@@ -287,6 +337,17 @@ def test_any_run_ends_once_relays_the_output_exactly_once_and_keeps_its_bounds(
         if trouble(4):
             action = flight.on_unanswered("timed out")
             continue
+        if trouble(4):
+            held = flight.on_no_balancer(now, time_left_s=600.0)
+            if isinstance(held, AwaitBalancer):
+                assert 0 < held.wait_s <= balancer_wait_s - waited_for_a_balancer + 1e-9
+                now += held.wait_s
+                waited_for_a_balancer += held.wait_s
+                action = held.route
+            else:
+                action = held
+            continue
+        waited_for_a_balancer = 0.0
         allowed = data.draw(st.integers(0, max_tokens)) if trouble(3) else 0
         limit = flight.on_decision(allowed).max_tokens
         node = f"w{events}"
@@ -336,7 +397,7 @@ def test_any_run_ends_once_relays_the_output_exactly_once_and_keeps_its_bounds(
         code = action.error.code
         reached = {
             "no_capacity": flight.refusals == dispatch_attempts,
-            "balancer_unavailable": flight.unanswered == 2,
+            "balancer_unavailable": flight.unanswered == 2 or waited_for_a_balancer >= balancer_wait_s - 1e-9,
             "preempted": resumed["preempted"] == preemption_resumes,
             "stream_interrupted": (resumed["migrated"] == migration_attempts or resumed["node_lost"] == node_loss_resumes
                                    or (n > 1 and bool(client.tokens))),

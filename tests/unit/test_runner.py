@@ -78,3 +78,47 @@ def test_announcing_ready_freezes_what_start_up_built_out_of_the_collector() -> 
     assert counts["before"] == 0
     assert counts["after"] >= 5000  # the start-up objects, and everything imported, are frozen
     assert json.loads(done.stderr.strip().splitlines()[-1]) == {"event": READY_EVENT, "service": "probe"}
+
+
+_SERVICE = (
+    "import asyncio, sys\n"
+    "from shared.runner import announce_ready, run_service\n"
+    "async def main(config, stop):\n"
+    "    if sys.argv[1] == 'serving':\n"
+    "        announce_ready(service='probe')\n"
+    "        await stop.wait()\n"
+    "        print('drained', file=sys.stderr, flush=True)\n"
+    "        return\n"
+    "    print('starting', file=sys.stderr, flush=True)\n"
+    "    try:\n"
+    "        await asyncio.Event().wait()  # a start waiting on a server that went down with the fleet\n"
+    "    finally:\n"
+    "        print('start undone', file=sys.stderr, flush=True)\n"
+    "run_service('probe', main, [])\n"
+)
+
+
+def _stop_when_it_says(phase: str, line: str) -> tuple[int, str]:
+    """Run a service in `phase`, SIGTERM it once it wrote `line`; its exit status and output."""
+    service = subprocess.Popen([sys.executable, "-c", _SERVICE, phase], cwd=REPO_ROOT, stderr=subprocess.PIPE, text=True)
+    assert service.stderr is not None
+    output = []
+    for said in service.stderr:  # waits for each line as it comes
+        output.append(said)
+        if line in said:
+            break
+    service.terminate()
+    _, rest = service.communicate(timeout=10)
+    return service.returncode, "".join(output) + (rest or "")
+
+
+def test_a_stop_before_the_service_serves_cancels_its_start() -> None:
+    code, output = _stop_when_it_says("starting", "starting")
+    assert code == 0, output
+    assert "stopped_while_starting" in output and "start undone" in output and "service_stopped" in output
+
+
+def test_a_stop_once_the_service_serves_lets_it_drain() -> None:
+    code, output = _stop_when_it_says("serving", READY_EVENT)
+    assert code == 0, output
+    assert "drained" in output and "stopped_while_starting" not in output
