@@ -38,9 +38,10 @@ or its deadline passes.
 The tenants' fair-share counters (`fair_share.TenantShares`) live beside
 the slots: two hashes, each tenant's service (charges add up) and its lift
 (the largest any replica set). A placement's charge, and an end's
-settlement, go into the next batch of scripts with the reservations and
-releases, never awaited by the route decision; every usage read brings the
-counters back in the same pipeline. Both keys carry one hash tag, so on a
+settlement, ride along with the next batch of reservations and releases
+(or go just before the next usage read, when none comes), never awaited by
+the route decision: no round trip per request; every usage read brings
+the counters back in its pipeline. Both keys carry one hash tag, so on a
 Redis Cluster the script runs on one master; idle for a day, they lapse,
 which changes nothing (with nothing active, every tenant starts level).
 
@@ -287,14 +288,23 @@ class ScriptBatch:
         self._pending: list[tuple[AsyncScript, list, list, asyncio.Future]] = []
         self._flush_task: asyncio.Task | None = None
 
-    def call(self, script: AsyncScript, keys: list, args: list) -> asyncio.Future:
-        """The script's reply, once its batch is back."""
+    def call(self, script: AsyncScript, keys: list, args: list, ride_along: bool = False) -> asyncio.Future:
+        """The script's reply, once its batch is back. `ride_along`: it starts no batch of its own, and goes with the
+        next one another call starts (or `send_riders`)."""
         loop = asyncio.get_running_loop()
         reply = loop.create_future()
         self._pending.append((script, keys, args, reply))
-        if self._flush_task is None:
+        if self._flush_task is None and not ride_along:
             self._flush_task = loop.create_task(self._flush(), name="slot-reservations")
         return reply
+
+    async def send_riders(self) -> None:
+        """Send the calls left to ride along (with the batch on its way, if one is), and wait until they are sent."""
+        if not self._pending:
+            return
+        if self._flush_task is None:
+            self._flush_task = asyncio.get_running_loop().create_task(self._flush(), name="slot-reservations")
+        await asyncio.shield(self._flush_task)
 
     async def _flush(self) -> None:
         try:
@@ -456,6 +466,7 @@ class RedisSlotStore:
         return (await self._read(chain_ids, now, False))[0]
 
     async def usage_and_counters(self, chain_ids: Sequence[str], now: float) -> tuple[dict[str, int], SharedCounters | None]:
+        await self._batch.send_riders()  # charges no reservation or release took along: the read then counts them
         return await self._read(chain_ids, now, True)
 
     async def _read(self, chain_ids: Sequence[str], now: float, counters: bool) -> tuple[dict[str, int], SharedCounters | None]:
@@ -474,7 +485,7 @@ class RedisSlotStore:
 
     def charge(self, charge: TenantCharge) -> asyncio.Future:
         reply = self._batch.call(self._charge, [TENANT_SERVICE_KEY, TENANT_LIFT_KEY],
-                                 [charge.tenant, repr(charge.service), repr(charge.lift)])
+                                 [charge.tenant, repr(charge.service), repr(charge.lift)], ride_along=True)
         # Nobody waits for it: a lost charge is the next read's to correct, and must not be reported as unretrieved.
         reply.add_done_callback(lambda done: done.cancelled() or done.exception())
         return reply

@@ -125,5 +125,7 @@ async def test_queued_requests_that_slots_free_for_together_are_confirmed_in_one
         balancer._on_finished(RequestFinished(reply.request_id, reply.worker_id, "stop", Usage(1, 1), 0.1), None)  # type: ignore[arg-type,union-attr]
     replies = await asyncio.wait_for(asyncio.gather(*waiting), 5.0)
     assert sorted(reply.worker_id for reply in replies if isinstance(reply, RouteDecision)) == workers
-    assert batches == [len(workers), len(workers)]  # the releases, then the queued requests' reservations
+    # The releases, with the tenants' fair-share charges and settlements made since riding along; then the queued
+    # requests' reservations (their charges wait for the next batch or usage read).
+    assert len(batches) == 2 and batches[0] >= len(workers) and batches[1] == len(workers), batches
     await balancer.stop()
