@@ -46,6 +46,9 @@ _STATUS_HEADER = "Status"
 _NO_RESPONDERS = "503"
 # After a connection's reply prefix: what comes there is passed on to the rest of the subject (`Bus.relaying_to`).
 _RELAY = "relay."
+# msgspec raises UnicodeDecodeError, not DecodeError, for some malformed strings (a string's length header that
+# does not match its bytes): either is a message that cannot be decoded.
+_UNDECODABLE = (msgspec.DecodeError, UnicodeDecodeError)
 
 
 class BusError(Exception):
@@ -206,7 +209,7 @@ class Bus:
             return
         try:
             error = self._decoder(ErrorReply).decode(msg.data)
-        except msgspec.DecodeError:
+        except _UNDECODABLE:
             log.debug("relay_dropped", subject=msg.subject, size=len(msg.data))
             return
         self.spawn(self._nc.publish(target, self._encoder.encode(error)))
@@ -248,7 +251,7 @@ class Bus:
             def deliver(msg: Msg) -> None:
                 try:
                     message = decoder.decode(msg.data)
-                except msgspec.DecodeError as exc:
+                except _UNDECODABLE as exc:
                     log.warning("bad_message", subject=msg.subject, error=str(exc), size=len(msg.data))
                     return
                 handler(message, msg)
@@ -261,7 +264,7 @@ class Bus:
         async def serve(msg: Msg) -> None:
             try:
                 message = decoder.decode(msg.data)
-            except msgspec.DecodeError as exc:
+            except _UNDECODABLE as exc:
                 log.warning("bad_message", subject=msg.subject, error=str(exc), size=len(msg.data))
                 await self._reply(msg, ErrorReply(code="bad_request", message=f"undecodable message: {exc}", status=400))
                 return
@@ -438,7 +441,7 @@ class ReplySlot:
             raise NoResponders(sent_to)
         try:
             return self._decoder(reply_type).decode(reply.data)
-        except msgspec.DecodeError as exc:
+        except _UNDECODABLE as exc:
             raise BusError(f"{sent_to}: undecodable reply: {exc}") from exc
 
     def give_up(self, reason: str) -> None:
