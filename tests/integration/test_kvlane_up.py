@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from launch.launcher import free_port, port_open
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -72,12 +73,14 @@ def test_a_killed_kvlane_up_leaves_no_process_behind(tmp_path: Path) -> None:
         up.wait(10)
         # Each gets SIGTERM as its parent dies; idle, each is gone within 2 s (a bounded poll: not our children).
         exited: dict[int, float] = {}
-        while left := [pid for pid in started if pid not in exited]:
-            for pid in left:
-                if not alive(pid):
+
+        def all_exited() -> bool:
+            for pid in started:
+                if pid not in exited and not alive(pid):
                     exited[pid] = time.monotonic() - killed
-            assert time.monotonic() - killed < 30, f"still running after kvlane up was killed: {left}"
-            time.sleep(0.01)
+            return len(exited) == len(started)
+
+        wait_for(all_exited, 30, "every process kvlane up started to exit after it was killed")
         print("after SIGKILL of kvlane up: " + ", ".join(f"{names[pid]} {seconds:.2f}s" for pid, seconds in exited.items()))
         assert all(seconds < 2.0 for seconds in exited.values()), {names[pid]: s for pid, s in exited.items()}
         for listened in (nats_port, redis_port, port):

@@ -17,6 +17,7 @@ import pytest
 
 from launch.launcher import free_port
 from tests.integration.conftest import MODEL, start_kvlane_up, stop_kvlane_up
+from tests.waiting import until
 
 pytestmark = pytest.mark.integration
 
@@ -81,15 +82,16 @@ def fleet_at_zero(tmp_path: Path, *settings: str, secure: bool = False) -> Itera
 
 async def until_no_worker_serves(base_url: str, output: TimedOutput, timeout_s: float = 20.0) -> None:
     """The ingress sees no worker and is still ready: the model is served from zero."""
-    deadline = time.monotonic() + timeout_s
+    status: dict = {}
     async with aiohttp.ClientSession() as session:
-        while True:
+        async def ready_with_no_worker() -> bool:
+            nonlocal status
             async with session.get(f"{base_url}/ready") as response:
                 status = json.loads(await response.read())
-            if response.status == 200 and status["workers"] == 0:
-                return
-            assert time.monotonic() < deadline, f"still {status} after {timeout_s:.0f}s\n" + output.tail()
-            await asyncio.sleep(0.1)
+                return response.status == 200 and status["workers"] == 0
+
+        await until(ready_with_no_worker, timeout_s, lambda: f"ready with no worker; still {status}\n" + output.tail(),
+                    every_s=0.1)
 
 
 async def stream_one(base_url: str, model: str = MODEL) -> tuple[int, float | None, str, dict[str, str]]:

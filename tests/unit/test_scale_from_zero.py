@@ -110,12 +110,18 @@ def test_wakes_repeated_while_requests_wait_keep_a_slow_worker_asked_for() -> No
     assert decide(scaler, obs, 52.0, 0).desired == 0
 
 
-def test_the_woken_pool_serves_then_goes_back_to_zero_when_idle_again() -> None:
+def woken_at_30_with_a_replica_at_33() -> tuple[Observations, Autoscaler]:
+    """A pool at zero woken at 30 s, whose worker has registered by 33 s; its decision at 33 s keeps that one."""
     obs, scaler = at_zero()
     scaler.wake(30.0, "m")
     decide(scaler, obs, 30.0, 0)
     idle(obs, 33.0, replicas=1)
     assert decide(scaler, obs, 33.0, 1).desired == 1
+    return obs, scaler
+
+
+def test_the_woken_pool_serves_then_goes_back_to_zero_when_idle_again() -> None:
+    obs, scaler = woken_at_30_with_a_replica_at_33()
     # It arrived at zero and waited for the worker: that wait is no pressure on the worker that serves it.
     obs.served(33.5, 2.5, 0.01, arrived_at=30.0)
     idle(obs, 34.0, replicas=1)
@@ -128,11 +134,7 @@ def test_the_woken_pool_serves_then_goes_back_to_zero_when_idle_again() -> None:
 
 
 def test_a_request_that_arrived_once_a_replica_served_counts_its_ttft_in_full() -> None:
-    obs, scaler = at_zero()
-    scaler.wake(30.0, "m")
-    decide(scaler, obs, 30.0, 0)
-    idle(obs, 33.0, replicas=1)
-    decide(scaler, obs, 33.0, 1)
+    obs, scaler = woken_at_30_with_a_replica_at_33()
     obs.served(34.0, 2.5, 0.01, arrived_at=33.2)
     idle(obs, 34.0, replicas=1)
     assert decide(scaler, obs, 34.0, 1).desired > 1
