@@ -111,6 +111,9 @@ class RouteDecision(Compact, tag="decision", tag_field="type"):
     cached_blocks: NonNegativeInt = 0
     prefill_worker_id: str = ""
     prefill_inbox: str = ""
+    # A prefix pull: the first node (`prefill_worker_id`) runs only the first `prefix_tokens` prompt tokens, which
+    # it caches, and `worker_id` pulls their KV and computes the rest (`PrefillRequest.prefix_tokens`). 0: no pull.
+    prefix_tokens: NonNegativeInt = 0
     # Seconds the request waited in the balancer's central queue for a free slot (0: placed at once).
     queued_s: Annotated[float, Meta(ge=0.0)] = 0.0
     # The tokens it may generate: the route request's max_tokens, or fewer when the
@@ -228,6 +231,9 @@ class PrefillRequest(RequestToRun, tag="prefill", tag_field="type", kw_only=True
 
     decode_worker_id: WorkerId
     decode_inbox: Subject
+    # A prefix pull: run only the first `prefix_tokens` prompt tokens, which this node caches, and hand the
+    # request over with their KV; the decode node pulls that prefix and computes the rest. 0: the whole prompt.
+    prefix_tokens: NonNegativeInt = 0
 
 
 class AbortRequest(Compact, tag="abort", tag_field="type"):
@@ -478,6 +484,9 @@ class WorkerRegistration(Struct, frozen=True, omit_defaults=True):
     # (--max-cpu-loras); 0: it serves no adapter.
     max_loras: NonNegativeInt = 0
     max_cpu_loras: NonNegativeInt = 0
+    # An aggregated node that also exposes its cached prefixes' KV to other nodes and pulls theirs (vLLM's
+    # `kv_both`): a balancer may run a request here on a prefix pulled from a busy node that caches it.
+    kv_share: bool = False
 
 
 class EngineStats(Struct, omit_defaults=True):
@@ -500,6 +509,9 @@ class EngineStats(Struct, omit_defaults=True):
     kv_held_blocks: NonNegativeInt = 0
     # Seconds the pulls done here spent moving KV, summed since the worker started.
     kv_pull_seconds: Annotated[float, Meta(ge=0.0)] = 0.0
+    # Prompt tokens whose KV was pulled from another node rather than computed here or found in this node's own
+    # cache (external hits: a decode node's hand-off, a prefix pull), since the worker started.
+    prefix_external_hit_tokens: NonNegativeInt = 0
     # Requests here whose prompt is not fully prefilled yet, waiting ones included: 0 says every prompt
     # the node had taken in by then is prefilled, which `waiting` alone cannot (a running request may
     # still be prefilling a long prompt in chunks). None: not reported (a worker from before this field).

@@ -20,7 +20,7 @@ from shared.config import ConfigError, KvlaneConfig, WorkerSettings, load_config
 
 
 # Flags of one mode only, with their defaults there: given in the other mode, they are refused.
-_MODE_FLAGS = {"aggregated": {"workers": 2, "fleet": None}, "disaggregated": {"prefill_workers": 1, "decode_workers": 1}}
+_MODE_FLAGS = {"aggregated": {"workers": 2, "fleet": None, "kv_share": None}, "disaggregated": {"prefill_workers": 1, "decode_workers": 1}}
 
 
 def _up_flags_refused(args: argparse.Namespace) -> str | None:
@@ -42,7 +42,8 @@ def up_config(args: argparse.Namespace) -> KvlaneConfig:
         load_config(args.config),
         ingress=ingress,
         worker={**({"engine": args.engine} if args.engine else {}),
-                **({"nodes": args.nodes_per_worker} if getattr(args, "nodes_per_worker", None) else {})},
+                **({"nodes": args.nodes_per_worker} if getattr(args, "nodes_per_worker", None) else {}),
+                **({"kv_share": True} if getattr(args, "kv_share", False) else {})},
         **({"worker.lora": {"max_loras": args.max_loras}} if getattr(args, "max_loras", None) is not None else {}),
         logging={"format": "console"} if args.console_logs else {},
         # Every service gets it (the config reaches each as KVLANE__* variables): spans and GenAI metrics over OTLP/HTTP.
@@ -290,6 +291,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--decode-workers", type=int, help="decode workers (disaggregated mode; default 1)")
     up.add_argument("--max-loras", type=int, metavar="N",
                     help="LoRA adapters each worker runs at once; 0 serves none (default: worker.lora.max_loras, 0)")
+    up.add_argument("--kv-share", action="store_true", default=None,
+                    help="aggregated workers lend each other cached prefixes: a free worker may pull a busy one's "
+                         "(default: worker.kv_share, off)")
     up.add_argument("--fleet", help="sim workers of several kinds, PROFILE[@SPEED]:COUNT,... (aggregated mode; replaces --workers)")
     up.add_argument("--cache-managers", type=_at_least_one, default=1,
                     help="cache-manager replicas; they share the work, and the fleet keeps its leases while one is left (default 1)")

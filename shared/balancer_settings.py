@@ -160,6 +160,15 @@ class DisaggregationSettings(Section):
     cost_kv_transfer: bool = True
 
 
+class PrefixPullSettings(Section):
+    # Between kv_share workers, run a request on a free node with its prefix pulled from a busy node that
+    # caches it, when that has the prefix there sooner than computing it again (services/balancer/prefix_pull.py).
+    enabled: bool = True
+    # A pull of fewer tokens than this is not worth its fixed costs (a step on the source, a round trip):
+    # they are computed again. vLLM's NixlConnector recomputes below 64 (`kv_recompute_threshold`) too.
+    min_tokens: Annotated[int, Meta(ge=1)] = 64
+
+
 class DegradationSettings(Section):
     """How the balancer bends under overload, judged by the central queue's predicted wait."""
 
@@ -209,4 +218,5 @@ class BalancerSettings(Section):
     jffc_per_request: JffcPerRequestSettings = msgspec.field(default_factory=JffcPerRequestSettings)
     disaggregation: DisaggregationSettings = msgspec.field(default_factory=DisaggregationSettings)
     adapters: AdapterRoutingSettings = msgspec.field(default_factory=AdapterRoutingSettings)
+    prefix_pull: PrefixPullSettings = msgspec.field(default_factory=PrefixPullSettings)
     degradation: DegradationSettings = msgspec.field(default_factory=DegradationSettings)

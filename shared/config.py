@@ -352,6 +352,10 @@ class WorkerSettings(Section):
     model: str = "kvlane-sim"
     engine: Literal["sim", "vllm"] = "sim"
     role: Literal["aggregated", "prefill", "decode"] = "aggregated"
+    # An aggregated worker that also exposes its cached prefixes' KV to other workers and pulls theirs (vLLM's
+    # NixlConnector as `kv_both`; the sim engine over `sim.kv_link`): balancers may then run a request here on a
+    # prefix pulled from a busy worker that caches it, rather than compute it again (docs/routing.md).
+    kv_share: bool = False
     # The step-time profile this worker advertises to balancers (a name, or
     # file:<path> written by `kvlane calibrate`). Empty: a sim worker
     # advertises its own profile, a vLLM worker none (balancers then measure

@@ -185,7 +185,10 @@ class Simulation:
         self._origin = 0.0
         self.scaler: SimScaler | None = None
         self.counters = {"migrations": 0, "dispatch_retries": 0, "node_failures": 0, "node_joins": 0,
-                         "kv_hand_offs": 0, "adapter_loads": 0, "adapter_loads_measured": 0}
+                         "kv_hand_offs": 0, "adapter_loads": 0, "adapter_loads_measured": 0, "prefix_pulls": 0,
+                         "prefix_pull_tokens": 0}
+        # When each source's link is through with the transfers already on it.
+        self._link_free_at: dict[str, float] = {}
 
     # --- the run --------------------------------------------------------------------
 
@@ -255,6 +258,7 @@ class Simulation:
             # As a live worker registers them (`services.worker.main`); only aggregated workers run adapters.
             max_loras=lora.max_loras if role == "aggregated" else 0,
             max_cpu_loras=max(lora.max_cpu_loras, lora.max_loras) if role == "aggregated" else 0,
+            kv_share=self._config.worker.kv_share and role == "aggregated",
         )
         node = SimNode(registration, profile, speed, sim, self._tokenizer.output_token_range, self._events, self._on_step,
                        self._lat.step_overhead_s, lora if role == "aggregated" else None)
@@ -330,18 +334,18 @@ class Simulation:
             interval = self._config.cluster.kv_events_interval_s
             self._events.at((now // interval + 1) * interval, self._flush_kv, node)
         flights = self._flights
-        if node.registration.role == "prefill":
-            for info in outcome.finished_info:
-                flight = flights.get(info.request_id)
-                if flight is not None and flight.worker_id == node.worker_id and flight.decode_id:
-                    self._events.after(self._delay("hop"), self._hand_off, flight, node, flight.decode_id,
-                                       info.prompt_tokens)
-                else:
-                    node.scheduler.release_held(info.request_id)
+        prefill_node = node.registration.role == "prefill"
+        for info in outcome.finished_info:
+            flight = flights.get(info.request_id)
+            if flight is not None and _first_of_two(flight, node):
+                self._events.after(self._delay("hop"), self._hand_off, flight, node, flight.decode_id, info.prompt_tokens)
+            elif prefill_node:
+                node.scheduler.release_held(info.request_id)
+        if prefill_node:
             return
         for request_id, token in outcome.emitted:
             flight = flights.get(request_id)
-            if flight is None or flight.worker_id != node.worker_id:
+            if flight is None or flight.worker_id != node.worker_id or _first_of_two(flight, node):
                 continue
             flight.ingress.on_tokens((token,))
             record = flight.record
@@ -353,7 +357,7 @@ class Simulation:
             record.token_times_s.append(seen)
         for info in outcome.finished_info:
             flight = flights.get(info.request_id)
-            if flight is None or flight.worker_id != node.worker_id:
+            if flight is None or flight.worker_id != node.worker_id or _first_of_two(flight, node):
                 continue
             record = flight.record
             stream = flight.stream_s if flight.stream_s is not None else self._delay("stream", flight.delays)
@@ -470,9 +474,11 @@ class Simulation:
         if handing.capped:  # degraded under overload, as ingress applies it
             sampling = msgspec.structs.replace(flight.prepared.sampling, max_tokens=handing.max_tokens)
             flight.prepared = msgspec.structs.replace(flight.prepared, sampling=sampling)
-        prefill = placement.prefill.worker_id if placement.prefill is not None else None
+        first, prefix_tokens = placement.prefill.worker_id if placement.prefill is not None else None, 0
+        if placement.pull is not None:
+            first, prefix_tokens = placement.pull.source.worker_id, placement.pull.exposed_tokens
         self._events.after(self._delay("handover", flight.delays), self._dispatch, flight, placement.chain.worker_id,
-                           prefill)
+                           first, prefix_tokens)
 
     def refused(self, request_id: str, reply: ErrorReply) -> None:
         flight = self._flights.get(request_id)
@@ -496,7 +502,9 @@ class Simulation:
         if not flight.done:
             self._route(flight, route)
 
-    def _dispatch(self, flight: _Flight, worker_id: str, prefill_id: str | None = None) -> None:
+    def _dispatch(self, flight: _Flight, worker_id: str, prefill_id: str | None = None, prefix_tokens: int = 0) -> None:
+        """Hand the request to its node; on a two-node chain to its first node: a prefill node, which runs the
+        prompt, or a prefix pull's source, which runs only the `prefix_tokens` it caches."""
         if flight.done or flight.ingress.over:
             self.balancer.withdraw(flight.record.request_id or "")
             return
@@ -510,7 +518,10 @@ class Simulation:
             self.counters["dispatch_retries"] += 1
             self._route(flight, elsewhere)
             return
-        if prefill_id is not None:
+        if prefill_id is not None and prefix_tokens:
+            flight.decode_id = worker_id
+            self._start(flight, node, max_tokens=1, hold_kv=True, prompt_tokens=prefix_tokens)
+        elif prefill_id is not None:
             # The prompt runs on the prefill node, which keeps its KV for the decode node to pull.
             flight.decode_id = worker_id
             self._start(flight, node, max_tokens=len(flight.output) + 1, hold_kv=True)
@@ -518,13 +529,16 @@ class Simulation:
             flight.decode_id = ""
             self._start(flight, node)
 
-    def _start(self, flight: _Flight, node: SimNode, max_tokens: int | None = None, hold_kv: bool = False) -> None:
+    def _start(self, flight: _Flight, node: SimNode, max_tokens: int | None = None, hold_kv: bool = False,
+               prompt_tokens: int = 0) -> None:
+        """Run the request on `node`; with `prompt_tokens`, only that prefix of its prompt (a prefix pull's source)."""
         prepared = flight.prepared
         seed = self._config.worker.sim.seed if prepared.sampling.seed is None else prepared.sampling.seed
+        prompt = prepared.prompt_token_ids[:prompt_tokens] if prompt_tokens else prepared.prompt_token_ids
         try:
-            node.add(SimRequest(flight.record.request_id or "", prepared.prompt_token_ids,
-                                max_tokens or prepared.sampling.max_tokens, seed, list(flight.output), hold_kv,
-                                adapter=flight.session.adapter))
+            node.add(SimRequest(flight.record.request_id or "", prompt,
+                                max_tokens or prepared.sampling.max_tokens, seed, [] if prompt_tokens else list(flight.output),
+                                hold_kv, adapter=flight.session.adapter))
         except ValueError as exc:
             self._fail(flight, f"http_400: {exc}"[:200], 400)
             return
@@ -539,20 +553,33 @@ class Simulation:
             source.scheduler.release_held(request_id)
             self._lost_on(flight, decode_id)
             return
-        known = prompt_tokens + len(flight.output)
-        pull_s = 2 * self._lat.hop_s + self._link.transfer_seconds(known * source.profile.kv_bytes_per_token)
-        self.counters["kv_hand_offs"] += 1
-        self._events.after(pull_s, self._pulled, flight, source, decode)
+        if prompt_tokens < len(flight.prepared.prompt_token_ids):
+            # A prefix pull: the runner pulls the blocks of the prefix it does not cache itself.
+            prefix = flight.prepared.prompt_token_ids[:prompt_tokens]
+            moved = max(0, prompt_tokens - decode.scheduler.cached_prefix_tokens(prefix))
+            self.counters["prefix_pulls"] += 1
+            self.counters["prefix_pull_tokens"] += moved
+        else:
+            moved = prompt_tokens + len(flight.output)
+            self.counters["kv_hand_offs"] += 1
+        # Transfers from one source share its link: each starts when the ones before it are through.
+        now = self._events.now
+        start = max(now + 2 * self._lat.hop_s, self._link_free_at.get(source.worker_id, 0.0))
+        done = start + self._link.transfer_seconds(moved * source.profile.kv_bytes_per_token)
+        self._link_free_at[source.worker_id] = done
+        self._events.after(done - now, self._pulled, flight, source, decode, prompt_tokens)
 
-    def _pulled(self, flight: _Flight, source: SimNode, decode: SimNode) -> None:
+    def _pulled(self, flight: _Flight, source: SimNode, decode: SimNode, prompt_tokens: int) -> None:
         if flight.done or not decode.alive:
             if source.alive:
                 source.scheduler.release_held(flight.record.request_id or "")
             self._lost_on(flight, decode.worker_id)
             return
         if source.alive:
-            decode.scheduler.import_prefix(flight.prepared.prompt_token_ids + flight.output)
+            known = flight.prepared.prompt_token_ids + flight.output
+            decode.scheduler.import_prefix(known[:prompt_tokens] if prompt_tokens < len(flight.prepared.prompt_token_ids) else known)
             source.scheduler.release_held(flight.record.request_id or "")
+        flight.decode_id = ""
         # A source that died meanwhile has nothing to pull: the decode node computes the prompt itself.
         self._start(flight, decode)
 
@@ -630,6 +657,11 @@ class Simulation:
                 short_total = int(stats.blocks_total * policy.short_pool_share)
                 if general > stats.blocks_total - short_total or short > short_total:
                     raise InvariantBroken(f"{worker_id}: leases of {general}+{short} blocks exceed the pools")
+
+
+def _first_of_two(flight: _Flight, node: SimNode) -> bool:
+    """Whether `node` runs `flight` as the first node of a two-node chain (a prefill node, a prefix pull's source)."""
+    return bool(flight.decode_id) and flight.worker_id == node.worker_id and flight.decode_id != node.worker_id
 
 
 def result_summary(result: SimulationResult) -> dict[str, Any]:

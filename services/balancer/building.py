@@ -5,6 +5,7 @@ from __future__ import annotations
 from services.balancer.adapters import AdapterPlacement
 from services.balancer.central_queue import CentralQueue
 from services.balancer.policies import make_policy
+from services.balancer.prefix_pull import PrefixPulls
 from services.balancer.router import Router
 from services.balancer.slot_table import SlotTable
 from services.balancer.snapshot import SnapshotBuilder
@@ -39,4 +40,5 @@ def build_router(settings: BalancerSettings, model: StepModel, use_index: bool =
         settings.degradation,
         use_index=use_index,
         adapters=AdapterPlacement(settings.adapters),
+        pulls=PrefixPulls(settings.prefix_pull, settings.jffc_per_request.imposed_delay_weight),
     )

@@ -56,14 +56,15 @@ from services.balancer.snapshot import ChainState, NodeFacts, SnapshotBuilder, c
 
 # The columns of each block, in block row order; the kernels below read them by position.
 FLOAT_COLUMNS = ("a", "b", "c", "d", "per_request", "step_at_batch", "present", "health", "drain_per_s", "backlog_left",
-                 "backlog_since", "load", "speed", "kv_usage", "growth_penalty", "utilisation", "adapter_s")
+                 "backlog_since", "load", "speed", "kv_usage", "growth_penalty", "utilisation", "adapter_s",
+                 "pull_s")
 INT_COLUMNS = ("block_size", "kv_tokens", "request_blocks", "slots_total", "slots_used", "finished", "in_flight", "heard",
                "waiting", "kv_blocks_used", "kv_blocks_total")
 BOOL_COLUMNS = ("busy", "eligible", "free")
 _A, _B, _C, _D, _PER_REQUEST, _STEP_AT_BATCH, _PRESENT, _HEALTH, _DRAIN_PER_S, _BACKLOG_LEFT, _BACKLOG_SINCE = map(
     FLOAT_COLUMNS.index, ("a", "b", "c", "d", "per_request", "step_at_batch", "present", "health", "drain_per_s", "backlog_left",
                           "backlog_since"))
-_GROWTH_PENALTY, _UTILISATION, _ADAPTER_S = map(FLOAT_COLUMNS.index, ("growth_penalty", "utilisation", "adapter_s"))
+_GROWTH_PENALTY, _UTILISATION, _ADAPTER_S, _PULL_S = map(FLOAT_COLUMNS.index, ("growth_penalty", "utilisation", "adapter_s", "pull_s"))
 _BLOCK_SIZE, _KV_TOKENS, _REQUEST_BLOCKS, _SLOTS_TOTAL, _SLOTS_USED = map(
     INT_COLUMNS.index, ("block_size", "kv_tokens", "request_blocks", "slots_total", "slots_used"))
 _IN_FLIGHT, _HEARD, _WAITING, _KV_BLOCKS_USED, _KV_BLOCKS_TOTAL = map(
@@ -91,6 +92,8 @@ class ChainIndex:
     utilisation: np.ndarray  # `ChainState.utilisation`
     # Seconds the last decision's request would spend loading its LoRA adapter on each row (`ChainState.adapter_load_s`).
     adapter_s: np.ndarray
+    # Seconds until a prefix pulled for the last decision's request is on each row (`ChainState.pull_s`).
+    pull_s: np.ndarray
     block_size: np.ndarray
     kv_tokens: np.ndarray
     # The leading blocks of the last decision's request cached on each row (a column, not a
@@ -148,6 +151,7 @@ class ChainIndex:
         self._extent = np.zeros(2, dtype=np.float64)
         self._request_rows: list[int] = []  # rows of `request_blocks` that are not 0
         self._adapter_rows: list[int] = []  # rows of `adapter_s` that are not 0
+        self._pull_rows: list[int] = []  # rows of `pull_s` that are not 0
 
     def sync(self, heartbeats: Sequence[Heartbeat]) -> bool:
         """Note what changed since the last call; False when this list cannot be indexed."""
@@ -205,9 +209,10 @@ class ChainIndex:
         self.chain_order = np.array(sorted(range(len(ids)), key=ids.__getitem__), dtype=np.int64)
 
     def decision(self, request: RouteRequest, cached_blocks: Mapping[str, int],
-                 adapter_s: Mapping[str, float | None] | None = None) -> Decision:
+                 adapter_s: Mapping[str, float | None] | None = None, pull_s: Mapping[str, float] | None = None) -> Decision:
         """The columns as `request` sees them now (call `sync` first). `adapter_s`: for a request with a LoRA
-        adapter, the seconds its load takes on each node, None where the node cannot run it now."""
+        adapter, the seconds its load takes on each node, None where the node cannot run it now; `pull_s`: the
+        seconds until a prefix pulled for it is on a node (`cached_blocks` counting that prefix there)."""
         excluded = [self._row_of_worker[w] for w in request.exclude_workers if w in self._row_of_worker]
         counted: set[int] = set()
         if self._touched:
@@ -255,6 +260,16 @@ class ChainIndex:
                 if row is not None and seconds:
                     loading[row] = seconds
                     self._adapter_rows.append(row)
+        pulling = self.pull_s
+        for row in self._pull_rows:
+            pulling[row] = 0.0
+        self._pull_rows = []
+        if pull_s:
+            for worker_id, seconds in pull_s.items():
+                row = self._row_of_worker.get(worker_id)
+                if row is not None and seconds:
+                    pulling[row] = seconds
+                    self._pull_rows.append(row)
         self._decisions += 1
         return Decision(self, free, eligible, cached, self._builder.clock())
 
@@ -322,8 +337,10 @@ class ChainIndex:
         facts = self._facts[row]
         assert facts is not None
         state = self._builder.state(facts, int(self.slots_used[row]), cached_blocks, now)
-        seconds = self.adapter_s[row]
-        return msgspec.structs.replace(state, adapter_load_s=float(seconds)) if seconds else state
+        adapter_s, pull_s = self.adapter_s[row], self.pull_s[row]
+        if adapter_s or pull_s:
+            return msgspec.structs.replace(state, adapter_load_s=float(adapter_s), pull_s=float(pull_s))
+        return state
 
 
 class Decision:
@@ -462,7 +479,7 @@ def _request_seconds(floats: np.ndarray, ints: np.ndarray, bools: np.ndarray, fr
     a, b, c, d = floats[_A], floats[_B], floats[_C], floats[_D]
     per_request, step_at_batch, present, health = floats[_PER_REQUEST], floats[_STEP_AT_BATCH], floats[_PRESENT], floats[_HEALTH]
     drain_per_s, backlog_left, backlog_since = floats[_DRAIN_PER_S], floats[_BACKLOG_LEFT], floats[_BACKLOG_SINCE]
-    adapter_s = floats[_ADAPTER_S]
+    adapter_s, pull_s = floats[_ADAPTER_S], floats[_PULL_S]
     block_size, kv_tokens, request_blocks, busy = ints[_BLOCK_SIZE], ints[_KV_TOKENS], ints[_REQUEST_BLOCKS], bools[_BUSY]
     context = prompt + output / 2  # the request's own, on average
     lowest = np.inf
@@ -481,7 +498,7 @@ def _request_seconds(floats: np.ndarray, ints: np.ndarray, bools: np.ndarray, fr
         if imposed_weight != 0.0 and busy[row]:
             per_decode_step = c[row] + d[row] * context
             cost = cost + imposed_weight * (present[row] * (prefill_cost + per_decode_step * output / 2))
-        cost = (cost + adapter_s[row]) / health[row]
+        cost = (cost + adapter_s[row] + pull_s[row]) / health[row]
         seconds[row] = cost
         if not free[row]:
             continue

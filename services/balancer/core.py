@@ -268,10 +268,11 @@ class BalancerCore:
             if settled is not None and self._shares_counters:
                 effects.append(Charge(settled))
         chain_id = router.finished(request_id, worker_id)
-        if chain_id is None and router.table.holder(request_id) is not None and self._is_prefill_node(worker_id):
-            # A prefill node ends a request only when it never handed it over: the slot and the KV lease are its
-            # decode node's, which will never run it. (From any other node, this is the late end of an attempt
-            # resumed elsewhere, whose slot and lease the resumed attempt holds.)
+        if chain_id is None and router.table.holder(request_id) is not None and (
+                self._is_prefill_node(worker_id) or router.pull_source(request_id) == worker_id):
+            # A prefill node (or a prefix pull's source) ends a request only when it never handed it over: the slot
+            # and the KV lease are its decode node's, which will never run it. (From any other node, this is the late
+            # end of an attempt resumed elsewhere, whose slot and lease the resumed attempt holds.)
             chain_id = router.table.release(request_id)
             assert chain_id is not None
             worker_id = worker_of(chain_id)

@@ -35,6 +35,7 @@ async def main(config: KvlaneConfig, stop: asyncio.Event) -> None:
                  else LocalSlotStore(allocator.release_many if allocator is not None else None))
         router = build_router(settings, model)
         metrics.track_degradation(router.degradation.counts)
+        metrics.track_prefix_pulls(router.pulls.choices, router.pulls.pulled_bytes)
         # The models the autoscaler may scale to zero: their requests wait for a worker rather than get a 404.
         from_zero = ModelsFromZeroWatcher(ctx.bus, ctx.redis)
         await from_zero.start()

@@ -66,6 +66,15 @@ class BalancerMetrics:
         self.registry.register(_CountsCollector("kvlane_balancer_degraded", "Requests degraded under overload, by what was done",
                                                 "kind", counts))
 
+    def track_prefix_pulls(self, choices: Mapping[str, int], pulled_bytes: Mapping[str, int]) -> None:
+        """Export the router's prefix pulls (read at each scrape): the choice made for each request some node could
+        have pulled its prefix for, and the bytes pulled from each source."""
+        self.registry.register(_CountsCollector(
+            "kvlane_balancer_prefix_pull_choices",
+            "Placed requests with a prefix pull on offer, by what was chosen (pull, recompute, run_on_source)", "choice", choices))
+        self.registry.register(_CountsCollector(
+            "kvlane_balancer_prefix_pull_bytes", "KV bytes of prefixes pulled, by the node they were pulled from", "source",
+            pulled_bytes))
 
     def track_tenants(self, waiting: Mapping[str, int], counter: Callable[[str], float]) -> None:
         """The tenants with requests waiting now, and their virtual service; a tenant no longer waiting is dropped."""

@@ -27,14 +27,16 @@ from services.balancer.chain_index import ChainIndex
 from services.balancer.degradation import Degradation
 from services.balancer.fair_share import TenantShares
 from services.balancer.policies import RoutingPolicy
+from services.balancer.prefix_pull import PrefixPull, PrefixPulls, PullCandidate, merged_cached
 from services.balancer.slot_table import SlotTable
 from services.balancer.disaggregation import choose_prefill, prefill_saturated, remote_prompt_ready_s
 from services.balancer.snapshot import GENERATING_ROLES, ChainState, ClusterSnapshot, NodeFacts, SnapshotBuilder
-from shared.balancer_settings import AdapterRoutingSettings
+from shared.balancer_settings import AdapterRoutingSettings, PrefixPullSettings
 from shared.config import DegradationSettings, DisaggregationSettings, QueueSettings
 from shared.kv.prefix_index import PrefixIndex
 
 HeartbeatsFor = Callable[[str], Sequence[Heartbeat]]
+_NO_PULLS: Mapping[str, PrefixPull] = {}
 K = TypeVar("K")
 
 
@@ -47,6 +49,10 @@ class Placement(Struct, frozen=True):
     prefill: ChainState | None = None
     # The policy sent it to the node caching its prefix rather than to its best-scored node.
     fast_forward: bool = False
+    # `chain` runs it on a prefix pulled from another node (whose id is then the chain's first node).
+    pull: PrefixPull | None = None
+    # With a pull on offer for some node: "pull", "recompute" or "run_on_source" (`PrefixPulls.chosen`); "" without.
+    pull_choice: str = ""
 
     @property
     def request_id(self) -> str:
@@ -72,6 +78,7 @@ class Router:
         degradation: DegradationSettings | None = None,
         use_index: bool = True,
         adapters: AdapterPlacement | None = None,
+        pulls: PrefixPulls | None = None,
     ) -> None:
         """`use_index=False` decides every request on a fresh snapshot (the reference the index is checked against)."""
         self.policy = policy
@@ -97,6 +104,9 @@ class Router:
         # Where LoRA adapters are loaded, and what loading one costs on each node; it counts a placed request's
         # adapter on its node until the request's slot is freed, however that happens.
         self.adapters = adapters or AdapterPlacement(AdapterRoutingSettings())
+        # Prefix pulls between kv_share nodes, and the source each placed request pulls from until its slot is freed.
+        self.pulls = pulls or PrefixPulls(PrefixPullSettings(enabled=False), 0.0)
+        self._pull_sources: dict[str, str] = {}
         # Each tenant's service so far, for the queue's order within a class (None: arrival order).
         self.shares = (TenantShares(queue_settings.fair_share_prompt_cost, queue_settings.fair_share_output_cost)
                        if queue_settings.fair_share else None)
@@ -112,9 +122,12 @@ class Router:
         """
         cached = self.index.match(request.block_hashes) if request.block_hashes else {}
         loading = self.adapters.load_seconds(request.adapter, heartbeats) if request.adapter else None
+        pulls = self._pull_offers(request, heartbeats, cached) if cached and loading is None and self.pulls.enabled else _NO_PULLS
+        if pulls:
+            cached = merged_cached(cached, pulls)
         # Synced whatever the fleet, so that the index stays current when it becomes indexable again.
         if self.chains is not None and self.chains.sync(heartbeats):
-            decision = self.chains.decision(request, cached, loading)
+            decision = self.chains.decision(request, cached, loading, {w: p.seconds for w, p in pulls.items()} if pulls else None)
             if backlog_bound < math.inf:
                 decision.limit_backlog(backlog_bound, request.prompt_tokens)
             if may_hold and self.holds_for_cache(request, decision.cached, decision.eligible.item, decision.free.item):
@@ -124,18 +137,22 @@ class Router:
             if decision.settled:
                 if row is None:
                     return None
-                return self._reserve(request, decision.state(row), None, expires_at, fast_forwards, heartbeats, cached)
-        return self._place_on_snapshot(request, heartbeats, expires_at, backlog_bound, may_hold, cached, loading)
+                return self._reserve(request, decision.state(row), None, expires_at, fast_forwards, heartbeats, cached, pulls)
+        return self._place_on_snapshot(request, heartbeats, expires_at, backlog_bound, may_hold, cached, loading, pulls)
 
     def _place_on_snapshot(self, request: RouteRequest, heartbeats: Sequence[Heartbeat], expires_at: float,
                            backlog_bound: float, may_hold: bool, cached: Mapping[str, int],
-                           loading: Mapping[str, float | None] | None) -> Placement | None:
+                           loading: Mapping[str, float | None] | None, pulls: Mapping[str, PrefixPull]) -> Placement | None:
         """`place` on a fresh snapshot: for a fleet with decode nodes, each paired with its prefill node."""
         snapshot = self.builder.snapshot(request, heartbeats, self.table.used, cached)
         if loading is not None:
             snapshot = msgspec.structs.replace(snapshot, chains=tuple(
                 msgspec.structs.replace(c, adapter_load_s=seconds) if seconds else c
                 for c in snapshot.chains if (seconds := loading.get(c.worker_id)) is not None))
+        if pulls:
+            snapshot = msgspec.structs.replace(snapshot, chains=tuple(
+                msgspec.structs.replace(c, pull_s=pull.seconds) if (pull := pulls.get(c.worker_id)) is not None else c
+                for c in snapshot.chains))
         prefill_for: dict[str, ChainState] = {}
         if any(c.node.role == "decode" for c in snapshot.chains):
             snapshot, prefill_for = self._with_prefill_nodes(request, snapshot, heartbeats, cached)
@@ -158,10 +175,12 @@ class Router:
         chain = self.policy.choose(request, snapshot)
         if chain is None:
             return None
-        return self._reserve(request, chain, prefill_for.get(chain.chain_id), expires_at, fast_forwards, heartbeats, cached)
+        return self._reserve(request, chain, prefill_for.get(chain.chain_id), expires_at, fast_forwards, heartbeats, cached,
+                             pulls)
 
     def _reserve(self, request: RouteRequest, chain: ChainState, prefill: ChainState | None, expires_at: float,
-                 fast_forwards: int, heartbeats: Sequence[Heartbeat], cached: Mapping[str, int]) -> Placement:
+                 fast_forwards: int, heartbeats: Sequence[Heartbeat], cached: Mapping[str, int],
+                 pulls: Mapping[str, PrefixPull]) -> Placement:
         """Reserve a slot on the chosen chain; `fast_forwards`: the policy's count before it chose."""
         if chain.free_slots <= 0 or not self.table.reserve(request.request_id, chain.chain_id, chain.node.slots_total, expires_at):
             raise RuntimeError(f"policy {self.policy.name} chose full chain {chain.chain_id}")
@@ -169,7 +188,40 @@ class Router:
             self.degradation.counts["local_prefill"] += 1
         self.builder.note_sent(prefill or chain, request)
         self.adapters.note_placed(request.request_id, chain.worker_id, request.adapter)
-        return Placement(request, chain, expires_at, prefill, fast_forward=self.policy.fast_forwards > fast_forwards)
+        pull = pulls.get(chain.worker_id)
+        choice = ""
+        if pulls:
+            choice = self.pulls.chosen(chain.worker_id, pull, next(iter(pulls.values())).source.worker_id, self.builder.clock())
+        if pull is not None:
+            self._pull_sources[request.request_id] = pull.source.worker_id
+        return Placement(request, chain, expires_at, prefill, fast_forward=self.policy.fast_forwards > fast_forwards, pull=pull,
+                         pull_choice=choice)
+
+    def _pull_offers(self, request: RouteRequest, heartbeats: Sequence[Heartbeat], cached: Mapping[str, int]
+                     ) -> Mapping[str, PrefixPull]:
+        """The runners where `request` would run on a prefix pulled from the kv_share node caching most of it."""
+        # Per decision: most fleets have no kv_share node, so look first at the few nodes caching the prompt
+        # (a node whose facts are not read yet may be one).
+        for worker_id in cached:
+            facts = self.builder.cached_facts(worker_id)
+            if facts is None or facts.kv_share:
+                break
+        else:
+            return _NO_PULLS
+        candidates = []
+        excluded = request.exclude_workers
+        for heartbeat in heartbeats:
+            if not heartbeat.registration.kv_share:
+                continue
+            facts = self.builder.facts(heartbeat)
+            if facts.kv_share and facts.health_weight > 0 and facts.worker_id not in excluded:
+                in_flight = max(self.table.used(facts.chain_id), facts.running + facts.waiting)
+                candidates.append(PullCandidate(facts, cached.get(facts.worker_id, 0), in_flight + facts.growth_penalty))
+        return self.pulls.offers(request.prompt_tokens, candidates, self.builder.clock())
+
+    def pull_source(self, request_id: str) -> str | None:
+        """The node the request placed here pulls its prefix from, until its slot is freed (None: no pull)."""
+        return self._pull_sources.get(request_id)
 
     def holds_for_cache(self, request: RouteRequest, cached: Mapping[K, int], eligible: Callable[[K], bool] | None,
                         free: Callable[[K], bool]) -> bool:
@@ -438,6 +490,7 @@ class Router:
         """Nodes that left: drop what the trackers and the prefix index hold of them."""
         self.builder.forget(worker_ids)
         self.adapters.forget(worker_ids)
+        self.pulls.links.forget(worker_ids)
         for worker_id in worker_ids:
             self.index.remove_node(worker_id)
             self._known_workers.discard(worker_id)
@@ -471,6 +524,8 @@ class Router:
         self.table.release(placement.request_id)
         self.table.set_global_used(placement.chain.chain_id, chain_used)
         self.builder.note_undone(placement.prefill or placement.chain, placement.request)
+        if placement.pull_choice:
+            self.pulls.undone(placement.pull_choice, placement.pull, self.builder.clock())
         if entry is not None:
             self.queue.restore(entry)
 
@@ -510,6 +565,7 @@ class Router:
 
     def _slot_freed(self, request_id: str) -> None:
         self.adapters.released(request_id)
+        self._pull_sources.pop(request_id, None)
         if self.shares is not None:
             self.shares.released(request_id)
 

@@ -64,6 +64,7 @@ from services.balancer.core import (
 )
 from services.balancer.from_zero import FromZero, WakeAutoscaler
 from services.balancer.metrics import BalancerMetrics
+from services.balancer.prefix_pull import PrefixPull
 from services.balancer.presence import ReplicaPresence
 from services.balancer.router import Placement, Router
 from services.balancer.slot_store import RedisSlotStore, SlotStore
@@ -133,6 +134,8 @@ class BalancerService:
         self._presence = ReplicaPresence(bus, balancer_id, heartbeat_interval_s, self._on_route)
         self._fast_forwards_seen = 0
         self._cache_holds_seen = 0
+        # A placed request's prefix pull, as its route span is to show it (only while tracing).
+        self._pull_attributes: dict[str, dict[str, str | int | float]] = {}
         # Each live chain's slot gauges (used, total): a label lookup per chain and tick costs more than the tick's reads.
         self._gauged_chains: dict[str, tuple[Gauge, Gauge]] = {}
         self._store_degraded = False
@@ -252,16 +255,27 @@ class BalancerService:
         counter.inc()
         if self._tracing:
             span = trace.get_current_span()  # the request's `route` span
+            pulled = self._pull_attributes.pop(reply.request_id, None) if isinstance(reply, RouteDecision) else None
             if span.is_recording():
                 _annotate_route(span, reply, outcome, self.router.policy.name)
+                if pulled is not None:
+                    span.set_attributes(pulled)
         return reply
 
     def _decision(self, placed: Placed) -> RouteDecision:
         placement, entry = placed.placement, placed.entry
-        chain, prefill = placement.chain, placement.prefill
+        chain, pull = placement.chain, placement.pull
+        # A prefix pull's source is the chain's first node, as a prefill node is.
+        first = pull.source if pull is not None else placement.prefill.node if placement.prefill is not None else None
+        if placement.pull_choice and self._tracing:
+            # For the request's `route` span, which the reply is annotated on: a queued request is placed outside it.
+            if len(self._pull_attributes) > _MOST_PULL_ATTRIBUTES:  # replies that never reached their span
+                self._pull_attributes.clear()
+            self._pull_attributes[placement.request_id] = pull_attributes(placement.pull_choice, pull)
         return RouteDecision(
             placement.request_id, chain.worker_id, chain.node.inbox, self.router.policy.name, chain.cached_blocks,
-            prefill_worker_id=prefill.worker_id if prefill else "", prefill_inbox=prefill.node.inbox if prefill else "",
+            prefill_worker_id=first.worker_id if first else "", prefill_inbox=first.inbox if first else "",
+            prefix_tokens=pull.exposed_tokens if pull is not None else 0,
             queued_s=0.0 if entry is None else max(0.0, self._wall_clock() - entry.enqueued_at),
             max_tokens=placement.request.max_tokens, started_at=chain.node.started_at,
         )
@@ -603,6 +617,26 @@ def _logs_debug(logger: structlog.typing.BindableLogger) -> bool:
     """Whether `logger` writes debug lines as logging is configured now (yes when it cannot tell)."""
     is_enabled_for = getattr(logger.bind(), "is_enabled_for", None)
     return True if is_enabled_for is None else bool(is_enabled_for(logging.DEBUG))
+
+
+# Route spans waiting for their prefix pull's attributes, at most (each is popped as its reply is annotated).
+_MOST_PULL_ATTRIBUTES = 10_000
+
+
+def pull_attributes(choice: str, pull: PrefixPull | None) -> dict[str, str | int | float]:
+    """What was chosen for a request a node could have pulled the prefix for; a pull's source, size and the costs it
+    was chosen on."""
+    if pull is None:
+        return {"kvlane.route.choice": choice}
+    return {
+        "kvlane.route.choice": choice,
+        "kvlane.prefix_pull.source.id": pull.source.worker_id,
+        "kvlane.prefix_pull.exposed_tokens": pull.exposed_tokens,
+        "kvlane.prefix_pull.pulled_tokens": pull.pulled_tokens,
+        "kvlane.prefix_pull.bytes": pull.pulled_bytes,
+        "kvlane.prefix_pull.predicted_pull_s": pull.seconds,
+        "kvlane.prefix_pull.predicted_recompute_s": pull.recompute_s,
+    }
 
 
 def _annotate_route(span: Span, reply: RouteReply, outcome: str, policy: str) -> None:

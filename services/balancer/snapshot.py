@@ -63,6 +63,8 @@ class NodeFacts(Struct, frozen=True):
     kv_transfer: KvTransfer | None = None
     # When the node's process started (its registration's `started_at`): routes name the process they chose.
     started_at: float = 0.0
+    # It exposes its cached prefixes' KV to other nodes and pulls theirs (`WorkerRegistration.kv_share`).
+    kv_share: bool = False
 
 
 class ChainState(Struct, frozen=True):
@@ -80,6 +82,8 @@ class ChainState(Struct, frozen=True):
     remote_prefill_s: float | None = None
     # Seconds the request's LoRA adapter takes to load here before its prefill (0: none, or in a batch slot).
     adapter_load_s: float = 0.0
+    # Seconds until a prefix pulled from another node is here (0: none pulled; `cached_blocks` then counts it).
+    pull_s: float = 0.0
 
     @property
     def worker_id(self) -> str:
@@ -292,6 +296,7 @@ class SnapshotBuilder:
             sent_at=heartbeat.sent_at,
             kv_transfer=registration.kv_transfer,
             started_at=registration.started_at,
+            kv_share=registration.kv_share and registration.role == "aggregated",
         )
         self._facts[worker_id] = (heartbeat.sent_at, self._version, facts)
         self._changed.add(worker_id)

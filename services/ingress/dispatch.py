@@ -375,7 +375,8 @@ class Dispatcher:
             adapter=prepared.adapter,
         )
         if decision is not None and decision.prefill_inbox:
-            return PrefillRequest(**common, decode_worker_id=decision.worker_id, decode_inbox=decision.inbox)
+            return PrefillRequest(**common, decode_worker_id=decision.worker_id, decode_inbox=decision.inbox,
+                                  prefix_tokens=decision.prefix_tokens)
         return GenerateRequest(**common, accept_to=accept_to)
 
     async def _hand_over(

@@ -32,6 +32,8 @@ NODE_LABELS = ["model_name", "worker"]
 _COUNTERS = (
     ("vllm:prefix_cache_queries", "Prefix cache queries, in prompt tokens looked up (per worker).", "prefix_query_tokens"),
     ("vllm:prefix_cache_hits", "Prefix cache hits, in prompt tokens found cached (per worker).", "prefix_hit_tokens"),
+    ("vllm:external_prefix_cache_hits", "Prefix cache hits from other nodes' caches, in prompt tokens pulled (per worker).",
+     "prefix_external_hit_tokens"),
     ("vllm:num_preemptions", "Requests the engine preempted to make room (per worker).", "preemptions"),
     ("kvlane_worker_kv_pulls", "Prompt KV caches this node pulled from a prefill node.", "kv_pulls"),
     ("kvlane_worker_kv_pull_bytes", "Bytes of KV this node pulled from prefill nodes.", "kv_pull_bytes"),

@@ -209,10 +209,12 @@ async def main(config: KvlaneConfig, stop: asyncio.Event) -> None:
             host=host,
             max_num_seqs=settings.sim.max_num_seqs if settings.engine == "sim" else 0,
             step_time=step_time,
+            kv_transfer=advertised_kv_transfer_of(settings),
             tool_call_parser=advertised_tool_call_parser(settings),
             reasoning_parser=settings.vllm.reasoning_parser if settings.engine == "vllm" else "",
             max_loras=settings.lora.max_loras,
             max_cpu_loras=max(settings.lora.max_cpu_loras, settings.lora.max_loras),
+            kv_share=settings.kv_share and settings.role == "aggregated",
         )
         for node_id, (_, facts) in zip(ids, engines, strict=True)
     ]

@@ -122,6 +122,8 @@ class WorkerService:
         self._bus = bus
         self._state = state
         self._settings = settings
+        # A prefill node, or a kv_share node as the source of a prefix pull, runs prompts for another node to pull.
+        self._exposes_kv = registration.role == "prefill" or registration.kv_share
         self._holds = KvHolds(bus, registration.worker_id, engine.release_kv)
         self._puller = KvPuller(bus, registration.worker_id, settings.kv_pull_timeout_s)
         self._outbox = StreamOutbox(bus)
@@ -157,7 +159,7 @@ class WorkerService:
 
     async def start(self) -> None:
         await self._engine.start()
-        if self.registration.role == "prefill":
+        if self._exposes_kv:
             await self._holds.start()
         await self._bus.subscribe(subjects.BALANCER_HEARTBEAT_ALL, BalancerHeartbeat, self._on_balancer_heartbeat,
                                   traced=False, at_once=True)
@@ -282,7 +284,7 @@ class WorkerService:
         return reply
 
     def _admit(self, request: RequestToRun) -> GenerateAccepted | ErrorReply:
-        if isinstance(request, PrefillRequest) and self.registration.role != "prefill":
+        if isinstance(request, PrefillRequest) and not self._exposes_kv:
             return ErrorReply(code="not_a_prefill_node", message=f"worker {self.registration.worker_id} is {self.registration.role}", status=503)
         if self._draining or not self._check_engine():
             return ErrorReply(code="draining", message="worker is draining", status=503, retry_after_s=0)
@@ -300,7 +302,11 @@ class WorkerService:
         received = time.monotonic()
         deadline = received + request.timeout_s
         kv_ref = request.kv_ref if isinstance(request, GenerateRequest) else None
-        engine_request = EngineRequest(request.request_id, request.prompt_token_ids, request.sampling, request.resume_token_ids, kv_ref,
+        prompt, resumed = request.prompt_token_ids, request.resume_token_ids
+        if isinstance(request, PrefillRequest) and 0 < request.prefix_tokens < len(prompt):
+            # A prefix pull's source: only the prefix, whose KV the decode node pulls; it computes the rest.
+            prompt, resumed = prompt[: request.prefix_tokens], []
+        engine_request = EngineRequest(request.request_id, prompt, request.sampling, resumed, kv_ref,
                                        kv_held_until=None if kv_ref is None else received + kv_ref.hold_s, api=request.api)
         try:
             self._engine.check(engine_request)

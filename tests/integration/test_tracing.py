@@ -38,6 +38,7 @@ from launch.fleet import Fleet, with_overrides
 from launch.launcher import free_port
 from tests.integration.conftest import MODEL, launch, stop_and_check
 from tests.integration.test_disaggregated import LONG, BusWatch, disaggregated, process, worker_of
+from tests.integration.test_prefix_pull import BUSY_TOKENS, PREFIX, busy_source, cache_on_one_worker, sharing
 
 pytestmark = pytest.mark.integration
 
@@ -422,5 +423,32 @@ async def test_queued_request_is_placed_and_allocated_within_its_own_route_span(
         assert route.attributes["kvlane.route.outcome"] == "queued" and route.attributes["kvlane.route.queue_wait_s"] > 0
         assert one(spans, "kv.allocate").parent_id == route.span_id
         assert one(spans, "dispatch.attempt").attributes["kvlane.outcome"] == "finished"
+    finally:
+        await stop_fleet(fleet)
+
+
+# --- (d) a pulled prefix ---------------------------------------------------------------
+
+
+async def test_a_pulled_prefix_shows_its_source_size_and_costs_on_the_route_span(tmp_path: Path, receiver: OtlpReceiver) -> None:
+    fleet = await start_fleet(tmp_path, workers=2, tune=exporting_to(receiver, then=sharing), speed=0.3)
+    try:
+        source = await cache_on_one_worker(fleet, PREFIX, seed=1)
+        runner = next(w for w in ("w0", "w1") if w != source)
+        busy = await busy_source(fleet, f"{PREFIX} busy", BUSY_TOKENS, seed=2)
+        header, trace_id, _ = traceparent()
+        client = openai.AsyncOpenAI(base_url=f"{fleet.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
+        await client.completions.create(model=MODEL, prompt=f"{PREFIX} traced", max_tokens=3, extra_headers={"traceparent": header})
+        await busy
+        spans = await wait_for(lambda: {"route", "prefill", "kv.transfer"} <= names(found := receiver.trace(trace_id)) and found)
+        route = one(spans, "route")
+        attributes = route.attributes
+        assert (attributes["kvlane.route.choice"], attributes["kvlane.prefix_pull.source.id"]) == ("pull", source)
+        assert (attributes["kvlane.prefill_worker.id"], attributes["kvlane.worker.id"]) == (source, runner)
+        assert attributes["kvlane.prefix_pull.exposed_tokens"] % 16 == 0 and attributes["kvlane.prefix_pull.pulled_tokens"] > 0
+        assert attributes["kvlane.prefix_pull.bytes"] == attributes["kvlane.prefix_pull.pulled_tokens"] * 1024
+        assert 0 < attributes["kvlane.prefix_pull.predicted_pull_s"] < attributes["kvlane.prefix_pull.predicted_recompute_s"]
+        assert one(spans, "prefill").attributes["kvlane.outcome"] == "handed_off"
+        assert one(spans, "kv.transfer").attributes["kvlane.outcome"] == "pulled"
     finally:
         await stop_fleet(fleet)

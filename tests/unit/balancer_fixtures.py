@@ -10,11 +10,13 @@ import msgspec
 from contracts.messages import EngineStats, Heartbeat, RouteRequest, WorkerRegistration
 from services.balancer.central_queue import CentralQueue
 from services.balancer.policies import make_policy
+from services.balancer.prefix_pull import PrefixPulls
 from services.balancer.router import Router
 from services.balancer.slot_table import SlotTable
 from services.balancer.snapshot import ChainState, ClusterSnapshot, NodeFacts, SnapshotBuilder
 from services.balancer.speed import StepModel
 from services.balancer.trackers import QueueGrowth, SpeedTracker
+from shared.balancer_settings import PrefixPullSettings
 from shared.config import BalancerSettings, DegradationSettings, JffcPerRequestSettings, QueueSettings, SlotSettings
 from shared.kv.prefix_index import PrefixIndex
 
@@ -94,11 +96,13 @@ def settings(policy: str = "jffc_per_request", **slots: object) -> BalancerSetti
 
 def router(policy: str = "jffc_per_request", queue_length: int = 64, queue: QueueSettings | None = None,
            jffc: JffcPerRequestSettings | None = None, clock: Callable[[], float] = time.time, use_index: bool = True,
-           degradation: DegradationSettings | None = None, **slots: object) -> Router:
+           degradation: DegradationSettings | None = None, prefix_pull: PrefixPullSettings | None = None,
+           **slots: object) -> Router:
     s = settings(policy, **slots)
     if jffc is not None:
         s = msgspec.structs.replace(s, jffc_per_request=jffc)
     builder = SnapshotBuilder(s, SpeedTracker(TINY, s.speed.smoothing, s.speed.equal_within), QueueGrowth(s.speed.smoothing),
                               clock=clock)
     return Router(make_policy(policy, s), builder, PrefixIndex(), SlotTable(), CentralQueue(queue_length), queue or s.queue,
-                  degradation=degradation, use_index=use_index)
+                  degradation=degradation, use_index=use_index,
+                  pulls=None if prefix_pull is None else PrefixPulls(prefix_pull, s.jffc_per_request.imposed_delay_weight))

@@ -36,9 +36,18 @@ def test_flags_given_override_the_file(config_file: Path) -> None:
     (["--mode", "disaggregated", "--fleet", "h100:2"], "--fleet applies to --mode aggregated only"),
     (["--prefill-workers", "2"], "--prefill-workers applies to --mode disaggregated only"),
     (["--mode", "aggregated", "--decode-workers", "2"], "--decode-workers applies to --mode disaggregated only"),
+    (["--mode", "disaggregated", "--kv-share"], "--kv-share applies to --mode aggregated only"),
 ])
 def test_a_flag_of_the_other_mode_is_refused(argv: list[str], refused: str) -> None:
     assert _up_flags_refused(parse(*argv)) == refused
+
+
+def test_kv_share_turns_prefix_pulls_on_and_its_absence_leaves_the_file_alone(tmp_path: Path, config_file: Path) -> None:
+    assert up_config(parse("--config", str(config_file), "--kv-share")).worker.kv_share
+    assert not up_config(parse("--config", str(config_file))).worker.kv_share
+    sharing = tmp_path / "sharing.toml"
+    sharing.write_text("[worker]\nkv_share = true\n")
+    assert up_config(parse("--config", str(sharing))).worker.kv_share
 
 
 def test_the_chosen_mode_gets_its_defaults() -> None:

@@ -108,7 +108,8 @@ def test_collector_exports_each_live_worker_in_vllm_names() -> None:
     view.observe(heartbeat("w0", EngineStats(running=3, waiting=2, prefilling=4, kv_blocks_total=200, kv_blocks_used=50,
                                              prefix_query_tokens=640, prefix_hit_tokens=320, preemptions=1)), 100.0)
     view.observe(heartbeat("p0", EngineStats(kv_held_blocks=7, kv_pulls=0), role="prefill", model="other"), 100.0)
-    view.observe(heartbeat("d0", EngineStats(kv_pulls=4, kv_pull_bytes=4096, kv_pull_seconds=0.5, kv_pull_failures=1),
+    view.observe(heartbeat("d0", EngineStats(kv_pulls=4, kv_pull_bytes=4096, kv_pull_seconds=0.5, kv_pull_failures=1,
+                                             prefix_external_hit_tokens=64),
                            role="decode", draining=True), 100.0)
     samples = scrape(fleet(view, clock))
     assert samples[("vllm:num_requests_running", node("w0"))] == 3
@@ -121,6 +122,7 @@ def test_collector_exports_each_live_worker_in_vllm_names() -> None:
     assert samples[("vllm:num_preemptions_total", node("w0"))] == 1
     assert samples[("kvlane_worker_kv_held_blocks", node("p0", "other"))] == 7
     assert samples[("kvlane_worker_kv_pulls_total", node("d0"))] == 4
+    assert samples[("vllm:external_prefix_cache_hits_total", node("d0"))] == 64
     assert samples[("kvlane_worker_kv_pull_bytes_total", node("d0"))] == 4096
     assert samples[("kvlane_worker_kv_pull_seconds_total", node("d0"))] == 0.5
     assert samples[("kvlane_worker_kv_pull_failures_total", node("d0"))] == 1

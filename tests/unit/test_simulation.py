@@ -120,6 +120,21 @@ def test_a_disaggregated_fleet_hands_kv_from_prefill_to_decode_nodes_and_survive
     assert simulation.counters["node_failures"] == 1
 
 
+def test_kv_share_nodes_pull_a_busy_nodes_prefix_and_survive_a_source_failure() -> None:
+    """Under load, requests whose prefix a busy node caches run elsewhere on the pulled prefix; a source that fails
+    mid-run loses no request. Without kv_share, nothing is pulled."""
+    base = spec(rate=60.0, requests=600, groups=64, num_blocks=30000, overrides={"worker": {"kv_share": True}})
+    for changes in ((), (NodeChange(3.0, "w0"),)):
+        result, ended, simulation = run(dataclasses.replace(base, changes=changes))
+        assert set(ended.values()) == {1} and all(r.ok for r in result.records)
+        assert simulation.counters["prefix_pulls"] > 50 and simulation.counters["prefix_pull_tokens"] > 0
+        assert simulation.counters["kv_hand_offs"] == 0
+        # Every node keeps its held blocks for no longer than the pulls: none is left held at the end.
+        assert all(node.scheduler.held_blocks == 0 for node in simulation.nodes.values() if node.alive)
+    result, ended, simulation = run(dataclasses.replace(base, config=with_overrides(base.config, worker={"kv_share": False})))
+    assert all(r.ok for r in result.records) and simulation.counters["prefix_pulls"] == 0
+
+
 def test_simulated_nodes_advertise_their_kv_link_as_a_live_sim_worker_does() -> None:
     base = spec(requests=20, rate=20.0, overrides={"worker.sim": {"profile": H100, "kv_link": "ethernet-25g"}})
     nodes = (*fleet_nodes(parse_fleet(f"{H100}:1"), "prefill"), *fleet_nodes(parse_fleet(f"{H100}:1"), "decode"))

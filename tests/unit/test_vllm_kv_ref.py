@@ -1,4 +1,4 @@
-"""vLLM's NixlConnector kv_transfer_params <-> KvRef, and the P/D engine configuration (no vLLM needed)."""
+"""vLLM's NixlConnector kv_transfer_params <-> KvRef, and the P/D and kv_share engine configuration (no vLLM needed)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,12 @@ import pytest
 from contracts.messages import GenerateRequest, KvRef, SamplingParams
 from services.worker.engines.base import EngineConfigError
 from services.worker.engines.vllm_kv_ref import (
+    PREFIX_PULL,
     REMOTE_CACHED_TOKENS,
+    is_prefix_pull,
     kv_ref_from_params,
     params_from_kv_ref,
+    prefix_pull_params,
     producer_request_params,
 )
 from services.worker.engines.vllm_nixl import engine_env, kv_transfer_config
@@ -104,6 +107,34 @@ def test_producer_request_params_are_a_fresh_dict() -> None:
                                          "remote_block_ids": None, "remote_host": None, "remote_port": None}
 
 
+# --- a kv_share engine's partial pull ---------------------------------------------------
+
+
+def test_prefix_pull_takes_vllms_partial_pull_branch() -> None:
+    ref = _ref(PRODUCER_OUTPUT | {"remote_num_tokens": 192, "remote_block_ids": [[1, 2, 3, 4, 5, 6]], REMOTE_CACHED_TOKENS: 160})
+    params = prefix_pull_params(ref)
+    # vLLM's pull scheduler loads min(remote_num_tokens, prompt) tokens for a
+    # do_remote_decode request that names remote blocks, and computes the rest.
+    assert params["do_remote_decode"] is True and params["do_remote_prefill"] is False
+    assert params["remote_num_tokens"] == 192 and params["remote_block_ids"] == [[1, 2, 3, 4, 5, 6]]
+    assert all(params[key] == PRODUCER_OUTPUT[key] for key in ("remote_engine_id", "remote_request_id", "remote_host",
+                                                                "remote_port", "tp_size", "transfer_mode"))
+    # kvlane's connector frees the request's blocks when it ends; vLLM keeps its prompt whole.
+    assert params[PREFIX_PULL] is True and params["_p_side_truncated"] is True and is_prefix_pull(params)
+    # Only a decode node reports the source's cache hits as its own.
+    assert REMOTE_CACHED_TOKENS not in params
+
+
+def test_prefix_pull_keeps_the_sources_block_expiry() -> None:
+    ref = _ref(PRODUCER_OUTPUT | {"remote_blocks_expiry_time": 1234.5})
+    assert prefix_pull_params(ref)["remote_blocks_expiry_time"] == 1234.5
+
+
+def test_only_marked_requests_are_prefix_pulls() -> None:
+    assert not is_prefix_pull(None) and not is_prefix_pull({}) and not is_prefix_pull(producer_request_params())
+    assert not is_prefix_pull(params_from_kv_ref(_ref(PRODUCER_OUTPUT)))
+
+
 # --- the engine configuration per role -------------------------------------------------
 
 
@@ -125,6 +156,31 @@ def test_cpu_engines_use_the_connector_without_a_progress_thread() -> None:
     assert config["kv_connector_extra_config"]["num_threads"] == 1
 
 
+def test_kv_share_makes_an_aggregated_worker_kv_both_in_vllms_bidirectional_mode() -> None:
+    config = kv_transfer_config("aggregated", 30.0, on_cpu=True, kv_share=True)
+    assert (config["kv_connector"], config["kv_role"], config["kv_load_failure_policy"]) == ("NixlConnector", "kv_both", "fail")
+    extra = config["kv_connector_extra_config"]
+    assert extra["bidirectional_kv_xfer"] is True and extra["kv_lease_duration"] == 30
+    # The balancer chose to pull: vLLM must not recompute short prefixes instead.
+    assert extra["kv_recompute_threshold"] == 0
+    assert config["kv_connector_module_path"] == "services.worker.engines.vllm_nixl_connector"
+    assert extra["num_threads"] == 1 and "kvlane_progress_thread" not in extra
+
+
+def test_kv_share_uses_kvlanes_connector_on_gpu_hosts_with_the_progress_thread() -> None:
+    config = kv_transfer_config("aggregated", 30.0, on_cpu=False, kv_share=True)
+    assert config["kv_connector_module_path"] == "services.worker.engines.vllm_nixl_connector"
+    extra = config["kv_connector_extra_config"]
+    assert extra["kvlane_progress_thread"] is True and "num_threads" not in extra
+
+
+def test_kv_share_changes_nothing_for_prefill_and_decode_workers() -> None:
+    for role in ("prefill", "decode"):
+        for on_cpu in (True, False):
+            assert kv_transfer_config(role, 30.0, on_cpu, kv_share=True) == kv_transfer_config(role, 30.0, on_cpu)
+    assert "bidirectional_kv_xfer" not in kv_transfer_config("decode", 30.0, on_cpu=True)["kv_connector_extra_config"]
+
+
 def test_hold_timeout_becomes_whole_lease_seconds() -> None:
     assert kv_transfer_config("prefill", 12.5, on_cpu=True)["kv_connector_extra_config"]["kv_lease_duration"] == 13
     assert kv_transfer_config("prefill", 0.2, on_cpu=True)["kv_connector_extra_config"]["kv_lease_duration"] == 1
@@ -133,11 +189,15 @@ def test_hold_timeout_becomes_whole_lease_seconds() -> None:
 def test_each_engine_gets_its_own_side_channel() -> None:
     settings = VllmSettings(model="m")
     first = engine_env(settings, "prefill", on_cpu=False, env={}, cpu_count=64)
-    assert first["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "127.0.0.1" and int(first["VLLM_NIXL_SIDE_CHANNEL_PORT"]) > 0
+    assert first["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "127.0.0.1" and 20000 <= int(first["VLLM_NIXL_SIDE_CHANNEL_PORT"]) < 32768
     fixed = VllmSettings(model="m", nixl_side_channel_host="10.1.2.3", nixl_side_channel_port=5601)
     assert engine_env(fixed, "decode", on_cpu=False, env={}, cpu_count=64) == {
         "VLLM_NIXL_SIDE_CHANNEL_HOST": "10.1.2.3", "VLLM_NIXL_SIDE_CHANNEL_PORT": "5601"}
     assert engine_env(fixed, "aggregated", on_cpu=True, env={}, cpu_count=2) == {}
+    assert engine_env(fixed, "aggregated", on_cpu=False, env={}, cpu_count=64, kv_share=True) == {
+        "VLLM_NIXL_SIDE_CHANNEL_HOST": "10.1.2.3", "VLLM_NIXL_SIDE_CHANNEL_PORT": "5601"}
+    assert engine_env(fixed, "aggregated", on_cpu=True, env={}, cpu_count=2, kv_share=True)[
+        "VLLM_CPU_NUM_OF_RESERVED_CPU"] == "1"
 
 
 def test_small_cpu_hosts_reserve_one_core_unless_told_otherwise() -> None:

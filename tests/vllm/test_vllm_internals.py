@@ -50,7 +50,8 @@ RESUMED_GRAMMAR = ("services/worker/engines/vllm_resumed_grammar.py's ResumedGra
                    "advances the grammar as vLLM's StructuredOutputManager does)")
 VALIDATION_TEXT = "services/worker/engines/vllm_api.py's validation_rejection (words errors with `_format_error`)"
 NIXL_AGENTS = ("services/worker/engines/vllm_nixl_connector.py's NixlConnector (swaps `base_worker.nixl_agent_config` "
-               "while vLLM's connector worker builds its NIXL agent)")
+               "while vLLM's connector worker builds its NIXL agent; frees a prefix pull's blocks and puts the hold's "
+               "expiry on a kv_share source's reference when a request finishes)")
 
 
 def changed(what: str, where: str, revisit: str = "") -> str:
@@ -239,7 +240,7 @@ SUBCLASSES = [
      RESUMED_GRAMMAR),
     (_stat_logger_factory(StepCounters()), {"__init__", "record", "record_sleep_state", "record_admission_rejection",
                                             "log_engine_initialized", "log"}, STAT_LOGGER),
-    (NixlConnector, {"__init__"}, NIXL_AGENTS),
+    (NixlConnector, {"__init__", "request_finished", "request_finished_all_groups"}, NIXL_AGENTS),
 ]
 
 

@@ -69,7 +69,9 @@ class JffcPerRequest:
     `imposed_delay_weight`; without it a request takes the node where it
     alone finishes first even when that slows a full batch. A request with
     a LoRA adapter adds the adapter's load there (`ChainState.adapter_load_s`:
-    none in a batch slot, a copy from host memory, or a fetch and load).
+    none in a batch slot, a copy from host memory, or a fetch and load), and a
+    request run on a prefix pulled from another node the pull's seconds
+    (`ChainState.pull_s`, its `cached_blocks` counting the prefix).
     The sum is divided by the node's health weight.
     """
 
@@ -125,4 +127,4 @@ class JffcPerRequest:
                 uncached_tokens=uncached, prompt_tokens=request.prompt_tokens, output_tokens=request.max_tokens,
                 running=present,
             )
-        return (seconds + chain.adapter_load_s) / node.health_weight
+        return (seconds + chain.adapter_load_s + chain.pull_s) / node.health_weight

@@ -85,7 +85,8 @@ class StepStats:
         self._prefill_tokens += outcome.prefill_tokens
         self._decode_tokens += outcome.decode_seqs
 
-    def take(self, now: float, kv_pulls: int = 0, kv_pull_bytes: int = 0, kv_pull_seconds: float = 0.0) -> EngineStats:
+    def take(self, now: float, kv_pulls: int = 0, kv_pull_bytes: int = 0, kv_pull_seconds: float = 0.0,
+             external_hits: int = 0) -> EngineStats:
         s = self._scheduler.stats()
         elapsed = max(now - self._since, 1e-9)
         stats = EngineStats(
@@ -104,6 +105,7 @@ class StepStats:
             kv_pull_bytes=kv_pull_bytes,
             kv_held_blocks=s.blocks_held,
             kv_pull_seconds=kv_pull_seconds,
+            prefix_external_hit_tokens=external_hits,
             adapters_active=s.adapters_active,
             adapters_running=s.adapters_running,
             adapters_cached=s.adapters_cached,
@@ -133,6 +135,8 @@ class SimEngine:
         self._step_stats = StepStats(self._scheduler, clock())
         self._kv_pulls = 0
         self._kv_pull_bytes = 0
+        # Prompt tokens the pulls entered into this node's cache that it did not hold (`EngineStats.prefix_external_hit_tokens`).
+        self._external_hits = 0
         self._kv_pull_seconds = 0.0
         self._tokens_generated = 0
         self._death: str | None = None
@@ -196,7 +200,9 @@ class SimEngine:
     async def _pull(self, ref: KvRef, token_ids: list[int]) -> None:
         started = self._clock()
         await asyncio.sleep(self._link.transfer_seconds(ref.kv_bytes) / self._settings.speed)
-        self._scheduler.import_prefix(token_ids[: ref.num_tokens])
+        pulled = token_ids[: ref.num_tokens]
+        held = self._scheduler.cached_prefix_tokens(pulled)
+        self._external_hits += max(0, self._scheduler.import_prefix(pulled) - held)
         self._kv_pulls += 1
         self._kv_pull_bytes += ref.kv_bytes
         self._kv_pull_seconds += self._clock() - started
@@ -297,7 +303,8 @@ class SimEngine:
         return net_kv_delta((e.kind == "stored", e.block_hash) for e in self._scheduler.drain_kv_events())
 
     def stats(self) -> EngineStats:
-        return self._step_stats.take(self._clock(), self._kv_pulls, self._kv_pull_bytes, self._kv_pull_seconds)
+        return self._step_stats.take(self._clock(), self._kv_pulls, self._kv_pull_bytes, self._kv_pull_seconds,
+                                     self._external_hits)
 
     async def _run(self) -> None:
         try:

@@ -26,6 +26,10 @@
   engine runs the prompt with `max_tokens=1` and holds its KV, whose
   `kv_transfer_params` become a `KvRef`; a decode engine gets that dict back
   and pulls the KV before decoding (see vllm_nixl.py, vllm_kv_ref.py).
+* An aggregated engine with kv_share does both halves for a prefix: its
+  `prefill` holds a cached prefix's KV as a prefill engine holds a prompt's,
+  and its `generate` pulls a referenced prefix from another such engine and
+  computes the rest of the prompt (vLLM's partial pull, vllm_kv_ref.py).
 
 Named `vllm_engine` so that it never shadows the `vllm` package.
 """
@@ -76,6 +80,7 @@ from services.worker.engines.vllm_kv_ref import (
     REMOTE_CACHED_TOKENS,
     kv_ref_from_params,
     params_from_kv_ref,
+    prefix_pull_params,
     producer_request_params,
 )
 from services.worker.engines.vllm_preflight import ResolvedEngine
@@ -92,6 +97,14 @@ KV_EVENTS_TOPIC = "kv-events"
 KV_EXPIRY_MARGIN_S = 1.0
 
 
+class PromptSources(msgspec.Struct, frozen=True):
+    """Prompt tokens since the engine started, by where their KV came from (vLLM's prompt token stats)."""
+
+    computed: int = 0
+    local_hits: int = 0  # this engine's prefix cache
+    external_hits: int = 0  # loaded by the KV connector: pulled from another engine
+
+
 class StepCounters:
     """What the heartbeat reports, folded from vLLM's per-step stats (pure)."""
 
@@ -102,6 +115,7 @@ class StepCounters:
         self.prefix_queries = self.prefix_hits = self.preemptions = 0
         self.kv_pulls = self.kv_pull_bytes = 0
         self.kv_pull_seconds = 0.0
+        self.prompt_sources = PromptSources()
         self.adapters_running: list[str] = []
         self._prefill_tokens = self._decode_tokens = 0
         self._rate_since = clock()
@@ -120,7 +134,13 @@ class StepCounters:
             # The adapters of the requests scheduled now: the batch slots they hold.
             self.adapters_running = list(scheduler_stats.running_lora_adapters)
         if iteration_stats is not None:
-            self._prefill_tokens += iteration_stats.prompt_token_stats.computed
+            prompt = iteration_stats.prompt_token_stats
+            self._prefill_tokens += prompt.computed
+            local, external = getattr(prompt, "local_cache_hit", 0), getattr(prompt, "external_kv_transfer", 0)
+            if prompt.computed or local or external:
+                sources = self.prompt_sources
+                self.prompt_sources = PromptSources(sources.computed + prompt.computed, sources.local_hits + local,
+                                                    sources.external_hits + external)
             self._decode_tokens += iteration_stats.num_generation_tokens
             self.preemptions += iteration_stats.num_preempted_reqs
 
@@ -333,6 +353,7 @@ class VllmEngine:
         kv_transfer: Mapping | None = None,
         env: Mapping[str, str] | None = None,
         lora: LoraSettings | None = None,
+        kv_share: bool = False,
     ) -> None:
         self._settings = settings
         # LoRA adapters: off unless max_loras is set (vLLM's enable_lora costs memory and a little time per step).
@@ -346,8 +367,10 @@ class VllmEngine:
         self._resolved = resolved
         self._served_model_name = served_model_name
         self._role = role
+        # An aggregated engine that holds its prefixes for other engines and pulls theirs.
+        self._kv_share = kv_share and role == "aggregated"
         self._kv_hold_s = kv_hold_s
-        # vLLM's kv_transfer_config (vllm_nixl.py); None for an aggregated worker.
+        # vLLM's kv_transfer_config (vllm_nixl.py); None for an aggregated worker without kv_share.
         self._kv_transfer = dict(kv_transfer) if kv_transfer else None
         # Variables the engine core must inherit (NIXL side channel, CPU reservation).
         self._env = dict(env or {})
@@ -424,9 +447,9 @@ class VllmEngine:
         vllm_envs.enable_envs_cache()
         self._api = ApiSurface.of_engine(self._settings, self._engine)
         self._kv_blocks_total = self._engine.vllm_config.cache_config.num_gpu_blocks or 0
-        log.info("vllm_engine_started", model=self._served_model_name, role=self._role, kv_blocks=self._kv_blocks_total,
-                 block_size=self._resolved.block_size, max_model_len=self._resolved.max_model_len,
-                 nixl_side_channel=self._side_channel())
+        log.info("vllm_engine_started", model=self._served_model_name, role=self._role, kv_share=self._kv_share,
+                 kv_blocks=self._kv_blocks_total, block_size=self._resolved.block_size,
+                 max_model_len=self._resolved.max_model_len, nixl_side_channel=self._side_channel())
 
     def _side_channel(self) -> str | None:
         host, port = self._env.get("VLLM_NIXL_SIDE_CHANNEL_HOST"), self._env.get("VLLM_NIXL_SIDE_CHANNEL_PORT")
@@ -456,8 +479,9 @@ class VllmEngine:
     async def prefill(self, request: EngineRequest, source_worker_id: str, hold_s: float) -> KvRef:
         self.check(request)
         engine = self._running()
-        if self._role != "prefill":
-            raise RuntimeError(f"prefill() needs worker.role 'prefill', not {self._role!r}: only a KV producer holds KV")
+        if self._role != "prefill" and not self._kv_share:
+            raise RuntimeError(f"prefill() needs worker.role 'prefill' or worker.kv_share, not role {self._role!r} "
+                               "without it: only a KV producer holds KV")
         prompt = list(request.prompt_token_ids) + list(request.resume_token_ids)
         # One greedy token: the prompt's KV is what counts; the token is
         # dropped, and the decode node samples the first one itself.
@@ -506,13 +530,18 @@ class VllmEngine:
         self.check(request)
         # A reference is used only where there is a consumer to pull it; any
         # other engine simply prefills the prompt itself.
-        kv_ref = request.kv_ref if self._role == "decode" else None
+        kv_ref = request.kv_ref if self._role == "decode" or self._kv_share else None
         if kv_ref is not None and request.kv_held_until is not None and request.kv_held_until <= time.monotonic():
             # Its blocks may be freed and reused by now: a pull would read someone else's KV.
             raise KvPullFailed(f"KV reference for {request.request_id} expired before the pull")
         # A resumed request replays what it already produced as prompt and
         # generates the rest (greedy decoding continues exactly).
         resumed = list(request.resume_token_ids)
+        prompt = list(request.prompt_token_ids) + resumed
+        if kv_ref is not None and self._kv_share and len(prompt) < kv_ref.num_tokens:
+            # vLLM would pair the reference's last blocks with the prompt's first ones.
+            raise KvPullFailed(f"the prompt of {request.request_id} ({len(prompt)} tokens) is shorter than the "
+                               f"{kv_ref.num_tokens}-token prefix it would pull")
         api_run = None
         if request.api is not None:
             if self._api is None:
@@ -524,8 +553,10 @@ class VllmEngine:
                 msgspec.structs.replace(request.sampling, max_tokens=request.sampling.max_tokens - len(resumed))
             )
         if kv_ref is not None:
-            sampling.extra_args = {**(sampling.extra_args or {}), "kv_transfer_params": params_from_kv_ref(kv_ref)}
-        return Submission(tokens_input(list(request.prompt_token_ids) + resumed), sampling, kv_ref, api_run)
+            # A decode node pulls the whole prompt; a kv_share engine the prefix, then computes the rest.
+            transfer = prefix_pull_params(kv_ref) if self._kv_share else params_from_kv_ref(kv_ref)
+            sampling.extra_args = {**(sampling.extra_args or {}), "kv_transfer_params": transfer}
+        return Submission(tokens_input(prompt), sampling, kv_ref, api_run)
 
     @staticmethod
     def _engine_outputs(request: EngineRequest, submission: Submission, output: RequestOutput,
@@ -683,6 +714,10 @@ class VllmEngine:
         log.info("adapter_loaded", adapter=adapter.name, seconds=round(time.monotonic() - started, 3))
         return lora_request
 
+    def prompt_sources(self) -> PromptSources:
+        """Prompt tokens since the engine started: computed here, hit in this engine's prefix cache, pulled."""
+        return self._counters.prompt_sources
+
     def drain_kv_events(self) -> KvCacheDelta:
         if self._kv_events is None:
             return KvCacheDelta()
@@ -704,7 +739,10 @@ class VllmEngine:
             kv_blocks_total=self._kv_blocks_total,
             kv_blocks_used=round(counters.kv_usage * self._kv_blocks_total),
             prefix_query_tokens=counters.prefix_queries,
+            # vLLM's prefix cache stats count this engine's own cache only; what its connector loaded (a decode
+            # node's hand-off, a prefix pull) is counted apart, in its prompt token stats.
             prefix_hit_tokens=counters.prefix_hits,
+            prefix_external_hit_tokens=counters.prompt_sources.external_hits,
             preemptions=counters.preemptions,
             prefill_tokens_per_s=prefill_rate,
             decode_tokens_per_s=decode_rate,

@@ -5,6 +5,8 @@ where its KV waits: engine, request, blocks, side channel. kvlane carries
 that dict to the decode node as a `KvRef`, whose named fields are what
 kvlane itself reads (routing, stats, expiry) and whose `engine_extras` keep
 every other key so the decode engine gets back exactly what vLLM wrote.
+A kv_share engine that pulls only a prefix of its prompt gets the same
+dict, reshaped for vLLM's partial pull (`prefix_pull_params`).
 """
 
 from __future__ import annotations
@@ -35,6 +37,16 @@ _JSON_PREFIX = "json:"
 # prefill node found in its own prefix cache, which the decode request then
 # reports as cached (rather than counting every pulled token as a cache hit).
 REMOTE_CACHED_TOKENS = "remote_prefill_cached_tokens"
+# Marks a request that pulls a prefix of its prompt from another kv_share
+# engine: kvlane's connector (vllm_nixl_connector.py) frees its blocks when it
+# ends, where vLLM would hold them for the remote decode that its
+# `do_remote_decode` announces and that never comes.
+PREFIX_PULL = "kvlane_prefix_pull"
+# vLLM's guard against shortening a `do_remote_decode` request's prompt twice:
+# it drops the tokens a decode node would recompute (Mamba state, multi-token
+# prediction) and caps the output at one token. The request that pulls a
+# prefix decodes itself, so its prompt must stay whole.
+_P_SIDE_TRUNCATED = "_p_side_truncated"
 
 
 def producer_request_params() -> dict[str, Any]:
@@ -107,3 +119,23 @@ def params_from_kv_ref(ref: KvRef) -> dict[str, Any]:
         do_remote_decode=False,
     )
     return params
+
+
+def prefix_pull_params(ref: KvRef) -> dict[str, Any]:
+    """`kv_transfer_params` for a kv_share engine's request whose prompt starts with the `ref.num_tokens` held by `ref`.
+
+    vLLM's partial pull: a `do_remote_decode` request naming remote blocks
+    loads min(`remote_num_tokens`, prompt) tokens, less those its own prefix
+    cache holds, and computes the rest. The prompt must not be shorter than
+    the reference (vLLM would pair the reference's last blocks with its first).
+    """
+    params = params_from_kv_ref(ref)
+    params.pop(REMOTE_CACHED_TOKENS, None)
+    params.update(do_remote_prefill=False, do_remote_decode=True)
+    params[PREFIX_PULL] = True
+    params[_P_SIDE_TRUNCATED] = True
+    return params
+
+
+def is_prefix_pull(params: Mapping[str, Any] | None) -> bool:
+    return bool(params) and bool(params.get(PREFIX_PULL))  # type: ignore[union-attr]

@@ -1,9 +1,15 @@
-"""How a prefill or decode worker configures vLLM's NixlConnector (pure: no vllm import).
+"""How a prefill, decode or kv_share worker configures vLLM's NixlConnector (pure: no vllm import).
 
 * A prefill node is a `kv_producer`: it runs prompts and holds their KV; a
   decode node is a `kv_consumer`: it pulls that KV (NIXL READ) and decodes.
   A consumer still prefills requests that come without a KV reference, which
   is how a decode node falls back when a pull fails.
+* An aggregated worker with `kv_share` is both (`kv_both`): it holds a
+  cached prefix's KV for another such worker, and pulls another's prefix
+  and computes the rest of the prompt itself. vLLM pulls part of a prompt
+  only in its bidirectional mode (`bidirectional_kv_xfer`), where a request
+  marked `do_remote_decode` that names remote blocks loads those first; the
+  whole-prompt pull of a decode node cannot stop short of the prompt's end.
 * Each engine serves its NIXL metadata on its own side channel (ZMQ, TCP);
   vLLM reads where from environment variables when its engine core starts.
 * A failed pull fails the decode request (`kv_load_failure_policy="fail"`)
@@ -19,6 +25,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import random
 import socket
 from collections.abc import Mapping
 
@@ -28,13 +35,22 @@ CONNECTOR = "NixlConnector"
 # vLLM's NixlConnector whose NIXL agents run no busy-polling progress thread.
 CONNECTOR_MODULE = "services.worker.engines.vllm_nixl_connector"
 KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
+KV_SHARE_ROLE = "kv_both"
+# Read by kvlane's connector: whether its NIXL agents keep NIXL's progress thread.
+PROGRESS_THREAD = "kvlane_progress_thread"
 RESERVED_CPUS = "VLLM_CPU_NUM_OF_RESERVED_CPU"
 SMALL_HOST_CPUS = 2
 
 
-def kv_transfer_config(role: str, hold_s: float, on_cpu: bool) -> dict | None:
-    """vLLM's `kv_transfer_config` for a worker role; None for an aggregated worker."""
-    kv_role = KV_ROLES.get(role)
+def _kv_role(role: str, kv_share: bool) -> str | None:
+    if role == "aggregated":
+        return KV_SHARE_ROLE if kv_share else None
+    return KV_ROLES.get(role)
+
+
+def kv_transfer_config(role: str, hold_s: float, on_cpu: bool, kv_share: bool = False) -> dict | None:
+    """vLLM's `kv_transfer_config` for a worker role; None for an aggregated worker without kv_share."""
+    kv_role = _kv_role(role, kv_share)
     if kv_role is None:
         return None
     config: dict = {
@@ -48,8 +64,24 @@ def kv_transfer_config(role: str, hold_s: float, on_cpu: bool) -> dict | None:
             "kv_lease_duration": max(1, math.ceil(hold_s)),
         },
     }
-    if on_cpu:
+    if kv_role == KV_SHARE_ROLE:
+        config["kv_connector_extra_config"].update({
+            # The partial pull: a request that names another engine's blocks
+            # for its prompt's first tokens loads them and computes the rest.
+            # Such a pull renews no lease: the source's blocks carry their
+            # expiry instead, and a pull too close to it fails (vllm_nixl_connector.py).
+            "bidirectional_kv_xfer": True,
+            # kvlane's balancer already weighed pulling against computing; vLLM
+            # would otherwise recompute prefixes under 64 tokens itself.
+            "kv_recompute_threshold": 0,
+        })
+        if not on_cpu:
+            config["kv_connector_extra_config"][PROGRESS_THREAD] = True
+    if on_cpu or kv_role == KV_SHARE_ROLE:
+        # On GPU hosts too for kv_share: kvlane's connector frees a pulling
+        # request's blocks when it ends, where vLLM's holds them for a pull back.
         config["kv_connector_module_path"] = CONNECTOR_MODULE
+    if on_cpu:
         # UCX threads: vLLM's 4 are sized for NIC-rich GPU hosts.
         config["kv_connector_extra_config"]["num_threads"] = 1
     return config
@@ -59,15 +91,29 @@ def nixl_installed() -> bool:
     return importlib.util.find_spec("nixl") is not None
 
 
+# Side-channel ports are picked below Linux's default ephemeral range (32768-60999): vLLM binds the port
+# seconds after it is picked, and a port the kernel hands out meanwhile (an outgoing connection's, or any
+# bind to port 0) would take it; the engine's handshake listener then dies and its start never ends.
+_SIDE_CHANNEL_PORTS = range(20000, 32768)
+
+
 def _free_port(host: str) -> int:
-    with socket.socket() as sock:
+    for port in random.sample(_SIDE_CHANNEL_PORTS, 64):
+        with socket.socket() as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as sock:  # that range is full: whatever the kernel gives
         sock.bind((host, 0))
         return sock.getsockname()[1]
 
 
-def engine_env(settings: VllmSettings, role: str, on_cpu: bool, env: Mapping[str, str], cpu_count: int) -> dict[str, str]:
-    """Variables the engine core of a prefill or decode worker must start with."""
-    if role not in KV_ROLES:
+def engine_env(settings: VllmSettings, role: str, on_cpu: bool, env: Mapping[str, str], cpu_count: int,
+               kv_share: bool = False) -> dict[str, str]:
+    """Variables the engine core of a prefill, decode or kv_share worker must start with."""
+    if _kv_role(role, kv_share) is None:
         return {}
     host = settings.nixl_side_channel_host
     port = settings.nixl_side_channel_port or _free_port(host)

@@ -34,7 +34,13 @@ def build_vllm_engine(settings: WorkerSettings):
     on_cpu = installed_vllm_build() == "cpu"
     resolved = preflight(settings.vllm, on_cpu=on_cpu, env=os.environ)
     check_kv_transfer(settings.role, nixl_installed())
-    env = engine_env(settings.vllm, settings.role, on_cpu, os.environ, os.cpu_count() or 1)
+    kv_share = settings.kv_share and settings.role == "aggregated"
+    if kv_share and not nixl_installed():
+        raise EngineConfigError(
+            "worker.kv_share moves KV between workers with NIXL, but the nixl package is not installed: "
+            "pip install --no-deps nixl==1.5.1 nixl-cu12==1.5.1"
+        )
+    env = engine_env(settings.vllm, settings.role, on_cpu, os.environ, os.cpu_count() or 1, kv_share=kv_share)
     served = settings.vllm.served_model_name or settings.model
     from services.worker.engines.vllm_engine import VllmEngine  # imports vllm: seconds
 
@@ -46,5 +52,6 @@ def build_vllm_engine(settings: WorkerSettings):
         model_directory=str(resolved.shape.directory),
     )
     engine = VllmEngine(settings.vllm, resolved, served, role=settings.role, kv_hold_s=settings.kv_hold_timeout_s, lora=settings.lora,
-                        kv_transfer=kv_transfer_config(settings.role, settings.kv_hold_timeout_s, on_cpu), env=env)
+                        kv_transfer=kv_transfer_config(settings.role, settings.kv_hold_timeout_s, on_cpu, kv_share=kv_share),
+                        env=env, kv_share=kv_share)
     return engine, facts

@@ -309,6 +309,10 @@ class SimScheduler:
         self._pool.free(seq_id)
         return full
 
+    def cached_prefix_tokens(self, token_ids: list[int]) -> int:
+        """Leading tokens of `token_ids` (full blocks, no adapter) in the prefix cache now."""
+        return self._pool.cached_prefix_blocks(chained_block_hashes(token_ids, self._block_size, None)) * self._block_size
+
     def has_work(self) -> bool:
         return bool(self._running or self._waiting)
 
