@@ -66,6 +66,9 @@ def build_parser(prog: str = "kvlane bench", description: str = __doc__.split("\
         fleet.add_argument("--speed", type=float, default=1.0, help="sim speed: simulated seconds per real second")
     fleet.add_argument("--max-model-len", type=int, default=4096, help="sim context length (prompts are clamped to it)")
     fleet.add_argument("--num-blocks", type=int, help="sim KV blocks per worker (default: sim default, raised for long contexts)")
+    fleet.add_argument("--kv-share", action="store_true",
+                       help="every node kv_share: a free node may run a request on a prefix pulled from a busy node "
+                            "(worker.kv_share; its KV over worker.sim.kv_link)")
     work = parser.add_argument_group("workload")
     work.add_argument("--workload", choices=WORKLOAD_KINDS, default="shared-prefix")
     work.add_argument("--groups", type=int, default=8, help="shared-prefix groups (system prompts)")
@@ -167,7 +170,8 @@ def plan_runs(args: argparse.Namespace, log_root: Path) -> tuple[list[RunSpec], 
     """Every (rate, policy) run, plus the policies the current config rejects (name -> reason)."""
     mix = tuple(fleet_nodes(parse_fleet(args.fleet))) if args.fleet else ()
     fleet = FleetSpec(workers=len(mix) or args.workers, profile=args.profile, speed=args.speed, seed=args.seed,
-                      max_model_len=args.max_model_len, num_blocks=args.num_blocks, mix=mix)
+                      max_model_len=args.max_model_len, num_blocks=args.num_blocks, mix=mix,
+                      overrides={"worker": {"kv_share": True}} if args.kv_share else {})
     args = with_warmup(args)
     slo = Slo(ttft_s=args.ttft_slo_ms / 1000.0, tpot_s=args.tpot_slo_ms / 1000.0)
     issue_for = min(args.duration or args.max_run_time, args.max_run_time)

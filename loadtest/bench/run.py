@@ -207,7 +207,7 @@ def run_once(spec: RunSpec, on_record: Callable[[RequestRecord], None]) -> dict[
         "processes_died": dead,
         "summary": summarize(counted, spec.slo, runs, worker_ids, spec.workload.tenant_weights()),
         "warmup_requests": len(records) - len(counted),
-        # KV pulls the decode nodes made during the workload: requests prefilled on a prefill node.
+        # KV pulls the nodes made during the workload: requests prefilled on a prefill node, prefixes pulled from a busy node.
         "kv_pulls": kv_pulls,
         "records": [r.to_json() for r in counted],
         "log_dir": str(spec.log_dir),

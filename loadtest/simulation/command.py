@@ -102,7 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "request takes one measured request's delays together")
     sim.add_argument("--prefill", help="prefill nodes p0..., PROFILE[@SPEED]:COUNT,... (a disaggregated fleet, with --decode)")
     sim.add_argument("--decode", help="decode nodes d0..., PROFILE[@SPEED]:COUNT,... (with --prefill; --fleet adds aggregated ones)")
-    sim.add_argument("--kv-link", help="link the KV travels over from prefill to decode nodes (default: worker.sim.kv_link)")
+    sim.add_argument("--kv-link", help="link the KV travels over between nodes: from prefill to decode nodes, and prefixes "
+                                       "pulled between --kv-share nodes (default: worker.sim.kv_link)")
     sim.add_argument("--ceiling", action="store_true",
                      help="also report each run's throughput ceiling: the most requests per second any routing could "
                           "serve of its workload on its fleet (loadtest/simulation/ceiling.py; aggregated fleets "
@@ -220,6 +221,8 @@ def plan(args: argparse.Namespace) -> tuple[list[SimRun], dict[str, Any]]:
         except KeyError as exc:
             raise ValueError(f"--kv-link: {exc.args[0]}") from None
         base = with_overrides(base, **{"worker.sim": {"kv_link": args.kv_link}})
+    if args.kv_share:
+        base = with_overrides(base, worker={"kv_share": True})
     if lora := lora_sections(args):
         base = with_overrides(base, **lora)
     args = with_warmup(args)

@@ -11,7 +11,8 @@ import pytest
 
 from launch.fleet import with_overrides
 from launch.fleet_mix import NodeKind, fleet_nodes, parse_fleet
-from loadtest.bench.run import policy_sections
+from loadtest.bench.command import build_parser as bench_parser, plan_runs
+from loadtest.bench.run import fleet_config, policy_sections
 from loadtest.bench.client import RequestRecord
 from loadtest.bench.driver import DriveLimits
 from loadtest.bench.metrics import Slo, summarize
@@ -260,3 +261,14 @@ def test_a_config_file_sets_the_balancer_of_every_run(tmp_path: Path) -> None:
     assert [run.config.balancer.policy for run in runs] == ["jffc_per_request", "round_robin"]
     runs, _ = simulate_plan(simulate_parser().parse_args(common))
     assert {run.config.balancer.jffc_per_request.imposed_delay_weight for run in runs} == {2.0}
+
+
+def test_kv_share_makes_every_node_kv_share_in_simulate_and_bench(tmp_path: Path) -> None:
+    common = ["--policies", "jffc_per_request", "--rate", "10", "--requests", "5"]
+    for argv, shared in ((common, False), ([*common, "--kv-share", "--kv-link", "ethernet-25g"], True)):
+        runs, _ = simulate_plan(simulate_parser().parse_args(argv))
+        assert [run.config.worker.kv_share for run in runs] == [shared]
+    assert runs[0].config.worker.sim.kv_link == "ethernet-25g"
+    for argv, shared in ((common, False), ([*common, "--kv-share"], True)):
+        planned, _ = plan_runs(bench_parser().parse_args(argv), tmp_path)
+        assert [fleet_config(run.fleet, run.policy, run.request_timeout_s).worker.kv_share for run in planned] == [shared]
