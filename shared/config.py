@@ -354,7 +354,8 @@ class WorkerSettings(Section):
     role: Literal["aggregated", "prefill", "decode"] = "aggregated"
     # An aggregated worker that also exposes its cached prefixes' KV to other workers and pulls theirs (vLLM's
     # NixlConnector as `kv_both`; the sim engine over `sim.kv_link`): balancers may then run a request here on a
-    # prefix pulled from a busy worker that caches it, rather than compute it again (docs/routing.md).
+    # prefix pulled from a busy worker that caches it, rather than compute it again (docs/design.md, "Prefix pulls
+    # between aggregated nodes").
     kv_share: bool = False
     # The step-time profile this worker advertises to balancers (a name, or
     # file:<path> written by `kvlane calibrate`). Empty: a sim worker
@@ -382,6 +383,11 @@ class WorkerSettings(Section):
     sim: SimSettings = msgspec.field(default_factory=SimSettings)
     vllm: VllmSettings = msgspec.field(default_factory=VllmSettings)
     lora: LoraSettings = msgspec.field(default_factory=LoraSettings)
+
+    @property
+    def shares_kv(self) -> bool:
+        """Whether this worker lends and pulls cached prefixes: `kv_share` holds for aggregated workers only."""
+        return self.kv_share and self.role == "aggregated"
 
 
 class PoolBounds(Section):

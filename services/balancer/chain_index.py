@@ -250,28 +250,24 @@ class ChainIndex:
             if row is not None:
                 cached[row] = request_blocks[row] = blocks
         self._request_rows = list(cached)
-        loading = self.adapter_s
-        for row in self._adapter_rows:
-            loading[row] = 0.0
-        self._adapter_rows = []
-        if adapter_s is not None:
-            for worker_id, seconds in adapter_s.items():
-                row = self._row_of_worker.get(worker_id)
-                if row is not None and seconds:
-                    loading[row] = seconds
-                    self._adapter_rows.append(row)
-        pulling = self.pull_s
-        for row in self._pull_rows:
-            pulling[row] = 0.0
-        self._pull_rows = []
-        if pull_s:
-            for worker_id, seconds in pull_s.items():
-                row = self._row_of_worker.get(worker_id)
-                if row is not None and seconds:
-                    pulling[row] = seconds
-                    self._pull_rows.append(row)
+        self._adapter_rows = self._set_seconds(self.adapter_s, self._adapter_rows, adapter_s)
+        self._pull_rows = self._set_seconds(self.pull_s, self._pull_rows, pull_s)
         self._decisions += 1
         return Decision(self, free, eligible, cached, self._builder.clock())
+
+    def _set_seconds(self, column: np.ndarray, rows: list[int], seconds_of: Mapping[str, float | None] | None) -> list[int]:
+        """Zero the request column's `rows` (the last decision's), then set it from `seconds_of` (worker id -> seconds);
+        the rows now not 0."""
+        for row in rows:
+            column[row] = 0.0
+        set_rows: list[int] = []
+        if seconds_of:
+            for worker_id, seconds in seconds_of.items():
+                row = self._row_of_worker.get(worker_id)
+                if row is not None and seconds:
+                    column[row] = seconds
+                    set_rows.append(row)
+        return set_rows
 
     def _refresh(self, row: int) -> None:
         heartbeat = self._heartbeats[row]

@@ -122,7 +122,8 @@ class Router:
         """
         cached = self.index.match(request.block_hashes) if request.block_hashes else {}
         loading = self.adapters.load_seconds(request.adapter, heartbeats) if request.adapter else None
-        pulls = self._pull_offers(request, heartbeats, cached) if cached and loading is None and self.pulls.enabled else _NO_PULLS
+        pulls = (self._pull_offers(request, heartbeats, cached) if cached and loading is None and self.pulls.enabled
+                 else _NO_PULLS)
         if pulls:
             cached = merged_cached(cached, pulls)
         # Synced whatever the fleet, so that the index stays current when it becomes indexable again.

@@ -214,7 +214,7 @@ async def main(config: KvlaneConfig, stop: asyncio.Event) -> None:
             reasoning_parser=settings.vllm.reasoning_parser if settings.engine == "vllm" else "",
             max_loras=settings.lora.max_loras,
             max_cpu_loras=max(settings.lora.max_cpu_loras, settings.lora.max_loras),
-            kv_share=settings.kv_share and settings.role == "aggregated",
+            kv_share=settings.shares_kv,
         )
         for node_id, (_, facts) in zip(ids, engines, strict=True)
     ]

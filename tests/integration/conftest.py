@@ -139,6 +139,11 @@ def own_fleet(tmp_path: Path) -> Iterator[Fleet]:
     stop_and_check(fleet)
 
 
+def client_of(fleet: Fleet, timeout_s: float = 60.0) -> openai.AsyncOpenAI:
+    """An OpenAI client of the fleet's ingress that never retries: a test sees every error."""
+    return openai.AsyncOpenAI(base_url=f"{fleet.base_url}/v1", api_key="unused", max_retries=0, timeout=timeout_s)
+
+
 async def until_status(fleet: Fleet, holds: Callable[[BalancerStatus], bool], timeout_s: float = 10.0,
                        query: BalancerStatusRequest | None = None) -> None:
     """Until a balancer's status (in answer to `query`) satisfies `holds` (polled, bounded by `timeout_s`)."""

@@ -23,8 +23,7 @@ from launch.fleet import Fleet, with_overrides
 from launch.launcher import wait_services_ready
 from shared.kv.block_hash import chained_block_hashes
 from shared.tokenizer import SimTokenizer
-from tests.integration.conftest import MODEL, launch, stop_and_check
-from tests.integration.test_cluster import async_client
+from tests.integration.conftest import MODEL, client_of, launch, stop_and_check
 from tests.waiting import until
 
 pytestmark = pytest.mark.integration
@@ -47,7 +46,7 @@ async def test_a_request_waits_for_the_busy_node_caching_its_prompt_instead_of_p
     two_one_slot_nodes: Fleet,
 ) -> None:
     fleet = two_one_slot_nodes
-    client = async_client(fleet)
+    client = client_of(fleet)
     system_blocks = chained_block_hashes(SimTokenizer().encode(SYSTEM), fleet.config.worker.sim.block_size)
     assert len(system_blocks) >= 3
     stored: dict[str, set[int]] = {}

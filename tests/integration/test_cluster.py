@@ -23,16 +23,12 @@ from contracts.messages import (
     WorkerReply,
 )
 from launch.fleet import Fleet
-from tests.integration.conftest import FAST_HEARTBEATS, MODEL, until_status
+from tests.integration.conftest import FAST_HEARTBEATS, MODEL, client_of, until_status
 from tests.waiting import until
 from tests.integration.finished_log import watch_finished
 
 pytestmark = pytest.mark.integration
 TTL_S = FAST_HEARTBEATS["heartbeat_ttl_s"]
-
-
-def async_client(fleet: Fleet) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=f"{fleet.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
 
 
 async def stream_tokens(client: openai.AsyncOpenAI, prompt: str, max_tokens: int, started: asyncio.Event | None = None) -> tuple[int, str]:
@@ -55,7 +51,7 @@ def live_workers(fleet: Fleet) -> int:
 
 async def test_fifty_concurrent_streams_use_both_workers(shared_fleet: Fleet) -> None:
     async with watch_finished(shared_fleet) as finished:
-        client = async_client(shared_fleet)
+        client = client_of(shared_fleet)
         results = await asyncio.gather(*(stream_tokens(client, f"request {i}", 30) for i in range(50)))
         assert results == [(30, "length")] * 50
         await asyncio.sleep(0.2)
@@ -68,7 +64,7 @@ async def test_fifty_concurrent_streams_use_both_workers(shared_fleet: Fleet) ->
 
 async def test_killed_worker_leaves_routing_within_ttl(own_fleet: Fleet) -> None:
     async with watch_finished(own_fleet) as finished:
-        client = async_client(own_fleet)
+        client = client_of(own_fleet)
         victim = next(p for p in own_fleet.workers if p.name == "worker-w0")
         victim.signal(signal.SIGKILL)
         killed_at = time.monotonic()
@@ -90,7 +86,7 @@ async def test_killed_worker_leaves_routing_within_ttl(own_fleet: Fleet) -> None
 
 async def test_sigterm_drains_in_flight_requests_and_takes_no_new_ones(own_fleet: Fleet) -> None:
     async with watch_finished(own_fleet) as finished:
-        client = async_client(own_fleet)
+        client = client_of(own_fleet)
         started = [asyncio.Event() for _ in range(8)]
         long_streams = [asyncio.create_task(stream_tokens(client, f"long {i}", 400, started[i])) for i in range(8)]
         await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 30)
@@ -138,7 +134,7 @@ async def test_garbage_on_balancer_and_worker_subjects_gets_error_replies(shared
     finally:
         await nc.close()
     # Both services kept serving.
-    reply = await async_client(shared_fleet).completions.create(model=MODEL, prompt="after garbage", max_tokens=4)
+    reply = await client_of(shared_fleet).completions.create(model=MODEL, prompt="after garbage", max_tokens=4)
     assert reply.usage.completion_tokens == 4
     assert all(p.alive() for p in shared_fleet.services())
 
@@ -162,7 +158,7 @@ async def test_prefix_blocks_are_published_as_kv_events(shared_fleet: Fleet) -> 
     await nc.subscribe(subjects.KV_EVENTS_ALL, cb=on_events)
     await nc.flush()
     try:
-        await async_client(shared_fleet).completions.create(model=MODEL, prompt=prompt, max_tokens=2)
+        await client_of(shared_fleet).completions.create(model=MODEL, prompt=prompt, max_tokens=2)
         # KV events go out every 50 ms; a loaded machine may take a while.
         for _ in range(200):
             if any(set(expected) <= hashes for hashes in stored.values()):

@@ -38,7 +38,7 @@ from launch.fleet import Fleet, with_overrides
 from shared.kv.block_hash import chained_block_hashes
 from shared.tokenizer import SimTokenizer
 from tests.heartbeats import fresh_stats, stats_of
-from tests.integration.conftest import MODEL, launch, until_status
+from tests.integration.conftest import MODEL, client_of, launch, until_status
 from tests.integration.test_disaggregated import BusWatch, complete, process, worker_of
 from tests.integration.test_faults import expected_text
 
@@ -49,16 +49,14 @@ PREFIX = "hello world " * 500
 BLOCK_SIZE = 16
 # Long enough to be still running on the source when the pulled request is routed (and when the source dies).
 BUSY_TOKENS = 300
+# A client's wait for an answer: vLLM CPU engines sharing two cores take their time.
+CLIENT_TIMEOUT_S = 120.0
 
 
 def sharing(config):
     config = with_overrides(config, worker={"kv_share": True})
     # One slot each: a worker running one request is busy.
     return with_overrides(config, **{"balancer.slots": {"max_per_chain": 1}})
-
-
-def client_of(fleet: Fleet) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=f"{fleet.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
 
 
 def token_ids(prompt: str | list[int]) -> list[int]:
@@ -69,7 +67,7 @@ async def cache_on_one_worker(fleet: Fleet, prompt: str | list[int], block_size:
                               model: str = MODEL, **create: object) -> str:
     """Run `prompt` once; the worker that ran it, once the balancer's index shows it cached there."""
     async with RoutedWatch(fleet) as watch:
-        await client_of(fleet).completions.create(model=model, prompt=prompt, max_tokens=2, **create)
+        await client_of(fleet, CLIENT_TIMEOUT_S).completions.create(model=model, prompt=prompt, max_tokens=2, **create)
     source = next(worker_of(s) for s, m in clients_requests(watch) if isinstance(m, GenerateRequest))
     hashes = chained_block_hashes(token_ids(prompt), block_size)
 
@@ -105,8 +103,8 @@ async def busy_source(fleet: Fleet, prompt: str | list[int], max_tokens: int, mo
     started = asyncio.Event()
 
     async def run() -> str:
-        stream = await client_of(fleet).completions.create(model=model, prompt=prompt, max_tokens=max_tokens, stream=True,
-                                                           **create)
+        stream = await client_of(fleet, CLIENT_TIMEOUT_S).completions.create(model=model, prompt=prompt, max_tokens=max_tokens,
+                                                                             stream=True, **create)
         text = []
         async for chunk in stream:
             if chunk.choices:

@@ -22,7 +22,7 @@ from contracts import subjects
 from contracts.messages import RequestFinished, WorkerLeft
 from launch.fleet import Fleet, with_overrides
 from launch.launcher import wait_services_ready
-from tests.integration.conftest import MODEL, launch, until_status
+from tests.integration.conftest import MODEL, client_of, launch, until_status
 from tests.integration.test_faults import expected_text
 
 pytestmark = pytest.mark.integration
@@ -85,10 +85,6 @@ async def checked_stream(client: openai.AsyncOpenAI, index: int, started: asynci
     if "".join(pieces) != expected_text(prompt, seed, MAX_TOKENS):
         return f"stream {index} has a gap or a duplicate"
     return "ok" if finish == "length" else f"stream {index} finished with {finish!r}"
-
-
-def client_of(fleet: Fleet) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=f"{fleet.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
 
 
 async def start_streams(fleet: Fleet) -> list[asyncio.Task[str]]:

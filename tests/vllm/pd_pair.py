@@ -13,21 +13,11 @@ and falls back to a local prefill. It prints one line "RESULT {json}".
 from __future__ import annotations
 
 import asyncio
-import json
-import sys
 import time
 
 import msgspec
 
-
-async def _collect(engine, request) -> dict:
-    token_ids: list[int] = []
-    text, reason, cached = "", None, 0
-    async for output in engine.generate(request):
-        token_ids += output.token_ids
-        text += output.text
-        reason, cached = output.finish_reason, output.cached_tokens
-    return {"token_ids": token_ids, "text": text, "finish_reason": reason, "cached_tokens": cached}
+from tests.vllm.engine_subprocess import collect, print_result
 
 
 async def run(spec: dict) -> dict:
@@ -61,9 +51,9 @@ async def run(spec: dict) -> dict:
             # agent must serve the read without a progress thread of its own.
             await asyncio.sleep(spec.get("idle_before_decode_s", 0.0))
             t1 = time.monotonic()
-            disaggregated = await _collect(decode, msgspec.structs.replace(request, kv_ref=ref))
+            disaggregated = await collect(decode, msgspec.structs.replace(request, kv_ref=ref))
             t2 = time.monotonic()
-            aggregated = await _collect(prefill, msgspec.structs.replace(request, request_id=f"agg-{index}"))
+            aggregated = await collect(prefill, msgspec.structs.replace(request, request_id=f"agg-{index}"))
             result["prompts"].append({"kv_ref": msgspec.to_builtins(ref), "disaggregated": disaggregated,
                                       "aggregated": aggregated, "prefill_s": prefill_s, "decode_s": t2 - t1})
         result["decode_stats"] = msgspec.to_builtins(decode.stats())
@@ -72,7 +62,7 @@ async def run(spec: dict) -> dict:
         request = EngineRequest(request_id="pd-dead", prompt_token_ids=spec["prompts"][0], sampling=sampling, kv_ref=dead)
         t0 = time.monotonic()
         try:
-            failed = {"outcome": "output", **await _collect(decode, request)}
+            failed = {"outcome": "output", **await collect(decode, request)}
         except KvPullFailed as exc:
             failed = {"outcome": "KvPullFailed", "message": str(exc)}
         failed["seconds"] = time.monotonic() - t0
@@ -80,12 +70,12 @@ async def run(spec: dict) -> dict:
         # The source's hold on the KV ended a second ago, on this host's clock.
         expired = msgspec.structs.replace(request, request_id="pd-expired", kv_held_until=time.monotonic() - 1)
         try:
-            result["expired"] = {"outcome": "output", **await _collect(decode, expired)}
+            result["expired"] = {"outcome": "output", **await collect(decode, expired)}
         except KvPullFailed as exc:
             result["expired"] = {"outcome": "KvPullFailed", "message": str(exc)}
         # The fallback the worker takes after that: prefill locally on the decode engine.
         fallback = msgspec.structs.replace(request, request_id="pd-fallback", kv_ref=None)
-        result["fallback"] = await _collect(decode, fallback)
+        result["fallback"] = await collect(decode, fallback)
         result["decode_stats_after"] = msgspec.to_builtins(decode.stats())
     finally:
         for engine in (decode, prefill):
@@ -95,11 +85,7 @@ async def run(spec: dict) -> dict:
 
 
 def main() -> None:
-    spec = json.load(sys.stdin)
-    from services.worker.amx import request_amx_permission
-
-    request_amx_permission()
-    print("RESULT " + json.dumps(asyncio.run(run(spec))), flush=True)
+    print_result(run)
 
 
 if __name__ == "__main__":  # vLLM's engine core may re-import this module

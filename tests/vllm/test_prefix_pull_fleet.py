@@ -29,7 +29,8 @@ from contracts.messages import GenerateRequest, Handoff, PrefillRequest
 from launch.fleet import Fleet, with_overrides
 from tests.heartbeats import fresh_stats, stats_of
 from tests.integration.test_disaggregated import process, worker_of
-from tests.integration.test_prefix_pull import RoutedWatch, busy_source, cache_on_one_worker, client_of, clients_requests
+from tests.integration.conftest import client_of
+from tests.integration.test_prefix_pull import CLIENT_TIMEOUT_S, RoutedWatch, busy_source, cache_on_one_worker, clients_requests
 from tests.vllm.conftest import BLOCK_SIZE, MODEL, reference_engine_args, run_json_module, running_fleet, vllm_fleet_config
 from tests.waiting import until
 
@@ -90,7 +91,8 @@ def fleet(reference: dict, tmp_path_factory: pytest.TempPathFactory, tiny_model:
 
 
 async def ask(fleet: Fleet, prompt: list[int]):
-    return await client_of(fleet).completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
+    return await client_of(fleet, CLIENT_TIMEOUT_S).completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS,
+                                                                       temperature=0)
 
 
 def check_reply(reply, expected: dict) -> None:

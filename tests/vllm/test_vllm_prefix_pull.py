@@ -12,10 +12,7 @@ reports ("RESULT {json}" on stdout).
 
 from __future__ import annotations
 
-import asyncio
-import json
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -24,6 +21,8 @@ import pytest
 
 from launch.launcher import free_port
 from tests.vllm.conftest import BLOCK_SIZE, ENGINE_ENV, run_json_module, vllm_settings
+from tests.vllm.engine_subprocess import collect, print_result
+from tests.waiting import until
 
 pytestmark = pytest.mark.vllm
 
@@ -139,26 +138,6 @@ def test_the_vllm_internals_kvlanes_connector_relies_on_are_still_there() -> Non
 # --- the subprocess: both engines, every scenario ------------------------------------------
 
 
-async def _collect(engine, request) -> dict:
-    token_ids: list[int] = []
-    text, reason, cached = "", None, 0
-    async for output in engine.generate(request):
-        token_ids += output.token_ids
-        text += output.text
-        reason, cached = output.finish_reason, output.cached_tokens
-    return {"token_ids": token_ids, "text": text, "finish_reason": reason, "cached_tokens": cached}
-
-
-async def _until(condition, timeout_s: float) -> bool:
-    """Whether `condition()` came true within `timeout_s` (vLLM reports through its step loop, not to callers)."""
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        await asyncio.sleep(0.05)
-    return True
-
-
 def _since(engine, before) -> dict:
     now = engine.prompt_sources()
     return {field: getattr(now, field) - getattr(before, field) for field in now.__struct_fields__}
@@ -169,7 +148,7 @@ async def _outcome(engine, request) -> dict:
     from services.worker.engines.base import KvPullFailed
 
     try:
-        result = {"outcome": "output", **await _collect(engine, request)}
+        result = {"outcome": "output", **await collect(engine, request)}
     except KvPullFailed as exc:
         result = {"outcome": "KvPullFailed", "message": str(exc)}
     result["seconds"] = time.monotonic() - started
@@ -198,7 +177,7 @@ async def run(spec: dict) -> dict:
         sampling = SamplingParams(max_tokens=spec["max_tokens"], temperature=0.0)
         refs = []
         for index, (prompt, prefix) in enumerate(spec["cases"]):
-            aggregated = await _collect(source, EngineRequest(request_id=f"agg-{index}", prompt_token_ids=prompt,
+            aggregated = await collect(source, EngineRequest(request_id=f"agg-{index}", prompt_token_ids=prompt,
                                                               sampling=sampling))
             before = source.prompt_sources()
             ref = await source.prefill(EngineRequest(request_id=f"hold-{index}", prompt_token_ids=prompt[:prefix],
@@ -206,14 +185,15 @@ async def run(spec: dict) -> dict:
             source_prefill = _since(source, before)
             before, stats_before = puller.prompt_sources(), puller.stats()
             request = EngineRequest(request_id=f"pull-{index}", prompt_token_ids=prompt, sampling=sampling, kv_ref=ref)
-            pulled = await _collect(puller, request)
-            await _until(lambda: sum(_since(puller, before).values()) >= len(prompt), SETTLE_S)  # noqa: B023
+            pulled = await collect(puller, request)
+            await until(lambda: sum(_since(puller, before).values()) >= len(prompt), SETTLE_S,  # noqa: B023
+                        "the puller's prompt token stats counting the whole prompt")
             puller_sources = _since(puller, before)
             stats_after = puller.stats()
             puller_heartbeat = {field: getattr(stats_after, field) - getattr(stats_before, field)
                                 for field in ("prefix_external_hit_tokens", "prefix_hit_tokens")}
-            await _until(lambda: puller.stats().kv_blocks_used == 0, SETTLE_S)  # noqa: B023
-            await _until(lambda: source.stats().kv_blocks_used == 0, SETTLE_S)
+            await until(lambda: puller.stats().kv_blocks_used == 0, SETTLE_S, "the puller's blocks freed")  # noqa: B023
+            await until(lambda: source.stats().kv_blocks_used == 0, SETTLE_S, "the source's blocks freed")
             refs.append(ref)
             result["cases"].append({
                 "kv_ref": msgspec.to_builtins(ref), "aggregated": aggregated, "pulled": pulled,
@@ -234,9 +214,9 @@ async def run(spec: dict) -> dict:
                                                                    prompt_token_ids=unseen[:dead.num_tokens - 1],
                                                                    sampling=sampling, kv_ref=dead))
         # What the worker falls back to: the prompt, computed here.
-        result["fallback"] = await _collect(puller, EngineRequest(request_id="pull-fallback", prompt_token_ids=unseen,
+        result["fallback"] = await collect(puller, EngineRequest(request_id="pull-fallback", prompt_token_ids=unseen,
                                                                   sampling=sampling))
-        result["unseen_aggregated"] = await _collect(source, EngineRequest(request_id="agg-unseen",
+        result["unseen_aggregated"] = await collect(source, EngineRequest(request_id="agg-unseen",
                                                                            prompt_token_ids=unseen, sampling=sampling))
         result["puller_stats_after"] = msgspec.to_builtins(puller.stats())
     finally:
@@ -247,11 +227,7 @@ async def run(spec: dict) -> dict:
 
 
 def main() -> None:
-    spec = json.load(sys.stdin)
-    from services.worker.amx import request_amx_permission
-
-    request_amx_permission()
-    print("RESULT " + json.dumps(asyncio.run(run(spec))), flush=True)
+    print_result(run)
 
 
 if __name__ == "__main__":  # vLLM's engine core may re-import this module

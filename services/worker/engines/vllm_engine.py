@@ -367,8 +367,8 @@ class VllmEngine:
         self._resolved = resolved
         self._served_model_name = served_model_name
         self._role = role
-        # An aggregated engine that holds its prefixes for other engines and pulls theirs.
-        self._kv_share = kv_share and role == "aggregated"
+        # An aggregated engine that holds its prefixes for other engines and pulls theirs (`WorkerSettings.shares_kv`).
+        self._kv_share = kv_share
         self._kv_hold_s = kv_hold_s
         # vLLM's kv_transfer_config (vllm_nixl.py); None for an aggregated worker without kv_share.
         self._kv_transfer = dict(kv_transfer) if kv_transfer else None

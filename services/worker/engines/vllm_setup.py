@@ -34,7 +34,7 @@ def build_vllm_engine(settings: WorkerSettings):
     on_cpu = installed_vllm_build() == "cpu"
     resolved = preflight(settings.vllm, on_cpu=on_cpu, env=os.environ)
     check_kv_transfer(settings.role, nixl_installed())
-    kv_share = settings.kv_share and settings.role == "aggregated"
+    kv_share = settings.shares_kv
     if kv_share and not nixl_installed():
         raise EngineConfigError(
             "worker.kv_share moves KV between workers with NIXL, but the nixl package is not installed: "
