@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Literal, NamedTuple
 
 from msgspec import Meta, Struct
 
@@ -11,6 +11,13 @@ from contracts.messages import NonNegativeInt, RequestId, WorkerRegistration
 Pool = Literal["aggregated", "prefill", "decode"]
 POOLS: tuple[Pool, ...] = ("aggregated", "prefill", "decode")
 NonNegativeSeconds = Annotated[float, Meta(ge=0.0)]
+
+
+class PoolKey(NamedTuple):
+    """A pool is one base model's workers of one role: two models in one fleet never scale, or count, as one."""
+
+    model: str
+    role: Pool
 
 
 class RequestServed(Struct, tag="served", tag_field="type", omit_defaults=True):
@@ -38,6 +45,13 @@ class PoolDecision(Struct):
     signal: str
     reason: str
     panic: bool = False
+    # The base model whose workers form the pool ("": a decision from before pools were per model, which knew
+    # one model only: the fleet's).
+    model: str = ""
+
+    @property
+    def key(self) -> PoolKey:
+        return PoolKey(self.model, self.pool)
 
 
 class ScalingDecision(Struct, tag="scaling", tag_field="type"):
@@ -49,8 +63,8 @@ class ScalingDecision(Struct, tag="scaling", tag_field="type"):
     # balancers hold them until a worker registers (`ScaleUpWanted` wakes the autoscaler).
     from_zero: list[WorkerRegistration] = []
 
-    def desired(self) -> dict[str, int]:
-        return {p.pool: p.desired for p in self.pools}
+    def desired(self) -> dict[PoolKey, int]:
+        return {p.key: p.desired for p in self.pools}
 
 
 class ScaleUpWanted(Struct, tag="scale_up_wanted", tag_field="type"):

@@ -73,6 +73,8 @@ class BalancerStatus(Compact, tag="balancer_status", tag_field="type"):
     bound_upper_s: float | None = None
     recommended_slots_per_chain: int | None = None
     recommended_lower_s: float | None = None
+    # `queue_length` by the model the requests ask for: the autoscaler sizes each model's pools on its own.
+    queued_per_model: dict[str, NonNegativeInt] = {}
 
 
 BalancerStatusReply = BalancerStatus | ErrorReply

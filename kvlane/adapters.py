@@ -16,14 +16,11 @@ from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 import msgspec
-import nats
-import nats.errors
 from rich.console import Console
 from rich.table import Table
 
-from shared.adapter_store import AdapterError, AdapterStore
+from shared.adapter_store import AdapterError, AdapterStore, adapter_store_at
 from shared.config import load_config
-from shared.credentials import nats_options
 
 T = TypeVar("T")
 
@@ -74,14 +71,8 @@ def _with_store(args: argparse.Namespace, action: Callable[[AdapterStore], Await
         settings = msgspec.structs.replace(settings, url=args.nats_url)
 
     async def main() -> T:
-        try:
-            nc = await nats.connect(**nats_options(settings), connect_timeout=5, allow_reconnect=False)
-        except (OSError, nats.errors.Error, asyncio.TimeoutError) as exc:
-            raise AdapterError(f"cannot reach NATS at {settings.url}: {exc!r}") from exc
-        try:
-            return await action(AdapterStore(nc))
-        finally:
-            await nc.close()
+        async with adapter_store_at(settings) as store:
+            return await action(store)
 
     return asyncio.run(main())
 

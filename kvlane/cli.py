@@ -170,9 +170,10 @@ def _start_autoscaling(fleet, console: Console):
     config = fleet.security.settings_for(fleet.config, "operator") if fleet.security else fleet.config
     url, options = redis_url_and_options(config.redis)
     client = redis.Redis.from_url(url, **options)
-    bounds = {pool: getattr(fleet.config.autoscaler, pool) for pool in ("aggregated", "prefill", "decode")}
-    console.print("autoscaling: " + ", ".join(f"{pool} {b.min}..{b.max}" for pool, b in bounds.items()))
-    return FleetActuator(fleet, lambda: client.get(subjects.AUTOSCALER_DECISION_KEY), lambda change: console.print(f"autoscale: {change}"))
+    actuator = FleetActuator(fleet, lambda: client.get(subjects.AUTOSCALER_DECISION_KEY), lambda change: console.print(f"autoscale: {change}"))
+    bounds = {pool: fleet.config.autoscaler.bounds(actuator.model, pool) for pool in ("aggregated", "prefill", "decode")}
+    console.print(f"autoscaling {actuator.model}: " + ", ".join(f"{pool} {b.min}..{b.max}" for pool, b in bounds.items()))
+    return actuator
 
 
 # A vLLM engine takes ~30 s to start alone, longer when several share few cores.

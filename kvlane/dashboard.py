@@ -172,12 +172,15 @@ def build_dashboard() -> DashboardBuilder:
     ], "Requests the balancers degraded: shorter answers (max_tokens), shed or evicted with 429, prompts prefilled "
        "on the decode node because the prefill pool was saturated (local_prefill).")
     layout.panel("Replicas per pool", "short", [
-        ("max by (pool) (kvlane_autoscaler_desired_replicas)", "desired {{pool}}"),
-        ("max by (pool) (kvlane_autoscaler_current_replicas)", "serving {{pool}}"),
-    ], "What the autoscaler wants per pool (what KEDA or kvlane up --autoscale acts on) and what serves.")
+        (f"max by (model_name, pool) (kvlane_autoscaler_desired_replicas{{{MODEL}}})", "desired {{model_name}} {{pool}}"),
+        (f"max by (model_name, pool) (kvlane_autoscaler_current_replicas{{{MODEL}}})", "serving {{model_name}} {{pool}}"),
+    ], "What the autoscaler wants per pool, one per model and role (what KEDA or kvlane up --autoscale acts on), "
+       "and what serves.")
     layout.panel("Autoscaler pressure", "short", [
-        ('max by (pool) (kvlane_autoscaler_pressure{window="stable"})', "{{pool}} (stable window)"),
-        ('max by (pool) (kvlane_autoscaler_pressure{window="panic"})', "{{pool}} (panic window)"),
+        (f'max by (model_name, pool) (kvlane_autoscaler_pressure{{{MODEL}, window="stable"}})',
+         "{{model_name}} {{pool}} (stable window)"),
+        (f'max by (model_name, pool) (kvlane_autoscaler_pressure{{{MODEL}, window="panic"}})',
+         "{{model_name}} {{pool}} (panic window)"),
     ], "Each pool's worst signal over its target: above 1 it grows, in the panic window at 2 at once.")
     return builder
 

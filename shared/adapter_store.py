@@ -16,16 +16,18 @@ The pure parts (`pack_adapter`, `unpack_adapter`, `check_adapter_files`,
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import os
 import re
 import struct
 import time
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 
 import msgspec
+import nats
 import nats.errors
 import nats.js.errors
 import structlog
@@ -33,6 +35,8 @@ from nats.aio.client import Client as NatsClient
 from nats.js.api import ObjectMeta
 
 from contracts.model_files import ADAPTER_PREFIX, AdapterFiles, AdapterRef
+from shared.config import NatsSettings
+from shared.credentials import nats_options
 from shared.model_store import ModelFilesError, cache_entry, content_revision, open_bucket, write_file_set
 
 log = structlog.get_logger("kvlane.adapter_store")
@@ -371,6 +375,19 @@ class AdapterStore:
         except (nats.errors.Error, asyncio.TimeoutError) as exc:
             raise AdapterError(f"cannot fetch adapter {ref.name}: {type(exc).__name__}: {exc}") from exc
         return unpack_adapter(ref.object, result.data)
+
+
+@contextlib.asynccontextmanager
+async def adapter_store_at(settings: NatsSettings) -> AsyncIterator[AdapterStore]:
+    """The adapter store of the bus at `settings`, on a connection of its own (`AdapterError` when it does not answer)."""
+    try:
+        nc = await nats.connect(**nats_options(settings), connect_timeout=5, allow_reconnect=False)
+    except (OSError, nats.errors.Error, asyncio.TimeoutError) as exc:
+        raise AdapterError(f"cannot reach NATS at {settings.url}: {exc!r}") from exc
+    try:
+        yield AdapterStore(nc)
+    finally:
+        await nc.close()
 
 
 def default_adapter_dir() -> Path:

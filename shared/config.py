@@ -43,7 +43,7 @@ __all__ = [
     "ConfigError", "PositiveFloat", "PositiveInt", "Section",
     "NatsSettings", "RedisSettings", "LoggingSettings", "TracingSettings", "ClusterSettings", "AuthSettings",
     "IngressSettings", "CacheManagerSettings", "HealthSettings", "SimSettings", "VllmSettings", "WorkerSettings",
-    "PoolBounds", "AutoscalerSettings", "SupervisionSettings", "KvlaneConfig", "ENV_PREFIX", "CONFIG_FILE_ENV",
+    "PoolBounds", "ModelPoolBounds", "AutoscalerSettings", "SupervisionSettings", "KvlaneConfig", "ENV_PREFIX", "CONFIG_FILE_ENV",
     "load_config", "to_env", "TENANT_HEADER",
 ]
 
@@ -385,6 +385,11 @@ class WorkerSettings(Section):
     lora: LoraSettings = msgspec.field(default_factory=LoraSettings)
 
     @property
+    def served_model(self) -> str:
+        """The model name this worker registers, the one clients ask for."""
+        return (self.vllm.served_model_name or self.model) if self.engine == "vllm" else self.model
+
+    @property
     def shares_kv(self) -> bool:
         """Whether this worker lends and pulls cached prefixes: `kv_share` holds for aggregated workers only."""
         return self.kv_share and self.role == "aggregated"
@@ -393,6 +398,14 @@ class WorkerSettings(Section):
 class PoolBounds(Section):
     min: Annotated[int, Meta(ge=0)] = 1
     max: Annotated[int, Meta(ge=0)] = 8
+
+
+class ModelPoolBounds(Section):
+    """One base model's own bounds for some of its pools; a pool left out keeps its role's (`[autoscaler.<pool>]`)."""
+
+    aggregated: PoolBounds | None = None
+    prefill: PoolBounds | None = None
+    decode: PoolBounds | None = None
 
 
 class AutoscalerSettings(Section):
@@ -421,8 +434,17 @@ class AutoscalerSettings(Section):
     aggregated: PoolBounds = msgspec.field(default_factory=PoolBounds)
     prefill: PoolBounds = msgspec.field(default_factory=PoolBounds)
     decode: PoolBounds = msgspec.field(default_factory=PoolBounds)
+    # Every base model has a pool of each role, bounded as above unless named here: `[autoscaler.models."<model>".
+    # aggregated] min = 0` lets a rarely used model's pool go to zero while the others keep theirs.
+    models: dict[str, ModelPoolBounds] = msgspec.field(default_factory=dict)
     metrics_port: Annotated[int, Meta(ge=0, le=65535)] = 0
     metrics_host: str = "127.0.0.1"
+
+    def bounds(self, model: str, pool: str) -> PoolBounds:
+        """The min and max of `model`'s pool of role `pool`."""
+        own = self.models.get(model)
+        bounds = getattr(own, pool) if own is not None else None
+        return bounds if bounds is not None else getattr(self, pool)
 
 
 class SupervisionSettings(Section):

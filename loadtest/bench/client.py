@@ -1,7 +1,8 @@
 """Streaming HTTP client for kvlane's OpenAI-compatible API, timing every token.
 
 Each request goes out with `stream: true` and `stream_options.include_usage`,
-and its `RequestRecord` keeps: when it was sent, when each content chunk
+naming its record's `model` (a LoRA adapter) or else the client's, and its
+`RequestRecord` keeps: the model it named, when it was sent, when each content chunk
 arrived (the first one is the first token), when the stream ended, the usage
 the server reported (prompt, completion and cached tokens), the HTTP status,
 any error, and the `X-Request-Id` header (the id workers use in their
@@ -40,6 +41,8 @@ class RequestRecord:
     sent_s: float = 0.0
     priority: int = 0
     tenant: str = ""
+    # The `model` it names: its session's LoRA adapter, else ("" until sent) the client's model.
+    model: str = ""
     first_token_s: float | None = None
     token_times_s: list[float] = field(default_factory=list)  # one per content chunk (one token each on sim)
     end_s: float | None = None
@@ -96,11 +99,24 @@ class StreamingClient:
     def now(self) -> float:
         return time.perf_counter() - self._origin
 
+    async def served_models(self) -> set[str]:
+        """The ids `/v1/models` lists now (base models and adapters); none when it does not answer."""
+        assert self._session is not None, "use `async with StreamingClient(...)`"
+        try:
+            async with self._session.get(self._base_url + "/v1/models") as response:
+                if response.status != 200:
+                    return set()
+                listing = await response.json()
+        except (aiohttp.ClientError, OSError, TimeoutError, ValueError):
+            return set()
+        return {model["id"] for model in listing.get("data") or ()}
+
     async def send(self, record: RequestRecord, body: dict[str, Any]) -> RequestRecord:
         """Stream one request into `record` (times, usage, text, status or error)."""
         assert self._session is not None, "use `async with StreamingClient(...)`"
         path = "/v1/chat/completions" if record.api == "chat" else "/v1/completions"
-        payload = {**body, "model": self._model, "max_tokens": record.max_tokens, "stream": True,
+        record.model = record.model or self._model
+        payload = {**body, "model": record.model, "max_tokens": record.max_tokens, "stream": True,
                    "stream_options": {"include_usage": True}}
         pieces: list[str] = []
         record.sent_s = self.now()

@@ -11,7 +11,14 @@ Latencies and throughputs are wall-clock. The sim runs `--speed` simulated
 seconds per real second, so simulated latency = wall latency x speed
 (roughly: control-plane time does not scale); the JSON records the speed.
 
+With `--adapters N`, each fleet's workers get `--max-loras` adapter slots,
+N tiny LoRA adapters are published to its bus as `kvlane adapters add`
+publishes them, every session names its adapter as its requests' `model`,
+and each run reports the workers' adapter loads per 1,000 requests
+measured, from their heartbeats.
+
     python -m loadtest.bench.command --policies round_robin,jffc --rate 20   # later: kvlane bench ...
+    kvlane bench --workers 2 --rate 4 --duration 20 --adapters 16 --adapter-popularity zipf:1.1 --max-loras 4
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ import msgspec
 from rich.console import Console
 
 from launch.fleet_mix import fleet_nodes, parse_fleet
+from loadtest.bench.lora import add_lora_arguments, lora_info, lora_option_error, lora_sections
 from loadtest.bench.report import print_report, rate_label, write_json, write_plots
 from loadtest.bench.run import FleetSpec, PlannedRun, PolicyRejected, RunSpec, fleet_config, run_each
 from loadtest.bench.driver import DriveLimits
@@ -99,6 +107,7 @@ def build_parser(prog: str = "kvlane bench", description: str = __doc__.split("\
     load.add_argument("--ttft-slo-ms", type=float, default=1000.0)
     load.add_argument("--tpot-slo-ms", type=float, default=100.0)
     load.add_argument("--seed", type=int, default=0)
+    add_lora_arguments(parser)
     out = parser.add_argument_group("output")
     out.add_argument("--out", type=Path, help=f"results directory (default loadtest/results/{prog.split()[-1]}-<timestamp>/)")
     if live:
@@ -139,7 +148,7 @@ def workload_for(args: argparse.Namespace, rate: float | None, max_requests: int
         question_tokens=args.question_tokens, output_tokens=args.output_tokens, turns=args.turns,
         think_time_s=args.think_time, long_share=args.long_share, trace_path=args.trace,
         trace_time_scale=args.trace_time_scale, trace_use_timestamps=rate is None and args.concurrency is None,
-        tenants=args.tenants,
+        tenants=args.tenants, adapters=args.adapters, adapter_zipf=args.adapter_popularity,
     )
 
 
@@ -169,9 +178,9 @@ def max_requests_for(args: argparse.Namespace, rate: float | None) -> int:
 def plan_runs(args: argparse.Namespace, log_root: Path) -> tuple[list[RunSpec], dict[str, str]]:
     """Every (rate, policy) run, plus the policies the current config rejects (name -> reason)."""
     mix = tuple(fleet_nodes(parse_fleet(args.fleet))) if args.fleet else ()
+    overrides = ({"worker": {"kv_share": True}} if args.kv_share else {}) | lora_sections(args)
     fleet = FleetSpec(workers=len(mix) or args.workers, profile=args.profile, speed=args.speed, seed=args.seed,
-                      max_model_len=args.max_model_len, num_blocks=args.num_blocks, mix=mix,
-                      overrides={"worker": {"kv_share": True}} if args.kv_share else {})
+                      max_model_len=args.max_model_len, num_blocks=args.num_blocks, mix=mix, overrides=overrides)
     args = with_warmup(args)
     slo = Slo(ttft_s=args.ttft_slo_ms / 1000.0, tpot_s=args.tpot_slo_ms / 1000.0)
     issue_for = min(args.duration or args.max_run_time, args.max_run_time)
@@ -192,7 +201,7 @@ def plan_runs(args: argparse.Namespace, log_root: Path) -> tuple[list[RunSpec], 
             if policy not in rejected:
                 name = f"{policy}-{'closed' if rate is None else f'r{rate:g}'}"
                 runs.append(RunSpec(policy, workload, fleet, slo, limits, args.request_timeout, log_root / name,
-                                    args.warmup))
+                                    args.warmup, adapters_dir=log_root / "adapters" if args.adapters else None))
     return runs, rejected
 
 
@@ -222,6 +231,8 @@ def main(argv: list[str] | None = None) -> int:
     console = Console() if sys.stdout.isatty() else Console(width=160)
     if args.workers < 1 or args.speed <= 0:
         parser.error("--workers must be at least 1 and --speed positive")
+    if error := lora_option_error(args):
+        parser.error(error)
     started = dt.datetime.now(dt.timezone.utc)
     out_dir = args.out or RESULTS_DIR / f"bench-{started.strftime('%Y%m%d-%H%M%S')}"
     log_root = args.log_dir or Path(tempfile.mkdtemp(prefix="kvlane-bench-"))
@@ -238,6 +249,9 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGTERM, _terminate)
     # The events listener logs through structlog; keep routine lines out of the report.
     configure_logging(LoggingSettings(format="console", level="error"), "bench")
+    fleet_info = jsonable(asdict(runs[0].fleet)) if runs else None
+    if fleet_info is not None and args.adapters:
+        fleet_info["lora"] = lora_info(fleet_config(runs[0].fleet, runs[0].policy, args.request_timeout))
     results: dict[str, Any] = {
         "benchmark": "kvlane-bench",
         "timestamp": started.isoformat(),
@@ -245,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
         "parameters": {
             "policies": [p.strip() for p in args.policies.split(",") if p.strip()],
             "rejected_policies": rejected,
-            "fleet": jsonable(asdict(runs[0].fleet)) if runs else None,
+            "fleet": fleet_info,
             "workload": jsonable(asdict(runs[0].workload)) if runs else None,
             "loads": [rate_label(r, args.concurrency) for r in dict.fromkeys(_rate_of(s) for s in runs)],
             "slo": {"ttft_ms": args.ttft_slo_ms, "tpot_ms": args.tpot_slo_ms},

@@ -106,7 +106,7 @@ class WorkloadDriver:
                     await asyncio.sleep(session.think_time_s)
                 scheduled_s = self._client.now()
             record = RequestRecord(session.session_id, session.group, index, session.api, turn.max_tokens, scheduled_s,
-                                   priority=session.priority, tenant=session.tenant)
+                                   priority=session.priority, tenant=session.tenant, model=session.adapter)
             self.records.append(record)
             try:
                 await self._client.send(record, request_body(session, history, turn.text))

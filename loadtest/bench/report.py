@@ -45,15 +45,16 @@ def comparison_table(results: dict[str, Any]) -> Table:
     table = Table(title=f"{results['benchmark'].replace('-', ' ')}: {(params['workload'] or {}).get('kind')}, "
                         f"{fleet.get('nodes') or fleet.get('workers')} workers, "
                         f"SLO TTFT {slo['ttft_ms']:g} ms / TPOT {slo['tpot_ms']:g} ms ({clock(results)})")
+    with_adapters = any("adapters" in run for run in results["runs"])
     for column in ("policy", "load", "ok/sent", "goodput r/s", "thru r/s", "out tok/s", "TTFT p50", "TTFT p99",
-                   "TPOT p50", "TPOT p99", "hit rate", "load CV"):
+                   "TPOT p50", "TPOT p99", "hit rate", "load CV", *(["LoRA loads/1k"] if with_adapters else [])):
         table.add_column(column, justify="left" if column in ("policy", "load") else "right")
     for run in results["runs"]:
         load = rate_label(run.get("rate"), run.get("concurrency"))
         if "error" in run:
             # The JSON keeps the whole traceback.
             lines = error_lines(run["error"])
-            table.add_row(run["policy"], load, f"[red]{lines[0][:40]} … {lines[-1][:80]}[/]", *[""] * 9)
+            table.add_row(run["policy"], load, f"[red]{lines[0][:40]} … {lines[-1][:80]}[/]", *[""] * (len(table.columns) - 3))
             continue
         s = run["summary"]
         table.add_row(
@@ -63,6 +64,7 @@ def comparison_table(results: dict[str, Any]) -> Table:
             fmt_number(s["tpot_ms"]["p99"], 1),
             "-" if s["prefix_cache_hit_rate"] is None else f"{100 * s['prefix_cache_hit_rate']:.0f}%",
             fmt_number(s["load_cv"], 2),
+            *([fmt_number(run.get("adapters", {}).get("loads_per_1k"), 1)] if with_adapters else []),
         )
     return table
 

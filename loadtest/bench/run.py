@@ -4,14 +4,16 @@ Every run gets its own nats-server and redis-server on free ports, one
 balancer with `balancer.policy` set, N sim workers sharing one profile,
 speed and seed (aggregated, or prefill and decode pools), and one ingress;
 nothing carries over between runs (no warm prefix cache, no learnt node
-speeds), so policies and layouts are compared on equal terms.
+speeds), so policies and layouts are compared on equal terms. A workload
+with LoRA adapters has them published to each fleet's bus before it starts
+(`loadtest/bench/adapters.py`), and each fleet's workers fetch them afresh.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -21,14 +23,17 @@ import redis.asyncio as redis
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from contracts.messages import Heartbeat
 from launch.fleet import Fleet, start_fleet, with_overrides
 from launch.fleet_mix import FleetNode
 from launch.launcher import Launcher, free_port
+from loadtest.bench.adapters import ensure_tiny_adapters, publish_adapters
 from loadtest.bench.client import RequestRecord, StreamingClient
 from loadtest.bench.driver import DriveLimits, WorkloadDriver
 from loadtest.bench.events import FinishedEvents
-from loadtest.bench.metrics import Slo, summarize
-from loadtest.bench.workloads import WorkloadSpec, sessions
+from loadtest.bench.lora import adapter_summary
+from loadtest.bench.metrics import Slo, WorkerRun, summarize
+from loadtest.bench.workloads import WorkloadSpec, adapter_names, sessions
 from shared.state import ClusterState
 from shared.config import (
     IngressSettings,
@@ -95,6 +100,8 @@ class RunSpec:
     request_timeout_s: float
     log_dir: Path
     warmup_s: float = 0.0  # requests the workload schedules before this are served but not measured
+    # Where the workload's LoRA adapters are made, once for every run that shares it (None: under `log_dir`).
+    adapters_dir: Path | None = None
 
 
 # `--policies naive:round_robin`: the policy behind a plain load balancer, without kvlane's admission
@@ -185,6 +192,11 @@ def run_once(spec: RunSpec, on_record: Callable[[RequestRecord], None]) -> dict[
     config = fleet_config(spec.fleet, spec.policy, spec.request_timeout_s)
     if spec.workload.tenants:
         config = with_overrides(config, ingress={"tenant_weights": spec.workload.tenant_weights()})
+    adapters: dict[str, Path] = {}
+    if spec.workload.adapters:
+        adapters = ensure_tiny_adapters(spec.adapters_dir or spec.log_dir / "adapters", adapter_names(spec.workload.adapters))
+        # Each run's workers fetch the adapters themselves: nothing carries over between runs.
+        config = with_overrides(config, **{"worker.lora": {"cache_dir": str(spec.log_dir / "adapter-cache")}})
     launcher = Launcher(spec.log_dir)
     fleet: Fleet | None = None
     started = time.monotonic()
@@ -193,51 +205,112 @@ def run_once(spec: RunSpec, on_record: Callable[[RequestRecord], None]) -> dict[
                             prefill_workers=spec.fleet.prefill_workers, decode_workers=spec.fleet.decode_workers,
                             mix=spec.fleet.mix)
         startup_s = time.monotonic() - started
-        records, runs, kv_pulls = _run_async(_measure(fleet, spec, on_record))
+        measured = _run_async(_measure(fleet, spec, on_record, adapters))
         dead = [f"{p.name} (exit {p.popen.returncode})" for p in fleet.services() if not p.alive()]
     finally:
         if fleet is not None:
             fleet.stop()
         launcher.stop_all()
     worker_ids = spec.fleet.worker_ids()
-    counted = after_warmup(records, spec.warmup_s)
-    return {
+    counted = after_warmup(measured.records, spec.warmup_s)
+    result = {
         "policy": spec.policy,
         "fleet_startup_s": startup_s,
         "processes_died": dead,
-        "summary": summarize(counted, spec.slo, runs, worker_ids, spec.workload.tenant_weights()),
-        "warmup_requests": len(records) - len(counted),
+        "summary": summarize(counted, spec.slo, measured.runs, worker_ids, spec.workload.tenant_weights()),
+        "warmup_requests": len(measured.records) - len(counted),
         # KV pulls the nodes made during the workload: requests prefilled on a prefill node, prefixes pulled from a busy node.
-        "kv_pulls": kv_pulls,
+        "kv_pulls": measured.whole_run.kv_pulls,
         "records": [r.to_json() for r in counted],
         "log_dir": str(spec.log_dir),
     }
+    if spec.workload.adapters:
+        result["adapters"] = adapter_summary(measured.after_warmup.adapter_loads, len(counted),
+                                             measured.whole_run.adapter_loads, len(measured.records))
+    return result
 
 
-async def _measure(fleet: Fleet, spec: RunSpec, on_record: Callable[[RequestRecord], None]):
+class WorkerCounters(NamedTuple):
+    """Counts the workers' heartbeats carry (each since its worker started), summed over the fleet."""
+
+    kv_pulls: int = 0
+    adapter_loads: int = 0
+
+    def since(self, earlier: WorkerCounters) -> WorkerCounters:
+        return WorkerCounters(*(now - then for now, then in zip(self, earlier, strict=True)))
+
+
+def counters_of(heartbeats: Iterable[Heartbeat]) -> WorkerCounters:
+    stats = [heartbeat.stats for heartbeat in heartbeats]
+    return WorkerCounters(kv_pulls=sum(s.kv_pulls for s in stats), adapter_loads=sum(s.adapter_loads for s in stats))
+
+
+class Measured(NamedTuple):
+    records: list[RequestRecord]
+    runs: dict[str, WorkerRun]  # by request id: the worker that ran it
+    whole_run: WorkerCounters  # what the workers did while the workload ran, warm-up included
+    after_warmup: WorkerCounters  # the same from the warm-up's end on (as of the first heartbeats after it)
+
+
+async def _measure(fleet: Fleet, spec: RunSpec, on_record: Callable[[RequestRecord], None],
+                   adapters: Mapping[str, Path]) -> Measured:
     model = fleet.config.worker.model
     async with FinishedEvents(fleet.config.nats.url) as events:
-        async with StreamingClient(fleet.base_url, model, spec.request_timeout_s, time.perf_counter()) as warmup:
-            await _wait_until_served(warmup, timeout_s=30.0)
-        pulls_before = await _kv_pulls(fleet)
+        async with StreamingClient(fleet.base_url, model, spec.request_timeout_s, time.perf_counter()) as setup:
+            await _wait_until_served(setup, timeout_s=30.0)
+            if adapters:
+                await publish_adapters(fleet.config.nats, model, adapters)
+                await _wait_until_listed(setup, set(adapters), timeout_s=30.0)
+        # Nothing has run since the warm-up request, and the workers have sent heartbeats since: these hold the start.
+        before = await _worker_counters(fleet)
         # A fresh clock: the run starts at 0 after warm-up, whatever it took.
         async with StreamingClient(fleet.base_url, model, spec.request_timeout_s, time.perf_counter()) as client:
-            records = await WorkloadDriver(client, spec.limits, on_record).run(sessions(spec.workload))
+            warmup_end = asyncio.ensure_future(_counters_at(fleet, client, spec.warmup_s)) if spec.warmup_s else None
+            try:
+                records = await WorkloadDriver(client, spec.limits, on_record).run(sessions(spec.workload))
+                measured_from = await warmup_end if warmup_end is not None else before
+            finally:
+                if warmup_end is not None:
+                    warmup_end.cancel()
         await asyncio.sleep(_EVENTS_SETTLE_S)
         runs = dict(events.runs)
-        # Heartbeats carry the counters: wait for one sent after the last request.
-        await asyncio.sleep(fleet.config.cluster.heartbeat_interval_s)
-        kv_pulls = await _kv_pulls(fleet) - pulls_before
-    return records, runs, kv_pulls
+        # Heartbeats sent after the last request ended count everything it did.
+        after = await _worker_counters(fleet, sent_after=time.time())
+    return Measured(records, runs, after.since(before), after.since(measured_from))
 
 
-async def _kv_pulls(fleet: Fleet) -> int:
+async def _counters_at(fleet: Fleet, client: StreamingClient, at_s: float) -> WorkerCounters:
+    """The workers' counters at second `at_s` of the run (from the first heartbeats after it)."""
+    await asyncio.sleep(max(0.0, at_s - client.now()))
+    return await _worker_counters(fleet, sent_after=time.time())
+
+
+async def _worker_counters(fleet: Fleet, sent_after: float | None = None) -> WorkerCounters:
+    """The live workers' counters; with `sent_after` (epoch seconds), from heartbeats every worker sent after it.
+
+    A worker that sends none by the time its key would expire has left: the counters are then those of the rest.
+    """
+    cluster = fleet.config.cluster
+    deadline = time.monotonic() + cluster.heartbeat_ttl_s + cluster.heartbeat_interval_s
     client = redis.Redis.from_url(fleet.config.redis.url)
     try:
-        live = await ClusterState(client, fleet.config.cluster.heartbeat_ttl_s).live_heartbeats()
+        state = ClusterState(client, cluster.heartbeat_ttl_s)
+        while True:
+            live = [item.heartbeat for item in await state.live_heartbeats()]
+            if sent_after is None or all(h.sent_at > sent_after for h in live) or time.monotonic() >= deadline:
+                return counters_of(live)
+            await asyncio.sleep(cluster.heartbeat_interval_s / 10)
     finally:
         await client.aclose()
-    return sum(item.heartbeat.stats.kv_pulls for item in live)
+
+
+async def _wait_until_listed(client: StreamingClient, names: set[str], timeout_s: float) -> None:
+    """The ingress reads the bus's adapter listing again at most once a second: wait until it lists them all."""
+    deadline = time.monotonic() + timeout_s
+    while not names <= await client.served_models():
+        if time.monotonic() >= deadline:
+            raise RuntimeError(f"the ingress did not list the {len(names)} adapters published within {timeout_s:.0f}s")
+        await asyncio.sleep(0.2)
 
 
 async def _wait_until_served(client: StreamingClient, timeout_s: float) -> None:

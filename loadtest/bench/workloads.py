@@ -287,7 +287,13 @@ def adapter_name(spec: WorkloadSpec, index: int) -> str:
     """Session `index`'s LoRA adapter: rank k (from 0) drawn with weight 1 / (k + 1)^adapter_zipf."""
     cumulative = _zipf_cumulative(spec.adapters, spec.adapter_zipf)
     draw = random.Random(f"{spec.seed}:adapter:{index}").random() * cumulative[-1]
-    return f"adapter-{min(bisect.bisect_right(cumulative, draw), spec.adapters - 1)}"
+    return adapter_names(spec.adapters)[min(bisect.bisect_right(cumulative, draw), spec.adapters - 1)]
+
+
+@functools.lru_cache(maxsize=16)
+def adapter_names(count: int) -> tuple[str, ...]:
+    """The names of a workload's `count` adapters, from the most popular on."""
+    return tuple(f"adapter-{rank}" for rank in range(count))
 
 
 @functools.lru_cache(maxsize=16)

@@ -26,9 +26,7 @@ per 1,000 requests (from the warm-up's end on). Loading costs the sim's
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime as dt
-import math
 import sys
 from collections import Counter
 from collections.abc import Callable
@@ -43,6 +41,7 @@ from launch.fleet import with_overrides
 from launch.fleet_mix import FleetNode, NodeKind, describe, fleet_nodes, parse_fleet
 from loadtest.bench.command import (RESULTS_DIR, build_parser as bench_parser, jsonable, loads, max_requests_for, with_warmup,
                             workload_for)
+from loadtest.bench.lora import adapter_summary, lora_info, lora_option_error, lora_sections
 from loadtest.bench.report import print_report, rate_label, write_json, write_plots
 from loadtest.bench.run import FleetSpec, PlannedRun, after_warmup, policy_sections, run_each
 from loadtest.bench.client import RequestRecord
@@ -112,50 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="node WORKER fails at simulated second T, counted from the warm-up's start (repeatable)")
     sim.add_argument("--join", action="append", default=[], metavar="T=PROFILE[@SPEED]",
                      help="a new node of PROFILE joins at simulated second T, as --fail (repeatable)")
-    lora = parser.add_argument_group("LoRA adapters")
-    lora.add_argument("--adapters", type=int, default=0, metavar="N",
-                      help="every session runs with one of N LoRA adapters, adapter-0 ... (0: the base model)")
-    lora.add_argument("--adapter-popularity", default="zipf:1.0", metavar="zipf:S",
-                      help="how sessions pick their adapter: adapter-k with weight 1 / (k + 1)^S")
-    lora.add_argument("--max-loras", type=int, metavar="K",
-                      help="adapters a node's batches run with at once, as vLLM's --max-loras "
-                           f"(default {DEFAULT_MAX_LORAS} with --adapters, else worker.lora.max_loras)")
-    lora.add_argument("--max-cpu-loras", type=int, metavar="C",
-                      help="adapters a node keeps in host memory, as vLLM's --max-cpu-loras "
-                           "(default: worker.lora.max_cpu_loras; 0 there: as many as --max-loras, as vLLM)")
     return parser
-
-
-DEFAULT_MAX_LORAS = 4
-
-
-def adapter_popularity(value: str) -> float:
-    """The Zipf exponent of `--adapter-popularity zipf:S`."""
-    kind, _, exponent = value.partition(":")
-    try:
-        parsed = float(exponent)
-    except ValueError:
-        parsed = -1.0
-    if kind != "zipf" or not math.isfinite(parsed) or parsed < 0:
-        raise ValueError(f"--adapter-popularity {value!r}: expected zipf:S with S >= 0")
-    return parsed
-
-
-def lora_sections(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
-    """The `worker.lora` fields the LoRA options set (none without them)."""
-    if args.adapters < 0:
-        raise ValueError("--adapters must be 0 or more")
-    lora: dict[str, Any] = {}
-    max_loras = args.max_loras if args.max_loras is not None else DEFAULT_MAX_LORAS if args.adapters else None
-    if max_loras is not None:
-        lora["max_loras"] = max_loras
-    if args.max_cpu_loras is not None:
-        lora["max_cpu_loras"] = args.max_cpu_loras
-    if any(value < 0 for value in lora.values()):
-        raise ValueError("--max-loras and --max-cpu-loras must be 0 or more")
-    if args.adapters and not lora["max_loras"]:
-        raise ValueError("--adapters needs nodes with adapter slots (--max-loras of 1 or more)")
-    return {"worker.lora": lora} if lora else {}
 
 
 def latency_options_ms(args: argparse.Namespace) -> dict[str, float]:
@@ -210,7 +166,6 @@ def plan(args: argparse.Namespace) -> tuple[list[SimRun], dict[str, Any]]:
         raise ValueError("--ceiling bounds a fleet of aggregated nodes that stays as it is: not with --prefill, --fail or --join")
     if args.adapters and args.prefill and not args.fleet:
         raise ValueError("LoRA adapters run on aggregated nodes only: --adapters needs --fleet beside --prefill/--decode")
-    zipf = adapter_popularity(args.adapter_popularity)
     unknown = [c.worker_id for c in changes if not c.profile and c.worker_id not in {n.worker_id for n in nodes}]
     if unknown:
         raise ValueError(f"--fail names nodes the fleet does not have: {', '.join(unknown)}")
@@ -236,8 +191,7 @@ def plan(args: argparse.Namespace) -> tuple[list[SimRun], dict[str, Any]]:
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     runs = []
     for rate in loads(args):
-        workload = dataclasses.replace(workload_for(args, rate, max_requests_for(args, rate)), adapters=args.adapters,
-                                       adapter_zipf=zipf)
+        workload = workload_for(args, rate, max_requests_for(args, rate))
         workload.check()
         for policy in policies:
             try:
@@ -249,8 +203,7 @@ def plan(args: argparse.Namespace) -> tuple[list[SimRun], dict[str, Any]]:
     fleet_info = jsonable(fleet.sim_settings()) | {"workers": len(nodes), "nodes": _describe(args, kinds),
                                                     "mix": [msgspec.to_builtins(n) for n in nodes]}
     if args.adapters:
-        fleet_info["lora"] = msgspec.to_builtins(base.worker.lora) | {
-            "adapter_activate_s": base.worker.sim.adapter_activate_s, "adapter_load_s": base.worker.sim.adapter_load_s}
+        fleet_info["lora"] = lora_info(base)
     return runs, fleet_info
 
 
@@ -275,21 +228,14 @@ def run_one(run: SimRun, on_record: Callable[[RequestRecord], None]) -> dict[str
         "records": [r.to_json() for r in measured],
     }
     if run.workload.adapters:
-        outcome["adapters"] = adapter_summary(result.counters, len(measured), len(result.records))
+        outcome["adapters"] = adapter_summary(result.counters["adapter_loads_measured"], len(measured),
+                                              result.counters["adapter_loads"], len(result.records))
     if oracle is not None:
         turns = len(result.records) / max(1, len({r.session_id for r in result.records}))
         # In the workload's order, not the order they ended: the same requests give the same figure.
         served = sorted((s for s in result.served if s.scheduled_s >= run.warmup_s), key=lambda s: (s.scheduled_s, s.request_id))
         outcome["ceiling"] = ceiling_summary(run, served, turns)
     return outcome
-
-
-def adapter_summary(counters: dict[str, int], measured_requests: int, all_requests: int) -> dict[str, Any]:
-    """The nodes' LoRA adapter loads into batch slots: from the warm-up's end on per 1,000 requests scheduled from
-    then on (in a steady state the loads of those requests), and over the whole run."""
-    measured, loads = counters["adapter_loads_measured"], counters["adapter_loads"]
-    return {"loads": measured, "loads_per_1k": 1000.0 * measured / measured_requests if measured_requests else None,
-            "loads_whole_run": loads, "loads_per_1k_whole_run": 1000.0 * loads / all_requests if all_requests else None}
 
 
 def ceiling_summary(run: SimRun, served: list[Served], requests_per_session: float) -> dict[str, Any]:
@@ -323,6 +269,8 @@ def main(argv: list[str] | None = None) -> int:
     console = Console() if sys.stdout.isatty() else Console(width=160)
     if args.workers < 1:
         parser.error("--workers must be at least 1")
+    if error := lora_option_error(args):
+        parser.error(error)
     started = dt.datetime.now(dt.timezone.utc)
     try:
         runs, fleet_info = plan(args)
@@ -365,11 +313,6 @@ def main(argv: list[str] | None = None) -> int:
     if not args.quiet:
         print_report(results, console)
         for run in results["runs"]:
-            if adapters := run.get("adapters"):
-                per_1k = adapters["loads_per_1k"]
-                console.print(f"{run['policy']} at {rate_label(run.get('rate'), run.get('concurrency'))}: "
-                              f"{adapters['loads']} adapter loads, "
-                              f"{'-' if per_1k is None else f'{per_1k:.1f}'} per 1,000 requests")
             bound = run.get("ceiling", {})
             if bound.get("requests"):
                 loads = (f"; adapter loads at least {bound['adapter_loads_per_1k']:.1f} per 1,000 requests"

@@ -5,6 +5,7 @@ the heartbeats, the central queue, the latencies clients saw), decides,
 and acts as `kvlane up --autoscale` does: a new node of the pool's kind
 joins, or the pool's newest node drains (takes nothing new, finishes what
 it runs, then leaves). Nodes take `start_s` to come up, as an engine does.
+The simulated fleet serves one model, so its pools are that model's.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ class SimScaler:
         add_node: Callable[[str, str, float, WorkerRole], None],
         client_time: Callable[[], float],
         start_s: float,
+        model: str,
     ) -> None:
         self._settings = settings
         self._events = events
@@ -56,6 +58,7 @@ class SimScaler:
         self._add_node = add_node
         self._client_time = client_time
         self._start_s = start_s
+        self._model = model
         self._core = Autoscaler(settings)
         self._observations = Observations(settings.stable_window_s)
         self._counts = {pool: sum(1 for n in nodes.values() if n.registration.role == pool) for pool in _ID_PREFIX}
@@ -71,15 +74,16 @@ class SimScaler:
             return
         ttft = record.first_token_s - record.sent_s
         tpot = time_per_output_token(record.end_s - record.sent_s, ttft, record.completion_tokens or 0)
-        self._observations.served(self._events.now, ttft, tpot)
+        self._observations.served(self._events.now, self._model, ttft, tpot)
 
     def _serving(self, pool: str) -> list[SimNode]:
-        return [n for n in self._nodes.values() if n.alive and not n.draining and n.registration.role == pool]
+        return [n for n in self._nodes.values() if n.alive and not n.draining and n.registration.role == pool
+                and n.registration.model == self._model]
 
     def _decide(self) -> None:
         now = self._events.now
         self._account(now)
-        gauges = pool_gauges(self._view.live(now), self._queue_length())
+        gauges = pool_gauges(self._view.live(now), {self._model: self._queue_length()})
         self._observations.gauges(now, gauges)
         self._observations.forget_before(now)
         running = {pool: g.replicas for pool, g in gauges.items()}

@@ -203,7 +203,8 @@ class Simulation:
         if spec.autoscaling is not None:
             kinds = {node.role: node for node in reversed(spec.nodes)}  # each pool grows with nodes of its first kind
             self.scaler = SimScaler(spec.autoscaling, events, self.nodes, kinds, self.balancer.view,
-                                    lambda: len(self.balancer.router.queue), self._add_node, self._now, spec.node_start_s)
+                                    lambda: len(self.balancer.router.queue), self._add_node, self._now, spec.node_start_s,
+                                    self._config.worker.model)
             self.scaler.start()
         self._sessions = sessions(spec.workload)
         # Clients start once every node has been heard (the live bench waits for a served request too).
@@ -406,7 +407,8 @@ class Simulation:
     def _start_turn(self, session: Session, turn: int, history: list[tuple[str, str]], scheduled_s: float) -> None:
         spec = session.turns[turn]
         record = RequestRecord(session.session_id, session.group, turn, session.api, spec.max_tokens, scheduled_s,
-                               priority=session.priority, tenant=session.tenant)
+                               priority=session.priority, tenant=session.tenant,
+                               model=session.adapter or self._config.worker.model)
         record.sent_s = self._now()
         self._records.append(record)
         self._request_seq += 1

@@ -1,5 +1,11 @@
 """Desired replicas per pool, from what clients saw and what nodes report (pure).
 
+A pool is one base model's workers of one role (`PoolKey`): a fleet serving
+two models has an aggregated pool of each, and one model's overload never
+scales the other's workers. Latencies count for the base model that served
+them, gauges for the model their node serves. Bounds are per role, and per model
+where `[autoscaler.models]` names one.
+
 Each signal becomes a pressure, observed over target (1.0: at target):
 
 * aggregated: TTFT p99, TPOT p99, KV usage, requests waiting per replica;
@@ -37,7 +43,7 @@ from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from contracts.autoscaler import POOLS, Pool, PoolDecision
+from contracts.autoscaler import POOLS, Pool, PoolDecision, PoolKey
 from contracts.messages import Heartbeat, WorkerRegistration
 from shared.config import AutoscalerSettings
 
@@ -60,21 +66,29 @@ class PoolGauges:
 _SLOT_POOLS: tuple[Pool, ...] = ("aggregated", "decode")
 
 
-def pool_gauges(heartbeats: list[Heartbeat], central_queue: int) -> dict[Pool, PoolGauges]:
-    """Replicas, mean KV usage and waiting requests per pool, from the nodes that serve (draining ones leave)."""
-    by_pool: dict[Pool, list[Heartbeat]] = {}
+def pool_gauges(heartbeats: list[Heartbeat], queued: Mapping[str, int]) -> dict[PoolKey, PoolGauges]:
+    """Replicas, mean KV usage and waiting requests per pool, from the nodes that serve (draining ones leave).
+
+    `queued`: requests in the central queue per model; under "" those a balancer did not count per model, which
+    only a fleet of one model can tell whose they are.
+    """
+    by_pool: dict[PoolKey, list[Heartbeat]] = {}
     for heartbeat in heartbeats:
         if not heartbeat.draining:
-            by_pool.setdefault(heartbeat.registration.role, []).append(heartbeat)
+            by_pool.setdefault(PoolKey(heartbeat.registration.model, heartbeat.registration.role), []).append(heartbeat)
     gauges = {}
     for pool, members in by_pool.items():
         usage = [hb.stats.kv_blocks_used / hb.stats.kv_blocks_total for hb in members if hb.stats.kv_blocks_total]
         gauges[pool] = PoolGauges(len(members), sum(usage) / len(usage) if usage else 0.0,
                                   sum(hb.stats.waiting for hb in members), sum(hb.stats.running for hb in members))
-    queued_for = next((pool for pool in _SLOT_POOLS if pool in gauges), None)
-    if queued_for is not None and central_queue:
-        g = gauges[queued_for]
-        gauges[queued_for] = PoolGauges(g.replicas, g.kv_usage, g.waiting + central_queue, g.running)
+    models = {pool.model for pool in gauges}
+    unattributed = queued.get("", 0) if len(models) == 1 else 0
+    for model in models:
+        waiting = queued.get(model, 0) + unattributed
+        queued_for = next((key for role in _SLOT_POOLS if (key := PoolKey(model, role)) in gauges), None)
+        if queued_for is not None and waiting:
+            g = gauges[queued_for]
+            gauges[queued_for] = PoolGauges(g.replicas, g.kv_usage, g.waiting + waiting, g.running)
     return gauges
 
 
@@ -96,23 +110,27 @@ class Observations:
 
     def __init__(self, keep_s: float) -> None:
         self._keep_s = keep_s
-        self._served: deque[tuple[float, float | None, float | None]] = deque()
-        self._gauges: deque[tuple[float, Mapping[Pool, PoolGauges]]] = deque()
-        self._first_at: float | None = None
-        # Kept apart from `_served`, which forgets: the idle window that takes a pool to zero may be longer.
-        self.last_served_at = -math.inf
+        self._served: deque[tuple[float, str, float | None, float | None]] = deque()
+        self._gauges: deque[tuple[float, Mapping[PoolKey, PoolGauges]]] = deque()
+        # When each pool was first seen with replicas: a model that joins a running fleet has its own evidence to gather.
+        self._first_seen_at: dict[PoolKey, float] = {}
+        # Per model, kept apart from `_served`, which forgets: the idle window that takes a pool to zero may be longer.
+        self._last_served_at: dict[str, float] = {}
         # Spans during which a pool had no replica, per pool (the end None while it has none still).
-        self._without_replicas: dict[Pool, list[tuple[float, float | None]]] = {}
+        self._without_replicas: dict[PoolKey, list[tuple[float, float | None]]] = {}
 
-    def served(self, at: float, ttft_s: float | None, tpot_s: float | None, arrived_at: float | None = None) -> None:
-        """A request answered at `at`; one that arrived while a pool had no replica waited for a worker to start, a
-        wait its TTFT would count as pressure (and scale a pool just woken from zero straight on)."""
-        if ttft_s is not None and arrived_at is not None and self._without_a_replica(arrived_at):
+    def served(self, at: float, model: str, ttft_s: float | None, tpot_s: float | None, arrived_at: float | None = None) -> None:
+        """A request for `model` answered at `at`; one that arrived while a pool of its model had no replica waited
+        for a worker to start, a wait its TTFT would count as pressure (and scale a pool just woken from zero straight on)."""
+        if ttft_s is not None and arrived_at is not None and self._without_a_replica(model, arrived_at):
             ttft_s = None
-        self._served.append((at, ttft_s, tpot_s))
-        self.last_served_at = max(self.last_served_at, at)
+        self._served.append((at, model, ttft_s, tpot_s))
+        self._last_served_at[model] = max(self.last_served_at(model), at)
 
-    def replicas(self, pool: Pool, at: float, count: int) -> None:
+    def last_served_at(self, model: str) -> float:
+        return self._last_served_at.get(model, -math.inf)
+
+    def replicas(self, pool: PoolKey, at: float, count: int) -> None:
         """How many replicas `pool` runs at `at` (only pools that may be at zero need saying)."""
         spans = self._without_replicas.setdefault(pool, [])
         still_none = bool(spans) and spans[-1][1] is None
@@ -121,17 +139,18 @@ class Observations:
         elif count > 0 and still_none:
             spans[-1] = (spans[-1][0], at)
 
-    def _without_a_replica(self, at: float) -> bool:
-        return any(start <= at and (end is None or at < end) for spans in self._without_replicas.values() for start, end in spans)
+    def _without_a_replica(self, model: str, at: float) -> bool:
+        return any(start <= at and (end is None or at < end) for pool, spans in self._without_replicas.items()
+                   if pool.model == model for start, end in spans)
 
-    def latest(self) -> Mapping[Pool, PoolGauges]:
+    def latest(self) -> Mapping[PoolKey, PoolGauges]:
         """The newest gauges (none before the first)."""
         return self._gauges[-1][1] if self._gauges else {}
 
-    def gauges(self, at: float, pools: Mapping[Pool, PoolGauges]) -> None:
+    def gauges(self, at: float, pools: Mapping[PoolKey, PoolGauges]) -> None:
         self._gauges.append((at, dict(pools)))
-        if self._first_at is None:
-            self._first_at = at
+        for pool in pools:
+            self._first_seen_at.setdefault(pool, at)
 
     def forget_before(self, now: float) -> None:
         horizon = now - self._keep_s
@@ -143,28 +162,37 @@ class Observations:
         for pool, spans in self._without_replicas.items():
             self._without_replicas[pool] = [(start, end) for start, end in spans if end is None or end >= horizon]
 
-    def spans(self, now: float, span_s: float) -> bool:
-        """Whether gauges reach back over the whole span (a decision to scale down needs that much evidence)."""
-        return self._first_at is not None and self._first_at <= now - span_s + 1e-9
+    def spans(self, pool: PoolKey, now: float, span_s: float) -> bool:
+        """Whether `pool`'s gauges reach back over the whole span (a decision to scale it down needs that much evidence)."""
+        return self._first_seen_at.get(pool, math.inf) <= now - span_s + 1e-9
 
-    def pressures(self, now: float, span_s: float, settings: AutoscalerSettings, latest_gauges: bool = False) -> dict[Pool, Pressure]:
-        """Each pool's worst signal: latency p99 over the span; gauges averaged over it, or the latest (a surge shows at once)."""
+    def pressures(self, now: float, span_s: float, settings: AutoscalerSettings, pools: Iterable[PoolKey],
+                  latest_gauges: bool = False) -> dict[PoolKey, Pressure]:
+        """Each pool's worst signal: its model's latency p99 over the span; gauges averaged over it, or the latest
+        (a surge shows at once)."""
         since = now - span_s
-        served = [(ttft, tpot) for at, ttft, tpot in self._served if at >= since]
-        ttft = _p99([t for t, _ in served if t is not None])
-        tpot = _p99([t for _, t in served if t is not None])
-        ttft_ratio = 0.0 if ttft is None else ttft / settings.ttft_p99_s
-        tpot_ratio = 0.0 if tpot is None else tpot / settings.tpot_p99_s
-        samples = [pools for at, pools in self._gauges if at >= since and not latest_gauges]
-        samples = samples or [pools for _, pools in list(self._gauges)[-1:]]
+        latencies: dict[str, tuple[list[float], list[float]]] = {}
+        for at, model, ttft, tpot in self._served:
+            if at >= since:
+                ttfts, tpots = latencies.setdefault(model, ([], []))
+                if ttft is not None:
+                    ttfts.append(ttft)
+                if tpot is not None:
+                    tpots.append(tpot)
+        samples = [gauges for at, gauges in self._gauges if at >= since and not latest_gauges]
+        samples = samples or [gauges for _, gauges in list(self._gauges)[-1:]]
         pressures = {}
-        for pool in POOLS:
-            seen = [pools[pool] for pools in samples if pool in pools and pools[pool].replicas > 0]
+        for pool in pools:
+            ttfts, tpots = latencies.get(pool.model, ([], []))
+            ttft, tpot = _p99(ttfts), _p99(tpots)
+            ttft_ratio = 0.0 if ttft is None else ttft / settings.ttft_p99_s
+            tpot_ratio = 0.0 if tpot is None else tpot / settings.tpot_p99_s
+            seen = [gauges[pool] for gauges in samples if pool in gauges and gauges[pool].replicas > 0]
             kv = sum(g.kv_usage for g in seen) / len(seen) / settings.kv_usage_max if seen else 0.0
             waiting = (sum(g.waiting / g.replicas for g in seen) / len(seen) / settings.waiting_per_replica_max) if seen else 0.0
-            if pool == "aggregated":
+            if pool.role == "aggregated":
                 signals = {"ttft": ttft_ratio, "tpot": tpot_ratio, "kv_usage": kv, "waiting": waiting}
-            elif pool == "prefill":
+            elif pool.role == "prefill":
                 signals = {"ttft": ttft_ratio if tpot_ratio <= 1.0 else 0.0, "waiting": waiting}
             else:
                 signals = {"tpot": tpot_ratio, "kv_usage": kv, "waiting": waiting}
@@ -178,72 +206,79 @@ class Autoscaler:
 
     def __init__(self, settings: AutoscalerSettings) -> None:
         self._settings = settings
-        self._asked: dict[Pool, int] = {}
-        self._changed_at: dict[Pool, float] = {}
-        self._panic_until: dict[Pool, float] = {}
+        self._asked: dict[PoolKey, int] = {}
+        self._changed_at: dict[PoolKey, float] = {}
+        self._panic_until: dict[PoolKey, float] = {}
         # When each pool was last active (running, waiting, served or woken), and when a request last waited for it
         # while it was at zero.
-        self._active_at: dict[Pool, float] = {}
-        self._woken_at: dict[Pool, float] = {}
-        # The newest registration each model's workers sent, per pool: how the model is served while at zero.
-        self._registrations: dict[tuple[str, Pool], WorkerRegistration] = {}
+        self._active_at: dict[PoolKey, float] = {}
+        self._woken_at: dict[PoolKey, float] = {}
+        # The newest registration each pool's workers sent: how its model is served while at zero.
+        self._registrations: dict[PoolKey, WorkerRegistration] = {}
 
     def remember(self, registrations: Iterable[WorkerRegistration]) -> None:
-        """Registrations of workers seen now (or stored with an earlier decision); the newest per model and pool stays."""
+        """Registrations of workers seen now (or stored with an earlier decision); the newest per pool stays."""
         for registration in registrations:
-            key = (registration.model, registration.role)
+            key = PoolKey(registration.model, registration.role)
             known = self._registrations.get(key)
             if known is None or registration.started_at >= known.started_at:
                 self._registrations[key] = registration
 
+    def _may_be_at_zero(self, pool: PoolKey) -> bool:
+        return self._settings.bounds(pool.model, pool.role).min == 0
+
     def from_zero(self) -> list[WorkerRegistration]:
         """One registration per model of a pool that may scale to zero (its `min` is 0), generating pools' first."""
         chosen: dict[str, WorkerRegistration] = {}
-        for (model, pool), registration in sorted(self._registrations.items(), key=lambda item: _SERVES_FIRST[item[0][1]]):
-            if getattr(self._settings, pool).min == 0:
-                chosen.setdefault(model, registration)
+        for pool, registration in sorted(self._registrations.items(), key=lambda item: _SERVES_FIRST[item[0].role]):
+            if self._may_be_at_zero(pool):
+                chosen.setdefault(pool.model, registration)
         return [chosen[model] for model in sorted(chosen)]
 
     def wake(self, now: float, model: str) -> list[Pool]:
         """A balancer holds a request for `model`, which no worker serves: its pools that may be at zero are wanted.
 
-        Returns those pools (none: `model` is no model of such a pool, and nothing changes).
+        Returns the roles of those pools (none: `model` has no such pool, and nothing changes); other models' pools
+        stay as they are.
         """
-        pools = sorted({pool for (served, pool) in self._registrations
-                        if served == model and getattr(self._settings, pool).min == 0}, key=POOLS.index)
+        pools = sorted((pool for pool in self._registrations if pool.model == model and self._may_be_at_zero(pool)),
+                       key=lambda pool: POOLS.index(pool.role))
         for pool in pools:
             self._woken_at[pool] = now
             self._active_at[pool] = now
-        return pools
+        return [pool.role for pool in pools]
 
-    def decide(self, now: float, observations: Observations, running: Mapping[Pool, int]) -> list[PoolDecision]:
+    def decide(self, now: float, observations: Observations, running: Mapping[PoolKey, int]) -> list[PoolDecision]:
         """Desired replicas of each pool that has replicas (a pool the fleet does not have is not managed)."""
         s = self._settings
-        stable = observations.pressures(now, s.stable_window_s, s)
-        panic = observations.pressures(now, s.panic_window_s, s, latest_gauges=True)
-        full_window = observations.spans(now, s.stable_window_s)
+        managed = self._managed(running)
+        stable = observations.pressures(now, s.stable_window_s, s, managed)
+        panic = observations.pressures(now, s.panic_window_s, s, managed, latest_gauges=True)
         latest = observations.latest()
         decisions = []
-        for pool in self._managed(running):
-            if getattr(s, pool).min == 0:
+        for pool in managed:
+            if self._may_be_at_zero(pool):
                 observations.replicas(pool, now, running.get(pool, 0))
-            # A request served anywhere counts for every pool: the served events do not say which pools ran it.
-            active = observations.last_served_at
+            # A request served for the model counts for each of its pools: the served events do not say which ran it.
+            active = observations.last_served_at(pool.model)
             if pool in latest and latest[pool].busy:
                 active = now
             self._active_at[pool] = max(self._active_at.get(pool, now), active)
+            full_window = observations.spans(pool, now, s.stable_window_s)
             decisions.append(self._decide_pool(pool, now, running.get(pool, 0), stable[pool], panic[pool], full_window))
         return decisions
 
-    def _managed(self, running: Mapping[Pool, int]) -> list[Pool]:
-        """Pools with replicas or asked for, and pools that may be at zero whose workers were ever seen."""
-        seen = {pool for _, pool in self._registrations}
-        return [pool for pool in POOLS if running.get(pool, 0) > 0 or self._asked.get(pool, 0) > 0
-                or (pool in seen and getattr(self._settings, pool).min == 0)]
+    def _managed(self, running: Mapping[PoolKey, int]) -> list[PoolKey]:
+        """Pools with replicas or asked for, and pools that may be at zero whose workers were ever seen; by model,
+        then role."""
+        pools = {pool for pool, count in running.items() if count > 0}
+        pools |= {pool for pool, asked in self._asked.items() if asked > 0}
+        pools |= {pool for pool in self._registrations if self._may_be_at_zero(pool)}
+        return sorted(pools, key=lambda pool: (pool.model, POOLS.index(pool.role)))
 
-    def _decide_pool(self, pool: Pool, now: float, running: int, stable: Pressure, panic: Pressure, full_window: bool) -> PoolDecision:
+    def _decide_pool(self, pool: PoolKey, now: float, running: int, stable: Pressure, panic: Pressure, full_window: bool) -> PoolDecision:
         s = self._settings
-        bounds = getattr(s, pool)
+        bounds = s.bounds(pool.model, pool.role)
         since_change = now - self._changed_at.get(pool, -math.inf)
         # A change asked for counts until its cooldown ends; by then replicas that
         # did not come (an actuator at its limit, a node that failed) are not waited for.
@@ -279,9 +314,10 @@ class Autoscaler:
         if bounded != asked:
             self._changed_at[pool] = now
         self._asked[pool] = bounded
-        return PoolDecision(pool, running, bounded, round(stable.value, 4), round(panic.value, 4), stable.signal, reason, in_panic)
+        return PoolDecision(pool.role, running, bounded, round(stable.value, 4), round(panic.value, 4), stable.signal, reason,
+                            in_panic, pool.model)
 
-    def _to_or_from_zero(self, pool: Pool, now: float, asked: int, desired: int, reason: str, since_change: float,
+    def _to_or_from_zero(self, pool: PoolKey, now: float, asked: int, desired: int, reason: str, since_change: float,
                          in_panic: bool) -> tuple[int, str]:
         """`desired` for a pool that may be at zero: it leaves zero only for a request that waits, and goes there idle."""
         s = self._settings

@@ -1,11 +1,12 @@
 """The autoscaler service: gathers the fleet's signals, asks the core each interval, publishes what it decided.
 
 Signals: every `RequestServed` the ingresses publish (the latencies clients
-saw), the live nodes' heartbeats (replicas, KV usage, engine queues per
-role) and a balancer's central queue. Each decision goes out on
+saw, per model), the live nodes' heartbeats (replicas, KV usage, engine
+queues per model and role) and a balancer's central queue per model. Each
+decision, one per pool (model and role), goes out on
 `kvlane.v1.autoscaler.decision`, into Redis (the latest one, for actuators
 that poll, such as `kvlane up --autoscale`), and into the metrics
-`kvlane_autoscaler_desired_replicas{pool}` that KEDA or an HPA can act on.
+`kvlane_autoscaler_desired_replicas{model_name,pool}` that KEDA or an HPA can act on.
 
 A balancer holding a request for a model no worker serves says so on
 `kvlane.v1.autoscaler.wake` (`ScaleUpWanted`): the autoscaler decides at
@@ -26,7 +27,7 @@ from nats.aio.msg import Msg
 from redis.asyncio import Redis
 
 from contracts import subjects
-from contracts.autoscaler import RequestServed, ScaleUpWanted, ScalingDecision
+from contracts.autoscaler import PoolKey, RequestServed, ScaleUpWanted, ScalingDecision
 from contracts.balancer import BalancerStatus, BalancerStatusReply, BalancerStatusRequest
 from services.autoscaler.core import Autoscaler, Observations, pool_gauges
 from services.autoscaler.metrics import AutoscalerMetrics
@@ -81,14 +82,14 @@ class AutoscalerService:
 
     async def _on_served(self, served: RequestServed, msg: Msg) -> None:
         now = self._clock()
-        self._observations.served(now, served.ttft_s, served.tpot_s, arrived_at=now - served.e2e_s)
+        self._observations.served(now, served.model, served.ttft_s, served.tpot_s, arrived_at=now - served.e2e_s)
 
     async def _on_wake(self, wanted: ScaleUpWanted, msg: Msg) -> None:
         pools = self._core.wake(self._clock(), wanted.model)
         if not pools:
             log.warning("wake_for_unknown_model", model=wanted.model, balancer_id=wanted.balancer_id)
             return
-        if self.last is None or any(self.last.desired().get(pool, 0) == 0 for pool in pools):
+        if self.last is None or any(self.last.desired().get(PoolKey(wanted.model, pool), 0) == 0 for pool in pools):
             log.info("woken", model=wanted.model, held=wanted.held, pools=pools, balancer_id=wanted.balancer_id)
             await self.tick()
 
@@ -109,14 +110,17 @@ class AutoscalerService:
         await self._bus.publish(subjects.AUTOSCALER_DECISION, decision)
         await self._redis.set(subjects.AUTOSCALER_DECISION_KEY, msgspec.json.encode(decision))
         if self.last is None or decision.desired() != self.last.desired():
-            log.info("scaling", **{p.pool: f"{p.current}->{p.desired} ({p.reason})" for p in pools})
+            log.info("scaling", **{f"{p.model}/{p.pool}": f"{p.current}->{p.desired} ({p.reason})" for p in pools})
         self.last = decision
         return decision
 
-    async def _central_queue(self) -> int:
-        """Requests queued in a balancer (0 when none answers: the engines' queues still count)."""
+    async def _central_queue(self) -> dict[str, int]:
+        """Requests queued in a balancer per model, under "" when it does not count them per model (none when none
+        answers: the engines' queues still count)."""
         try:
             reply = await self._bus.request(subjects.BALANCER_STATUS, BalancerStatusRequest(), BalancerStatusReply, timeout=1.0)
         except BusError:
-            return 0
-        return reply.queue_length if isinstance(reply, BalancerStatus) else 0
+            return {}
+        if not isinstance(reply, BalancerStatus):
+            return {}
+        return dict(reply.queued_per_model) if reply.queued_per_model else {"": reply.queue_length}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Sequence
 
 from contracts.balancer import BalancerStatus, ChainStatus, QueueClass
@@ -88,6 +89,7 @@ def build_status(
         chains=chains,
         queue=[QueueClass(p, n) for p, n in sorted(router.queue.lengths().items(), reverse=True)],
         queue_length=len(router.queue),
+        queued_per_model=dict(Counter(entry.request.model for entry in router.queue.in_order())),
         oldest_wait_s=max(0.0, now - (router.queue.oldest_enqueued_at() or now)),
         arrival_rate_per_s=arrival_rate,
         reservations_held=len(router.table),

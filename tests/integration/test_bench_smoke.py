@@ -10,7 +10,8 @@ import json
 import pytest
 
 from launch.launcher import servers_available
-from loadtest.bench.command import main
+from loadtest.bench.command import build_parser, main, plan_runs
+from loadtest.bench.workloads import sessions
 
 pytestmark = pytest.mark.integration
 
@@ -155,6 +156,38 @@ def test_bench_sends_tenants_and_reports_each(tmp_path) -> None:
     assert (tenants["a"]["weight"], tenants["b"]["weight"]) == (1.0, 2.0)
     assert all(t["succeeded"] == t["requests"] for t in tenants.values())
     assert {r["tenant"] for r in run["records"]} == {"a", "b"}
+
+
+@pytest.mark.skipif(not servers_available(), reason="needs nats-server and redis-server")
+@pytest.mark.timeout(120)
+def test_bench_publishes_adapters_sends_each_sessions_and_counts_the_workers_loads(tmp_path) -> None:
+    out, logs = tmp_path / "out", tmp_path / "logs"
+    argv = ["--policies", "round_robin", "--workers", "2", "--profile", "zero", "--workload", "shared-prefix",
+            "--groups", "2", "--system-tokens", "64", "--question-tokens", "8", "--output-tokens", "4", "--rate", "12",
+            "--warmup", "1", "--duration", "2.5", "--seed", "4", "--adapters", "4", "--max-loras", "2"]
+    assert main([*argv, "--out", str(out), "--log-dir", str(logs), "--quiet"]) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["parameters"]["fleet"]["lora"]["max_loras"] == 2
+    (run,) = results["runs"]
+    assert "error" not in run, run.get("error")
+    summary, records = run["summary"], run["records"]
+    assert summary["requests"] == summary["succeeded"] == len(records) > 0, summary["errors"]
+    assert set(summary["requests_per_worker"]) == {"w0", "w1"}
+    # Each request named its session's adapter as its model, the same adapter for the same session in any run.
+    (planned,), _ = plan_runs(build_parser().parse_args(argv), tmp_path / "planned")
+    drawn = {session.session_id: session.adapter for session in sessions(planned.workload)}
+    assert all(record["model"] == drawn[record["session_id"]] for record in records)
+    sent = {record["model"] for record in records}
+    assert len(sent) > 1 and sent <= {"adapter-0", "adapter-1", "adapter-2", "adapter-3"}
+    # The workers fetched the adapters they ran from the bus (objects adapters/<name>/<revision> in their cache),
+    # and their heartbeats counted the loads into batch slots.
+    fetched = {entry.name.split("_")[1] for entry in (logs / "round_robin-r12" / "adapter-cache").iterdir()}
+    assert sent <= fetched
+    adapters = run["adapters"]
+    assert adapters["loads_whole_run"] >= adapters["loads"] > 0
+    assert adapters["loads_per_1k"] == pytest.approx(1000.0 * adapters["loads"] / len(records))
+    assert adapters["loads_per_1k_whole_run"] == pytest.approx(
+        1000.0 * adapters["loads_whole_run"] / (len(records) + run["warmup_requests"]))
 
 
 def test_kvlane_up_refuses_a_bad_fleet_before_starting_anything() -> None:

@@ -1,6 +1,9 @@
 """KEDA carries out the autoscaler's decisions: one autoscaler decides, each ScaledObject scales one worker
 pool's Deployment on that pool's desired replicas, within the autoscaler's bounds, and Prometheus scrapes
 what its query reads. Part of `k8s_checks.problems`.
+
+A pool is one base model's workers of one role; a worker Deployment runs one model, so its ScaledObject selects
+the role (`pool`) and may select the model (`model_name`), which must then be the one its workers serve.
 """
 
 from __future__ import annotations
@@ -8,11 +11,11 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from contracts.autoscaler import POOLS
+from contracts.autoscaler import POOLS, PoolKey
 from shared.config import KvlaneConfig
 from tests.unit.k8s_objects import AUTOSCALER_MODULE, WORKER_MODULES, pod_labels, selects
 
-# The gauge services/autoscaler/metrics.py exports, one series per pool: what KEDA scales on.
+# The gauge services/autoscaler/metrics.py exports, one series per pool (model_name and pool): what KEDA scales on.
 DESIRED_REPLICAS_METRIC = "kvlane_autoscaler_desired_replicas"
 # The gauge services/balancer/metrics.py exports per model: requests waiting for a pool at zero, what wakes it.
 HELD_FROM_ZERO_METRIC = "kvlane_balancer_held_from_zero"
@@ -43,11 +46,21 @@ def promql_parts(query: str) -> tuple[list[str], list[str], list[tuple[str, str,
     return functions, names, [m for m in matchers if m[0] != "__name__"]
 
 
-def worker_pool(module: str, config: KvlaneConfig) -> str | None:
-    """The autoscaler's pool a worker container serves: its role (services.worker takes worker.role, aggregated by default)."""
+def worker_pool(module: str, config: KvlaneConfig) -> PoolKey | None:
+    """The autoscaler's pool a worker container serves: the model it registers, and its role (services.worker takes
+    worker.role, aggregated by default)."""
     if module not in WORKER_MODULES:
         return None
-    return {"services.prefill_worker": "prefill", "services.decode_worker": "decode"}.get(module, config.worker.role)
+    role = {"services.prefill_worker": "prefill", "services.decode_worker": "decode"}.get(module, config.worker.role)
+    return PoolKey(config.worker.served_model, role)
+
+
+def _bounds_section(config: KvlaneConfig, pool: PoolKey) -> str:
+    """Where the autoscaler's configuration bounds `pool`."""
+    own = config.autoscaler.models.get(pool.model)
+    if own is not None and getattr(own, pool.role) is not None:
+        return f'[autoscaler.models."{pool.model}".{pool.role}]'
+    return f"[autoscaler.{pool.role}]"
 
 
 def scaling_problems(docs: list[dict[str, Any]], workloads: list[dict[str, Any]], loaded: dict[str, tuple[str, KvlaneConfig, dict[str, Any]]]) -> list[str]:
@@ -70,7 +83,7 @@ def scaling_problems(docs: list[dict[str, Any]], workloads: list[dict[str, Any]]
         return [*found, f"ScaledObjects scale on {DESIRED_REPLICAS_METRIC}, but no {AUTOSCALER_MODULE} runs to export it"]
     autoscaler_name, autoscaler_config = autoscalers[0]
     found += scrape_problems(docs, by_name.get(("Deployment", autoscaler_name)))
-    pools = {}
+    pools: dict[str, set[PoolKey]] = {}
     for key, (module, config, _) in loaded.items():
         pool = worker_pool(module, config)
         if pool is not None:
@@ -88,7 +101,8 @@ def scaling_problems(docs: list[dict[str, Any]], workloads: list[dict[str, Any]]
         targets.setdefault(ref["name"], []).append(where)
         target_pools = pools.get(ref["name"], set())
         if len(target_pools) != 1:
-            found.append(f"{where}: Deployment {ref['name']} runs no kvlane worker of one pool ({sorted(target_pools)}), so no autoscaler pool decides it")
+            described = sorted(f"{model}/{role}" for model, role in target_pools)
+            found.append(f"{where}: Deployment {ref['name']} runs no kvlane worker of one pool ({described}), so no autoscaler pool decides it")
             continue
         pool = next(iter(target_pools))
         triggers = spec["triggers"]
@@ -118,17 +132,22 @@ def scaling_problems(docs: list[dict[str, Any]], workloads: list[dict[str, Any]]
         pool_matchers = [(op, value) for label, op, value in matchers if label == "pool"]
         if len(pool_matchers) != 1 or pool_matchers[0][0] != "=" or pool_matchers[0][1] not in POOLS:
             found.append(f"{where}: the query must select one pool with pool=\"...\" ({', '.join(POOLS)}), not {pool_matchers}")
-        elif pool_matchers[0][1] != pool:
-            found.append(f"{where}: the query reads pool {pool_matchers[0][1]!r}, but Deployment {ref['name']} runs {pool} workers")
+        elif pool_matchers[0][1] != pool.role:
+            found.append(f"{where}: the query reads pool {pool_matchers[0][1]!r}, but Deployment {ref['name']} runs {pool.role} workers")
+        # Without one, the query reads every model's pool of the role: right while the fleet serves one model.
+        model_matchers = [(op, value) for label, op, value in matchers if label == "model_name"]
+        if model_matchers and model_matchers != [("=", pool.model)]:
+            found.append(f"{where}: the query selects model_name {model_matchers}, but Deployment {ref['name']} serves "
+                         f"model {pool.model!r} (select model_name=\"{pool.model}\", or no model_name)")
         for label, op, value in matchers:
             if label == "namespace" and (op, value) != ("=", scaled_object["metadata"].get("namespace")):
                 found.append(f"{where}: the query selects namespace {op}{value!r}, not its own {scaled_object['metadata'].get('namespace')!r}")
-        bounds = getattr(autoscaler_config.autoscaler, pool)
+        bounds = autoscaler_config.autoscaler.bounds(pool.model, pool.role)
         # KEDA's defaults: 0 and 100.
         low, high = spec.get("minReplicaCount", 0), spec.get("maxReplicaCount", 100)
         if (low, high) != (bounds.min, bounds.max):
-            found.append(f"{where}: minReplicaCount..maxReplicaCount {low}..{high} differ from [autoscaler.{pool}] min..max "
-                         f"{bounds.min}..{bounds.max} in the autoscaler's configuration")
+            found.append(f"{where}: minReplicaCount..maxReplicaCount {low}..{high} differ from {_bounds_section(autoscaler_config, pool)} "
+                         f"min..max {bounds.min}..{bounds.max} in the autoscaler's configuration")
         if low < 1 and not held:
             found.append(f"{where}: minReplicaCount {low} without a trigger on {HELD_FROM_ZERO_METRIC}: at 0 the pool is woken only "
                          "once the autoscaler decided again and Prometheus scraped it")

@@ -243,6 +243,18 @@ def test_to_env_round_trips_a_file_config(tmp_path: Path) -> None:
     assert load_config(env=to_env(config)) == config
 
 
+def test_a_model_s_own_autoscaler_bounds_are_read_and_travel_to_children(tmp_path: Path) -> None:
+    path = write(tmp_path, '[autoscaler.aggregated]\nmax = 4\n[autoscaler.models."org/Big-7B".aggregated]\nmin = 0\nmax = 2\n')
+    config = load_config(path, env={})
+    assert (config.autoscaler.bounds("org/Big-7B", "aggregated").min, config.autoscaler.bounds("org/Big-7B", "aggregated").max) == (0, 2)
+    assert config.autoscaler.bounds("org/Big-7B", "decode") == config.autoscaler.decode
+    assert config.autoscaler.bounds("other", "aggregated").max == 4
+    # The model's name keeps its case through the environment `kvlane up` configures its children with.
+    assert load_config(env=to_env(config)) == config
+    with pytest.raises(ConfigError, match="agregated"):
+        load_config(write(tmp_path, '[autoscaler.models."m".agregated]\nmin = 0\n'), env={})
+
+
 positive_floats = st.floats(min_value=1e-6, max_value=1e9, allow_nan=False, allow_infinity=False)
 
 

@@ -192,6 +192,14 @@ KEDA_BREAKAGES = [
     (AGGREGATED_SCALEDOBJECT, QUERY, 'query: max(kvlane_autoscaler_desired_replicas{pool="decode"})', "runs aggregated workers"),
     (AGGREGATED_SCALEDOBJECT, QUERY, 'query: max(kvlane_autoscaler_desired_replicas{pool="everything"})', "must select one pool"),
     (AGGREGATED_SCALEDOBJECT, QUERY, 'query: max(kvlane_autoscaler_desired_replicas{pool=~"aggregated|decode"})', "must select one pool"),
+    (AGGREGATED_SCALEDOBJECT, QUERY, QUERY.replace('pool="aggregated"', 'pool="aggregated", model_name="other"'),
+     "serves model 'kvlane-sim'"),
+    (AGGREGATED_SCALEDOBJECT, QUERY, QUERY.replace('pool="aggregated"', 'pool="aggregated", model_name=~"kvlane-.*"'),
+     "serves model 'kvlane-sim'"),
+    # The model's own bounds, when it has them, are what KEDA must repeat.
+    ("base/config/kvlane.toml", "[autoscaler.aggregated]\nmin = 1\nmax = 4",
+     '[autoscaler.aggregated]\nmin = 1\nmax = 4\n[autoscaler.models."kvlane-sim".aggregated]\nmin = 1\nmax = 6',
+     '[autoscaler.models."kvlane-sim".aggregated] min..max 1..6'),
     (AGGREGATED_SCALEDOBJECT, QUERY, QUERY.replace("desired", "current"), "must name only the metric"),
     (AGGREGATED_SCALEDOBJECT, QUERY, QUERY.replace("max", "sum"), "max(...) alone"),
     (AGGREGATED_SCALEDOBJECT, "maxReplicaCount: 4", "maxReplicaCount: 8", "differ from [autoscaler.aggregated] min..max 1..4"),
@@ -228,6 +236,16 @@ def test_a_pool_scaled_to_zero_on_both_sides_is_accepted_and_needs_the_held_requ
         "      - op: add\n        path: /spec/triggers/1/metadata/serverAddress\n        value: http://prometheus-operated.monitoring.svc:9090\n", ""))
     found = problems(render(copy / "overlays" / "sim-autoscaled"))
     assert any("without a trigger on kvlane_balancer_held_from_zero" in problem for problem in found), found
+
+
+def test_a_query_may_select_the_model_its_deployment_serves(tmp_path: Path) -> None:
+    """A worker Deployment runs one model: its query may name it, and another model's bounds are not its own."""
+    copy = tmp_path / "k8s"
+    shutil.copytree(K8S, copy)
+    config, scaled_object = copy / "base/config/kvlane.toml", copy / AGGREGATED_SCALEDOBJECT
+    scaled_object.write_text(scaled_object.read_text().replace(QUERY, QUERY.replace('pool="aggregated"', 'pool="aggregated", model_name="kvlane-sim"')))
+    config.write_text(config.read_text() + '\n[autoscaler.models."another-model".aggregated]\nmin = 0\nmax = 9\n')
+    assert problems(render(copy / "overlays" / "sim-autoscaled")) == []
 
 
 @pytest.mark.parametrize(("path", "old", "new", "expected"), KEDA_BREAKAGES, ids=[f"{b[0]}:{b[3]}" for b in KEDA_BREAKAGES])

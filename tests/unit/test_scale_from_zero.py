@@ -10,13 +10,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from contracts.autoscaler import PoolDecision, ScalingDecision
+from contracts.autoscaler import PoolDecision, PoolKey, ScalingDecision
 from contracts.messages import Heartbeat
 from services.autoscaler.core import Autoscaler, Observations, PoolGauges
 from services.balancer.central_queue import CentralQueue
 from services.balancer.core import DRAIN, BalancerCore, Refused, Reserve, Waiting
 from services.balancer.from_zero import FromZero, WakeAutoscaler
-from shared.config import AutoscalerSettings, PoolBounds
+from shared.config import AutoscalerSettings, ModelPoolBounds, PoolBounds
 from shared.scale_from_zero import ModelsFromZero
 from tests.unit.balancer_fixtures import NOW_WALL, heartbeat, request, router
 
@@ -25,8 +25,11 @@ TO_ZERO = AutoscalerSettings(interval_s=1.0, stable_window_s=10.0, panic_window_
                              decode=PoolBounds(min=1, max=2))
 
 
+AGGREGATED = PoolKey("m", "aggregated")
+
+
 def idle(obs: Observations, at: float, replicas: int, running: int = 0) -> None:
-    obs.gauges(at, {"aggregated": PoolGauges(replicas, 0.0, 0, running)} if replicas else {})
+    obs.gauges(at, {AGGREGATED: PoolGauges(replicas, 0.0, 0, running)} if replicas else {})
 
 
 def scaler_seeing(model: str = "m") -> Autoscaler:
@@ -36,7 +39,7 @@ def scaler_seeing(model: str = "m") -> Autoscaler:
 
 
 def decide(scaler: Autoscaler, obs: Observations, at: float, replicas: int) -> PoolDecision:
-    [decision] = scaler.decide(at, obs, {"aggregated": replicas})
+    [decision] = scaler.decide(at, obs, {AGGREGATED: replicas})
     return decision
 
 
@@ -63,7 +66,7 @@ def test_a_served_or_running_request_restarts_the_idle_window() -> None:
     for t in range(60):
         idle(obs, float(t), replicas=1, running=1 if t == 12 else 0)
         if t == 25:
-            obs.served(25.0, 0.1, 0.01)
+            obs.served(25.0, "m", 0.1, 0.01)
         if decide(scaler, obs, float(t), 1).desired == 0:
             zero_at = t
             break
@@ -123,7 +126,7 @@ def woken_at_30_with_a_replica_at_33() -> tuple[Observations, Autoscaler]:
 def test_the_woken_pool_serves_then_goes_back_to_zero_when_idle_again() -> None:
     obs, scaler = woken_at_30_with_a_replica_at_33()
     # It arrived at zero and waited for the worker: that wait is no pressure on the worker that serves it.
-    obs.served(33.5, 2.5, 0.01, arrived_at=30.0)
+    obs.served(33.5, "m", 2.5, 0.01, arrived_at=30.0)
     idle(obs, 34.0, replicas=1)
     assert decide(scaler, obs, 34.0, 1).desired == 1
     for t in range(35, 53):
@@ -135,7 +138,7 @@ def test_the_woken_pool_serves_then_goes_back_to_zero_when_idle_again() -> None:
 
 def test_a_request_that_arrived_once_a_replica_served_counts_its_ttft_in_full() -> None:
     obs, scaler = woken_at_30_with_a_replica_at_33()
-    obs.served(34.0, 2.5, 0.01, arrived_at=33.2)
+    obs.served(34.0, "m", 2.5, 0.01, arrived_at=33.2)
     idle(obs, 34.0, replicas=1)
     assert decide(scaler, obs, 34.0, 1).desired > 1
 
@@ -146,6 +149,51 @@ def test_from_zero_names_the_newest_registration_of_each_model_of_a_pool_that_ma
     scaler.remember([newer, older])
     scaler.remember([heartbeat("d0", model="big", role="decode").registration])  # decode's min is 1
     assert scaler.from_zero() == [newer]
+
+
+OTHER = PoolKey("n", "aggregated")
+
+
+def both_at_zero() -> tuple[Observations, Autoscaler]:
+    """Models m and n, each with an aggregated pool whose min is 0, both gone to zero at 20 s."""
+    obs, scaler = Observations(TO_ZERO.stable_window_s), scaler_seeing()
+    scaler.remember([heartbeat("n0", model="n").registration])
+    for t in range(21):
+        obs.gauges(float(t), {AGGREGATED: PoolGauges(1, 0.0, 0), OTHER: PoolGauges(1, 0.0, 0)})
+        scaler.decide(float(t), obs, {AGGREGATED: 1, OTHER: 1})
+    assert [d.desired for d in scaler.decide(21.0, obs, {})] == [0, 0]
+    return obs, scaler
+
+
+def test_a_wake_for_one_model_takes_only_its_pool_from_zero() -> None:
+    obs, scaler = both_at_zero()
+    assert scaler.from_zero() == [heartbeat("w0").registration, heartbeat("n0", model="n").registration]
+    assert scaler.wake(30.0, "m") == ["aggregated"]
+    decisions = {d.key: d for d in scaler.decide(30.0, obs, {})}
+    assert (decisions[AGGREGATED].desired, decisions[OTHER].desired) == (1, 0)
+    assert "until a request waits" in decisions[OTHER].reason
+
+
+def test_one_model_s_requests_do_not_keep_another_model_s_pool_from_zero() -> None:
+    obs, scaler = Observations(TO_ZERO.stable_window_s), scaler_seeing()
+    scaler.remember([heartbeat("n0", model="n").registration])
+    went_to_zero = {}
+    for t in range(40):
+        obs.gauges(float(t), {AGGREGATED: PoolGauges(1, 0.0, 0), OTHER: PoolGauges(1, 0.0, 0)})
+        obs.served(float(t), "m", 0.1, 0.01)  # m serves all along; n serves nothing
+        for decision in scaler.decide(float(t), obs, {AGGREGATED: 1, OTHER: 1}):
+            if decision.desired == 0:
+                went_to_zero.setdefault(decision.model, t)
+    assert went_to_zero == {"n": TO_ZERO.idle_to_zero_s}
+
+
+def test_a_model_whose_own_min_is_above_zero_is_neither_served_from_zero_nor_woken() -> None:
+    settings_ = AutoscalerSettings(aggregated=PoolBounds(min=0, max=3),
+                                   models={"n": ModelPoolBounds(aggregated=PoolBounds(min=1, max=3))})
+    scaler = Autoscaler(settings_)
+    scaler.remember([heartbeat("w0").registration, heartbeat("n0", model="n").registration])
+    assert scaler.from_zero() == [heartbeat("w0").registration]
+    assert scaler.wake(1.0, "n") == [] and scaler.wake(1.0, "m") == ["aggregated"]
 
 
 events = st.lists(st.tuples(st.sampled_from(["idle", "running", "served", "wake"]), st.floats(0.1, 8.0)), max_size=60)
@@ -164,7 +212,7 @@ def test_zero_is_reached_only_idle_and_left_only_for_a_wake(history: list[tuple[
         if kind == "running" and replicas:
             active_at = now
         if kind == "served":
-            obs.served(now, 0.1, 0.01)
+            obs.served(now, "m", 0.1, 0.01)
             active_at = now
         if kind == "wake":
             scaler.wake(now, "m")
@@ -304,3 +352,4 @@ def test_waiting_ignores_an_empty_queue_and_models_not_from_zero() -> None:
     queue = CentralQueue(8)
     queue.push(request("r1", model="other"), NOW_WALL, NOW_WALL + 5)
     assert FromZero(frozenset({"m"})).waiting(queue, lambda model: []) == Counter()
+

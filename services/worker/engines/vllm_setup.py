@@ -41,7 +41,7 @@ def build_vllm_engine(settings: WorkerSettings):
             "pip install --no-deps nixl==1.5.1 nixl-cu12==1.5.1"
         )
     env = engine_env(settings.vllm, settings.role, on_cpu, os.environ, os.cpu_count() or 1, kv_share=kv_share)
-    served = settings.vllm.served_model_name or settings.model
+    served = settings.served_model
     from services.worker.engines.vllm_engine import VllmEngine  # imports vllm: seconds
 
     facts = EngineFacts(
