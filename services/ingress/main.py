@@ -98,13 +98,15 @@ async def main(config: KvlaneConfig, stop: asyncio.Event) -> None:
         try:
             await routes.start()
             await runner.setup()
-            # Several processes share the port: the kernel spreads connections over them.
-            shares_port = os.environ.get(SHARES_PORT_ENV) == "1"
-            site = web.TCPSite(runner, settings.host, settings.port, reuse_port=shares_port or None)
-            await site.start()
             await nats_api.start()
             preloading.start()
             auth.start()
+            # Listening last: a process sharing the port with its siblings joins the kernel's spread of connections
+            # only once nothing else in its start can fail; one that failed after listening would reset the
+            # connections queued on it.
+            shares_port = os.environ.get(SHARES_PORT_ENV) == "1"
+            site = web.TCPSite(runner, settings.host, settings.port, reuse_port=shares_port or None)
+            await site.start()
             log.info("api_keys", required=settings.auth.required, keys_file=settings.auth.keys_file or None)
             announce_ready(host=settings.host, port=settings.port, ingress_id=ingress_id)
             await stop.wait()
