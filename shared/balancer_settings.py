@@ -141,6 +141,12 @@ class AdapterRoutingSettings(Section):
     # Seconds a load takes where the node has not measured one yet: into host memory and a slot, and into a slot.
     load_s: Annotated[float, Meta(ge=0.0)] = 0.1
     activate_s: Annotated[float, Meta(ge=0.0)] = 0.005
+    # A request that would start its adapter on a node where it runs nothing also pays for the batch slot it
+    # takes: the seconds an adapter request holds one (`hold_s` until this balancer has measured it) times
+    # rho / (1 - rho), rho the share of the fleet's slots running requests. Off: only the load is costed, and
+    # requests spread over nodes by speed alone (docs/benchmarks.md, "LoRA adapters").
+    price_slots: bool = True
+    hold_s: Annotated[float, Meta(ge=0.0)] = 5.0
 
 
 class DisaggregationSettings(Section):

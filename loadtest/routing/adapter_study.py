@@ -8,18 +8,21 @@ adapters (`--max-cpu-loras` = `--max-loras`); every session runs with one of
 trace):
 
 * `jffc_per_request`: the adapter-aware balancer (`balancer.adapters.aware`):
-  each node's adapter load in the request's cost, and only nodes with a
-  slot the adapter can take offered;
+  each node's adapter load, and the slot it takes there (`price_slots`), in
+  the request's cost, and only nodes with a slot the adapter can take offered;
 * `jffc_per_request, unaware`: the same policy with `aware = false`;
+* `jffc_per_request, slots unpriced`: the same with `price_slots = false`;
 * `round_robin`: kvlane's round robin, on the aware balancer (it is offered
   the nodes with a slot for the adapter, and ignores the load cost);
 * `lora_affinity`: the Gateway API Inference Extension's LoRA affinity rule.
 
 Reported per policy: capacity (the highest rate with >= 90% of requests, and
 of the last quarter of arrivals, within the SLO, searched on its own as
-`routing_study --capacity` does); and at round robin's knee (the lowest
-rate round robin's search found below that): adapter loads per 1,000
-requests, TTFT p99, the throughput ceiling with the adapter loads no
+`routing_study --capacity` does, on the mean over `--seeds` runs at each
+rate); and at round robin's knee (the lowest rate round robin's search
+found below that), from the first seed's run: adapter loads per 1,000
+requests, TTFT p99, the adapters with a request in flight at once (against
+the fleet's slots), the throughput ceiling with the adapter loads no
 routing avoids counted (`kvlane simulate --ceiling`), and the share within
 the SLO of the requests of adapters by popularity rank (`RANK_BANDS`). Targets, the headline
 `jffc_per_request` against the others: capacity >= 1.5x the best other's;
@@ -50,7 +53,8 @@ from loadtest.bench.workloads import WorkloadSpec, adapter_name
 from loadtest.routing.routing_study import (A100, ATTAINMENT, H100, NUM_BLOCKS, SLO, WORKLOADS, CapacitySearch, run_simulate,
                                             search_capacity, sustained_attainment)
 
-FLEET = f"{H100}:8,{A100}:8"
+FLEET_NODES = 16
+FLEET = f"{H100}:{FLEET_NODES // 2},{A100}:{FLEET_NODES // 2}"
 ADAPTERS = 128
 ZIPF = 1.1
 MAX_LORAS = 4
@@ -78,11 +82,13 @@ class Variant:
     label: str
     policy: str
     aware: bool = True
+    price_slots: bool = True
 
 
 VARIANTS = [
     Variant(HEADLINE, "jffc_per_request"),
     Variant("jffc_per_request, unaware", "jffc_per_request", aware=False),
+    Variant("jffc_per_request, slots unpriced", "jffc_per_request", price_slots=False),
     Variant(BASELINE, "round_robin"),
     Variant("lora_affinity", "lora_affinity"),
 ]
@@ -98,6 +104,7 @@ def config_text(variant: Variant) -> str:
     """The sim's load times, and the balancer's estimates of them (before a node has measured one)."""
     return (f"[worker.sim]\nadapter_activate_s = {ACTIVATE_S}\nadapter_load_s = {LOAD_S}\n\n"
             f"[balancer.adapters]\naware = {'true' if variant.aware else 'false'}\n"
+            f"price_slots = {'true' if variant.price_slots else 'false'}\n"
             f"activate_s = {ACTIVATE_S}\nload_s = {ACTIVATE_S + LOAD_S}\n")
 
 
@@ -117,11 +124,14 @@ def simulate(variant: Variant, base: list[str], rate: float, out: Path, ceiling:
 
 
 def study_workload(name: str, base: list[str], variants: list[Variant], guess: float, resolution: float,
-                   where: Path) -> dict[str, Any]:
+                   where: Path, seeds: int = 1) -> dict[str, Any]:
     searches: dict[str, CapacitySearch] = {}
     for variant in variants:
         def attainment(rate: float, variant: Variant = variant) -> float:
-            return sustained_attainment(simulate(variant, base, rate, where / slug(variant.label) / f"{rate:.6g}")["summary"])
+            # One run's attainment swings by several points with the arrivals' draw: the mean over seeds.
+            return sum(sustained_attainment(simulate(variant, [*base, "--seed", str(seed)], rate,
+                                                     where / slug(variant.label) / f"{rate:.6g}" / f"seed-{seed}")["summary"])
+                       for seed in range(seeds)) / seeds
         searches[variant.label] = search_capacity(attainment, guess, resolution)
         print(f"{name}, {variant.label}: capacity {searches[variant.label].capacity:.3g} req/s "
               f"{searches[variant.label].probes}", flush=True)
@@ -138,6 +148,7 @@ def study_workload(name: str, base: list[str], variants: list[Variant], guess: f
             "adapter_loads_per_1k": run["adapters"]["loads_per_1k"], "hit_rate": summary["prefix_cache_hit_rate"],
             "ceiling_rps": ceiling.get("requests_per_s"), "ceiling_adapter_loads_per_1k": ceiling.get("adapter_loads_per_1k"),
             "within_slo_by_rank": within_slo_by_rank(run["records"]),
+            "adapters_in_flight": adapters_in_flight(run["records"]),
         }
     capacity = {label: search.capacity for label, search in searches.items()}
     return {"workload": name, "knee_rate": knee, "capacity": capacity, "at_knee": at_knee,
@@ -165,6 +176,30 @@ def within_slo_by_rank(records: list[dict[str, Any]], seed: int = 0) -> dict[str
             for low, high in RANK_BANDS}
 
 
+def adapters_in_flight(records: list[dict[str, Any]], step_s: float = 0.1, settle_s: float = 5.0) -> float | None:
+    """The mean number of distinct adapters with a request between its sending and its end, sampled every `step_s`
+    from `settle_s` after the first request is sent (`records` leave out the warm-up's, still in flight then) to
+    the last sending.
+
+    Against the fleet's slots (nodes x `MAX_LORAS`): beyond them, some adapters' requests wait for a slot to free
+    however they are routed, since a slot runs one adapter.
+    """
+    spans = [(r["sent_s"], r["end_s"], r["model"]) for r in records if r.get("end_s") is not None]
+    if not spans:
+        return None
+    start, end = min(s for s, _, _ in spans) + settle_s, max(s for s, _, _ in spans)
+    events = sorted([(s, 1, m) for s, _, m in spans] + [(e, -1, m) for _, e, m in spans])
+    open_per_adapter: Counter[str] = Counter()
+    samples, at, i = [], start, 0
+    while at <= end:
+        while i < len(events) and events[i][0] <= at:
+            open_per_adapter[events[i][2]] += events[i][1]
+            i += 1
+        samples.append(sum(1 for count in open_per_adapter.values() if count > 0))
+        at += step_s
+    return sum(samples) / len(samples) if samples else None
+
+
 def targets(capacity: dict[str, float], at_knee: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """The headline's ratios to the others."""
     if HEADLINE not in capacity:
@@ -190,14 +225,17 @@ def _ratio(value: float | None, reference: float | None) -> float | None:
 
 def markdown(study: dict[str, Any]) -> str:
     fmt = lambda value, spec: "-" if value is None else format(value, spec)  # noqa: E731
+    slots = FLEET_NODES * MAX_LORAS
     lines = ["| workload | policy | capacity (req/s) | adapter loads / 1k requests | TTFT p99 (ms) | within SLO | "
-             "ceiling (req/s) | ceiling's loads / 1k |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+             f"adapters in flight (of {slots} slots) | ceiling (req/s) | ceiling's loads / 1k |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for pair in study["workloads"]:
         for label, capacity in pair["capacity"].items():
             knee = pair["at_knee"][label]
             lines.append(f"| {pair['workload']} (knee {pair['knee_rate']:.3g} req/s) | {label} | {capacity:.3g} | "
                          f"{fmt(knee['adapter_loads_per_1k'], '.0f')} | {fmt(knee['ttft_p99_ms'], '.0f')} | "
-                         f"{fmt(knee['attainment'], '.3f')} | {fmt(knee['ceiling_rps'], '.1f')} | "
+                         f"{fmt(knee['attainment'], '.3f')} | {fmt(knee.get('adapters_in_flight'), '.1f')} | "
+                         f"{fmt(knee['ceiling_rps'], '.1f')} | "
                          f"{fmt(knee['ceiling_adapter_loads_per_1k'], '.1f')} |")
     judged = [pair for pair in study["workloads"] if pair["targets"]]  # those where the headline ran
     if judged:
@@ -225,7 +263,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--warmup", type=float, default=20.0, help="simulated seconds of arrivals before those")
     parser.add_argument("--resolution", type=float, default=0.05, help="capacity searches stop within this, relative")
     parser.add_argument("--max-cpu-loras", type=int, help="adapters a node keeps in host memory (default: vLLM's, = 4)")
-    parser.add_argument("--quick", action="store_true", help="10 s + 10 s runs, capacities to 15%%")
+    parser.add_argument("--seeds", type=int, default=3,
+                        help="runs per probed rate, one per seed; their mean attainment decides the capacity")
+    parser.add_argument("--quick", action="store_true", help="10 s + 10 s runs, capacities to 15%%, one seed")
     return parser
 
 
@@ -237,6 +277,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     variants = [v for v in VARIANTS if not args.policy or v.label in args.policy]
     duration, warmup, resolution = (10.0, 10.0, 0.15) if args.quick else (args.duration, args.warmup, args.resolution)
+    seeds = 1 if args.quick else args.seeds
+    if seeds < 1:
+        print("--seeds: 1 or more", file=sys.stderr)
+        return 2
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
     workloads = {w.name: w for w in WORKLOADS}
@@ -252,13 +296,13 @@ def main(argv: list[str] | None = None) -> int:
     study: dict[str, Any] = {"fleet": FLEET, "num_blocks": NUM_BLOCKS, "adapters": ADAPTERS, "zipf": ZIPF,
                              "max_loras": MAX_LORAS, "max_cpu_loras": args.max_cpu_loras or MAX_LORAS,
                              "adapter_activate_s": ACTIVATE_S, "adapter_load_s": LOAD_S, "warmup_s": warmup,
-                             "duration_s": duration, "resolution": resolution, "attainment": ATTAINMENT,
+                             "duration_s": duration, "resolution": resolution, "seeds": seeds, "attainment": ATTAINMENT,
                              "targets": TARGETS, "argv": list(sys.argv[1:] if argv is None else argv), "workloads": []}
     for name in names:
         workload = workloads[name]
         base = ["--fleet", FLEET, "--num-blocks", str(NUM_BLOCKS), "--duration", f"{duration:g}", "--warmup", f"{warmup:g}",
                 *workload.args, *SLO, *lora, *(["--trace", str(trace)] if workload.needs_trace else [])]
-        study["workloads"].append(study_workload(name, base, variants, GUESS[name], resolution, out / name))
+        study["workloads"].append(study_workload(name, base, variants, GUESS[name], resolution, out / name, seeds))
         (out / "study.json").write_text(json.dumps(study, indent=1) + "\n")
         (out / "study.md").write_text(markdown(study))
     print(markdown(study))

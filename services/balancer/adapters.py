@@ -14,6 +14,17 @@ ended no longer does, whatever the last heartbeat said: a heartbeat is up to
 a second old, and without this a burst for a new adapter would load it
 everywhere, every node's last free slot would be promised to several
 adapters at once, and slots freed since would stay unused.
+
+Slots are what a fleet serving many adapters runs out of first: with more
+adapters wanted at once than it has slots, requests of the adapters without
+one wait for one to free, whichever node is fast. So a request that would
+start its adapter on a node where it runs nothing also pays for the slot it
+takes (`slot_price_s`): the seconds it holds it (the mean hold of this
+balancer's adapter requests) times rho / (1 - rho), where rho is the share
+of the fleet's slots running requests, as a queue's wait grows with its
+server's utilisation. An adapter with a free node where it runs already
+goes there, unless that node is slower by more than the price; one spread
+over every node holds slots the unpopular adapters wait for.
 """
 
 from __future__ import annotations
@@ -24,6 +35,12 @@ from msgspec import Struct
 
 from contracts.messages import Heartbeat
 from shared.balancer_settings import AdapterRoutingSettings
+
+
+# How much each ended hold moves the mean hold: about the last 50 count.
+_HOLD_WEIGHT = 0.02
+# Slots all busy would price a slot without bound; a slot is then still worth taking over waiting forever.
+_MOST_UTILISATION = 0.95
 
 
 class NodeAdapters(Struct, frozen=True):
@@ -45,6 +62,9 @@ class AdapterPlacement:
         # Per node, the adapters whose last request this balancer placed there ended since the node's last heartbeat:
         # that heartbeat still counts them as running, and is up to a second old.
         self._ended_since: dict[str, set[str]] = {}
+        # When each placed request took its slot, and the mean seconds one held it (a moving average).
+        self._placed_at: dict[str, float] = {}
+        self.mean_hold_s = settings.hold_s
 
     def observe(self, heartbeat: Heartbeat) -> None:
         registration, stats = heartbeat.registration, heartbeat.stats
@@ -58,17 +78,20 @@ class AdapterPlacement:
             running=frozenset(stats.adapters_running), in_host=frozenset(stats.adapters_cached),
             load_s=stats.adapter_load_s or self._settings.load_s)
 
-    def note_placed(self, request_id: str, worker_id: str, adapter: str) -> None:
-        """`request_id`, with `adapter`, took a slot on `worker_id` (until `released`)."""
+    def note_placed(self, request_id: str, worker_id: str, adapter: str, now: float) -> None:
+        """`request_id`, with `adapter`, took a slot on `worker_id` at `now` (until `released`)."""
         if adapter:
             self._placed[request_id] = (worker_id, adapter)
+            self._placed_at[request_id] = now
             on_node = self._placed_on.setdefault(worker_id, {})
             on_node[adapter] = on_node.get(adapter, 0) + 1
 
-    def released(self, request_id: str) -> None:
+    def released(self, request_id: str, now: float) -> None:
         placed = self._placed.pop(request_id, None)
         if placed is None:
             return
+        held_s = max(0.0, now - self._placed_at.pop(request_id))
+        self.mean_hold_s += _HOLD_WEIGHT * (held_s - self.mean_hold_s)
         worker_id, adapter = placed
         on_node = self._placed_on[worker_id]
         if on_node[adapter] > 1:
@@ -87,28 +110,36 @@ class AdapterPlacement:
 
     def load_seconds(self, adapter: str, heartbeats: Sequence[Heartbeat]) -> Mapping[str, float | None]:
         """Per node of `heartbeats`: the seconds `adapter` takes to load there, None where it cannot run now."""
-        aware = self._settings.aware
-        costs: dict[str, float | None] = {}
-        for heartbeat in heartbeats:
-            worker_id = heartbeat.registration.worker_id
-            node = self._nodes.get(worker_id)
-            if node is None:
-                costs[worker_id] = None
-            elif not aware:
-                costs[worker_id] = 0.0
-            else:
-                placed = self._placed_on.get(worker_id, {}).keys()
-                costs[worker_id] = self._seconds(node, adapter, placed, self._ended_since.get(worker_id, ()))
-        return costs
+        nodes = {hb.registration.worker_id: self._nodes.get(hb.registration.worker_id) for hb in heartbeats}
+        if not self._settings.aware:
+            return {worker_id: None if node is None else 0.0 for worker_id, node in nodes.items()}
+        busy_on = {worker_id: self._busy(worker_id, node) for worker_id, node in nodes.items() if node is not None}
+        price = self.slot_price_s(busy_on)
+        return {worker_id: None if node is None else self._seconds(node, adapter, busy_on[worker_id], price)
+                for worker_id, node in nodes.items()}
 
-    def _seconds(self, node: NodeAdapters, adapter: str, placed: Iterable[str], ended: Iterable[str]) -> float | None:
-        if adapter in node.in_slots or adapter in placed:
+    def slot_price_s(self, busy_on: Mapping[str, frozenset[str]]) -> float:
+        """What taking a slot costs the requests that will wait for one: its hold times rho / (1 - rho)."""
+        slots = sum(self._nodes[worker_id].max_loras for worker_id in busy_on)
+        if not slots or not self._settings.price_slots:
             return 0.0
-        # Running there: what the heartbeat said, but for what ended since, and what this balancer placed since.
-        busy = node.running.difference(ended).union(placed)
+        busy = sum(min(len(running), self._nodes[worker_id].max_loras) for worker_id, running in busy_on.items())
+        utilisation = min(busy / slots, _MOST_UTILISATION)
+        return self.mean_hold_s * utilisation / (1.0 - utilisation)
+
+    def _busy(self, worker_id: str, node: NodeAdapters) -> frozenset[str]:
+        """The adapters running requests on the node: what its heartbeat said, but for what ended since, and what
+        this balancer placed since."""
+        return node.running.difference(self._ended_since.get(worker_id, ())).union(self._placed_on.get(worker_id, {}))
+
+    def _seconds(self, node: NodeAdapters, adapter: str, busy: frozenset[str], price: float) -> float | None:
+        if adapter in busy:
+            return 0.0
+        if adapter in node.in_slots:
+            return price  # idle in its slot: it takes that slot from the adapters without one
         if len(busy) >= node.max_loras:
             return None  # every slot runs another adapter's requests
         load = self._settings.activate_s if adapter in node.in_host else node.load_s
         # With every slot taken, an idle adapter goes back to host memory: its next request there loads it again.
-        evicts = len(node.in_slots.union(placed)) >= node.max_loras
-        return load + self._settings.activate_s if evicts else load
+        evicts = len(node.in_slots | busy) >= node.max_loras
+        return price + load + (self._settings.activate_s if evicts else 0.0)

@@ -188,7 +188,7 @@ class Router:
         if prefill is None and chain.node.role == "decode" and self._prefill_saturated(chain, request, heartbeats, cached):
             self.degradation.counts["local_prefill"] += 1
         self.builder.note_sent(prefill or chain, request)
-        self.adapters.note_placed(request.request_id, chain.worker_id, request.adapter)
+        self.adapters.note_placed(request.request_id, chain.worker_id, request.adapter, self.builder.clock())
         pull = pulls.get(chain.worker_id)
         choice = ""
         if pulls:
@@ -263,7 +263,9 @@ class Router:
         it would otherwise place a request behind any backlog rather than
         leave it queued, since it sees only free chains.
         """
-        if not self.policy.bounds_backlog:
+        if not self.policy.bounds_backlog or request.adapter:
+            # A request with an adapter may wait for one of its adapter's slots, which frees much later than the
+            # queue's predicted wait for any slot: behind a backlog it is served sooner.
             return math.inf
         return self.degradation.backlog_bound_s(self.queue, request, now)
 
@@ -565,7 +567,7 @@ class Router:
         return victim
 
     def _slot_freed(self, request_id: str) -> None:
-        self.adapters.released(request_id)
+        self.adapters.released(request_id, self.builder.clock())
         self._pull_sources.pop(request_id, None)
         if self.shares is not None:
             self.shares.released(request_id)
