@@ -23,10 +23,11 @@ async def _value(result: Any) -> Any:
     return await result if inspect.isawaitable(result) else result
 
 
-def wait_for(condition: Callable[[], Any], timeout: float, what: str) -> Any:
-    """`condition()`'s first true result, polled from synchronous code, bounded by `timeout`."""
+def wait_for(condition: Callable[[], Any], timeout: float, what: Any) -> Any:
+    """`condition()`'s first true result, polled from synchronous code, bounded by `timeout`; `what` (text, or a
+    function giving it) names it on failure."""
     deadline = time.monotonic() + timeout
     while not (result := condition()):
-        assert time.monotonic() < deadline, f"not within {timeout:.0f}s: {what}"
+        assert time.monotonic() < deadline, f"not within {timeout:.0f}s: {what() if callable(what) else what}"
         time.sleep(0.05)
     return result

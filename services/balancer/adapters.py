@@ -55,15 +55,14 @@ class AdapterPlacement:
     def __init__(self, settings: AdapterRoutingSettings) -> None:
         self._settings = settings
         self._nodes: dict[str, NodeAdapters] = {}
-        # The requests this balancer placed that hold their slot, by request id: their node and adapter; and per
-        # node, how many of them run each adapter.
-        self._placed: dict[str, tuple[str, str]] = {}
+        # The requests this balancer placed that hold their slot, by request id: their node, adapter and when they
+        # took it; and per node, how many of them run each adapter.
+        self._placed: dict[str, tuple[str, str, float]] = {}
         self._placed_on: dict[str, dict[str, int]] = {}
         # Per node, the adapters whose last request this balancer placed there ended since the node's last heartbeat:
         # that heartbeat still counts them as running, and is up to a second old.
         self._ended_since: dict[str, set[str]] = {}
-        # When each placed request took its slot, and the mean seconds one held it (a moving average).
-        self._placed_at: dict[str, float] = {}
+        # The mean seconds a placed request held its slot (a moving average).
         self.mean_hold_s = settings.hold_s
 
     def observe(self, heartbeat: Heartbeat) -> None:
@@ -81,8 +80,7 @@ class AdapterPlacement:
     def note_placed(self, request_id: str, worker_id: str, adapter: str, now: float) -> None:
         """`request_id`, with `adapter`, took a slot on `worker_id` at `now` (until `released`)."""
         if adapter:
-            self._placed[request_id] = (worker_id, adapter)
-            self._placed_at[request_id] = now
+            self._placed[request_id] = (worker_id, adapter, now)
             on_node = self._placed_on.setdefault(worker_id, {})
             on_node[adapter] = on_node.get(adapter, 0) + 1
 
@@ -90,9 +88,8 @@ class AdapterPlacement:
         placed = self._placed.pop(request_id, None)
         if placed is None:
             return
-        held_s = max(0.0, now - self._placed_at.pop(request_id))
-        self.mean_hold_s += _HOLD_WEIGHT * (held_s - self.mean_hold_s)
-        worker_id, adapter = placed
+        worker_id, adapter, placed_at = placed
+        self.mean_hold_s += _HOLD_WEIGHT * (max(0.0, now - placed_at) - self.mean_hold_s)
         on_node = self._placed_on[worker_id]
         if on_node[adapter] > 1:
             on_node[adapter] -= 1

@@ -80,10 +80,8 @@ def test_a_killed_kvlane_up_leaves_no_process_behind(tmp_path: Path) -> None:
                     exited[pid] = time.monotonic() - killed
             return len(exited) == len(started)
 
-        try:
-            wait_for(all_exited, 30, "every process kvlane up started to exit after it was killed")
-        except AssertionError as exc:
-            raise AssertionError(f"{exc}; still running: {[names[pid] for pid in started if pid not in exited]}") from None
+        wait_for(all_exited, 30, lambda: "every process kvlane up started to exit after it was killed; still running: "
+                 f"{[names[pid] for pid in started if pid not in exited]}")
         print("after SIGKILL of kvlane up: " + ", ".join(f"{names[pid]} {seconds:.2f}s" for pid, seconds in exited.items()))
         assert all(seconds < 2.0 for seconds in exited.values()), {names[pid]: s for pid, s in exited.items()}
         for listened in (nats_port, redis_port, port):
